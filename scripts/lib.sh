@@ -1,0 +1,122 @@
+# shellcheck shell=bash disable=SC2034  # variables used by the sourcing scripts
+# Helpers shared by scripts/test.sh and scripts/demo.sh. Source it; do not run it.
+#
+# Environment knobs (all optional):
+#   EMAKIT_VENV        Python venv for the PyPI torch wheel and the reference packages
+#                      (default: $HOME/.cache/emakit/venv)
+#   EMAKIT_JOBS        parallel build/test jobs (default: 2)
+#   EMAKIT_BUILD_TYPE  CMake build type (default: Release)
+#   EMAKIT_NO_INSTALL  set to 1 to never call apt-get or pip (use what is there)
+
+EMAKIT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+EMAKIT_VENV="${EMAKIT_VENV:-$HOME/.cache/emakit/venv}"
+EMAKIT_JOBS="${EMAKIT_JOBS:-2}"
+EMAKIT_BUILD_TYPE="${EMAKIT_BUILD_TYPE:-Release}"
+EMAKIT_REQUIREMENTS="$EMAKIT_ROOT/scripts/requirements.txt"
+
+# Debian packages the build needs (compiler, CMake, LibTorch 1.13, fmt, Catch2 v2, Google
+# Benchmark, ccache, python3-venv for the reference packages).
+EMAKIT_DEB_PACKAGES=(g++ make cmake ccache libtorch-dev libfmt-dev catch2 libbenchmark-dev
+                     python3-venv)
+
+emakit_say() { printf '==> %s\n' "$*"; }
+emakit_warn() { printf '==> WARNING: %s\n' "$*" >&2; }
+emakit_die() { printf '==> ERROR: %s\n' "$*" >&2; exit 1; }
+
+# emakit_apt_ensure PKG...: install the packages dpkg does not report as installed; runs
+# `apt-get update` only when something is missing.
+emakit_apt_ensure() {
+  local missing=() pkg
+  for pkg in "$@"; do
+    if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed'; then
+      missing+=("$pkg")
+    fi
+  done
+  ((${#missing[@]} == 0)) && return 0
+  if [[ "${EMAKIT_NO_INSTALL:-0}" == 1 ]]; then
+    emakit_die "missing Debian packages: ${missing[*]} (EMAKIT_NO_INSTALL=1)"
+  fi
+  command -v apt-get >/dev/null || emakit_die "missing packages ${missing[*]} and no apt-get"
+  local sudo=()
+  if ((EUID != 0)); then
+    command -v sudo >/dev/null || emakit_die "missing packages ${missing[*]}; run as root or install sudo"
+    sudo=(sudo)
+  fi
+  emakit_say "installing Debian packages: ${missing[*]}"
+  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -q
+  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+    "${missing[@]}"
+}
+
+# emakit_venv_ensure: create $EMAKIT_VENV and install scripts/requirements.txt into it, unless
+# the stamp file already records this requirements file (and this python). Returns
+#   0 ready, 2 PyPI unreachable (network), 1 any other failure.
+# Sets EMAKIT_PYTHON_STATUS to a one-line reason when it does not return 0.
+emakit_venv_ensure() {
+  local python="$EMAKIT_VENV/bin/python" stamp="$EMAKIT_VENV/.emakit-requirements.sha256"
+  local want
+  want="$(cat "$EMAKIT_REQUIREMENTS" <(python3 -c 'import sys; print(sys.version)' 2>/dev/null) \
+          | sha256sum | cut -d' ' -f1)"
+  if [[ -x "$python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+    return 0
+  fi
+  if [[ "${EMAKIT_NO_INSTALL:-0}" == 1 ]]; then
+    if [[ -x "$python" ]] && "$python" -c 'import torch' 2>/dev/null; then return 0; fi
+    EMAKIT_PYTHON_STATUS="no usable venv at $EMAKIT_VENV (EMAKIT_NO_INSTALL=1)"
+    return 1
+  fi
+  if [[ ! -x "$python" ]]; then
+    emakit_say "creating the Python venv $EMAKIT_VENV"
+    python3 -m venv "$EMAKIT_VENV" || { EMAKIT_PYTHON_STATUS="python3 -m venv failed"; return 1; }
+  fi
+  local log="$EMAKIT_VENV/.emakit-pip.log"
+  emakit_say "installing scripts/requirements.txt into $EMAKIT_VENV (log: $log)"
+  if "$python" -m pip install --disable-pip-version-check --retries 2 --timeout 30 \
+       -r "$EMAKIT_REQUIREMENTS" >"$log" 2>&1; then
+    printf '%s\n' "$want" >"$stamp"
+    return 0
+  fi
+  if grep -qiE 'NewConnectionError|Max retries exceeded|Temporary failure in name resolution|Name or service not known|Network is unreachable|ConnectTimeout|ReadTimeout|Connection (refused|reset)|ProxyError|SSLError|from versions: none' "$log"; then
+    EMAKIT_PYTHON_STATUS="PyPI cannot be reached (pip install failed on the network; see $log)"
+    return 2
+  fi
+  EMAKIT_PYTHON_STATUS="pip install -r scripts/requirements.txt failed (see $log)"
+  return 1
+}
+
+# emakit_debian_torch_args: CMake arguments selecting Debian's LibTorch 1.13.
+emakit_debian_torch_args() {
+  local multiarch dir
+  multiarch="$(gcc -print-multiarch 2>/dev/null || true)"
+  dir="/usr/lib/${multiarch:-x86_64-linux-gnu}/cmake/Torch"
+  if [[ -f "$dir/TorchConfig.cmake" ]]; then
+    printf '%s\n' "-DTorch_DIR=$dir" "-DCMAKE_PREFIX_PATH="
+  fi
+}
+
+# emakit_wheel_torch_args: CMake arguments selecting the LibTorch inside the venv's torch
+# wheel. Prints nothing and sets EMAKIT_WHEEL_STATUS when it cannot be used.
+#  - CMAKE_PREFIX_PATH is the torch package root, not torch.utils.cmake_prefix_path
+#    (share/cmake): TorchConfig's find_library would otherwise find Debian's libtorch first.
+#  - A CUDA wheel's Caffe2 config needs a CUDA toolkit (nvcc) to configure; CUDA::cudart is
+#    pointed at the wheel's own runtime so that the link does not resolve libtorch_cuda's
+#    NCCL/cuBLAS in the toolkit's lib dir.
+emakit_wheel_torch_args() {
+  local python="$EMAKIT_VENV/bin/python" info root cuda cudart
+  local args=()
+  info="$("$python" -c 'import os, torch; print(os.path.dirname(torch.__file__)); print(torch.version.cuda or "")' 2>/dev/null)" \
+    || { EMAKIT_WHEEL_STATUS="the venv's python cannot import torch"; return 1; }
+  root="$(sed -n 1p <<<"$info")"
+  cuda="$(sed -n 2p <<<"$info")"
+  args=("-DCMAKE_PREFIX_PATH=$root" "-DTorch_DIR=$root/share/cmake/Torch")
+  if [[ -n "$cuda" ]]; then
+    if ! command -v nvcc >/dev/null && [[ ! -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]]; then
+      EMAKIT_WHEEL_STATUS="the torch wheel is built for CUDA $cuda and its CMake config needs a CUDA toolkit (nvcc); none found"
+      return 1
+    fi
+    cudart="$(compgen -G "$root/../nvidia/cu*/lib/libcudart.so.*" | head -n1 || true)"
+    [[ -n "$cudart" ]] || cudart="$(compgen -G "$root/../nvidia/cuda_runtime/lib/libcudart.so.*" | head -n1 || true)"
+    [[ -n "$cudart" ]] && args+=("-DCUDA_cudart_LIBRARY=$(realpath "$cudart")")
+  fi
+  printf '%s\n' "${args[@]}"
+}

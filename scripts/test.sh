@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Build emakit's tests and run them with ctest against both supported LibTorch versions:
+#   build/torch1.13  Debian's libtorch-dev (LibTorch 1.13)
+#   build/torch2     the LibTorch inside the PyPI torch wheel in the Python venv
+# Installs what is missing first (Debian packages, the venv with scripts/requirements.txt).
+# If PyPI cannot be reached, only the 1.13 run happens (and decides the exit status).
+#
+#   ./scripts/test.sh                       both variants
+#   EMAKIT_VARIANTS=torch1.13 ./scripts/test.sh
+#   EMAKIT_CTEST_ARGS="-L unit" ./scripts/test.sh
+#
+# Exit status: 0 when every variant that ran built and passed all its tests.
+set -euo pipefail
+# shellcheck source=scripts/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+cd "$EMAKIT_ROOT"
+
+read -r -a variants <<<"${EMAKIT_VARIANTS:-torch1.13 torch2}"
+read -r -a ctest_extra <<<"${EMAKIT_CTEST_ARGS:-}"
+
+emakit_apt_ensure "${EMAKIT_DEB_PACKAGES[@]}"
+
+# The venv serves both runs: the conformance tests compare against the Python packages
+# (EMAKIT_PYTHON), and the torch2 run links the wheel's LibTorch.
+venv_rc=0
+emakit_venv_ensure || venv_rc=$?
+if ((venv_rc == 0)); then
+  export EMAKIT_PYTHON="$EMAKIT_VENV/bin/python"
+else
+  unset EMAKIT_PYTHON
+  if ((venv_rc == 2)); then
+    printf '==> PyPI cannot be reached: skipping the LibTorch 2.x (torch wheel) run and the Python conformance checks; testing LibTorch 1.13 only.\n'
+  else
+    emakit_warn "Python venv unavailable: $EMAKIT_PYTHON_STATUS; skipping the torch wheel run"
+  fi
+fi
+
+declare -A result=()
+
+# run_variant NAME DESCRIPTION CMAKE_ARGS...: configure, build and ctest build/NAME; records
+# one summary line in result[NAME]; returns non-zero on failure.
+run_variant() {
+  local name="$1" what="$2"; shift 2
+  local dir="build/$name" log
+  emakit_say "[$name] configure ($what)"
+  if ! cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE="$EMAKIT_BUILD_TYPE" \
+         -DEMAKIT_BUILD_TESTS=ON -DEMAKIT_PYTHON="${EMAKIT_PYTHON:-}" "$@"; then
+    result[$name]="FAILED: configure ($what)"
+    return 1
+  fi
+  emakit_say "[$name] build (-j$EMAKIT_JOBS)"
+  if ! cmake --build "$dir" -j "$EMAKIT_JOBS"; then
+    result[$name]="FAILED: build ($what)"
+    return 1
+  fi
+  emakit_say "[$name] ctest"
+  log="$dir/ctest.log"
+  local ctest_rc=0
+  (cd "$dir" && ctest -j "$EMAKIT_JOBS" --output-on-failure "${ctest_extra[@]}") 2>&1 \
+    | tee "$log" || ctest_rc=$?
+  local totals labels
+  totals="$(grep -E '^[0-9]+% tests passed' "$log" | tail -n1 || true)"
+  # "unit = 48.65 sec*proc (59 tests)" -> "unit 59"
+  labels="$(awk '/^Label Time Summary:/{on=1; next} on && NF==0 {on=0}
+                 on && /\(([0-9]+) tests?\)/ {n=$0; sub(/.*\(/, "", n); sub(/ tests?\).*/, "", n);
+                                              printf "%s%s %s", sep, $1, n; sep=", "}' "$log")"
+  [[ -n "$totals" ]] || totals="no test summary (see $log)"
+  if ((ctest_rc == 0)) && [[ "$totals" == 100%* ]]; then
+    result[$name]="PASSED: $totals${labels:+ [$labels]} ($what)"
+  else
+    result[$name]="FAILED: $totals${labels:+ [$labels]} ($what)"
+    return 1
+  fi
+}
+
+status=0
+ran=()
+for variant in "${variants[@]}"; do
+  case "$variant" in
+    torch1.13)
+      mapfile -t args < <(emakit_debian_torch_args)
+      ran+=("$variant")
+      run_variant torch1.13 "Debian LibTorch 1.13" "${args[@]}" || status=1
+      ;;
+    torch2)
+      if ((venv_rc == 2)); then
+        result[torch2]="SKIPPED: ${EMAKIT_PYTHON_STATUS}"
+        ran+=("$variant")
+        continue  # already said once, above
+      elif ((venv_rc != 0)); then
+        result[torch2]="FAILED: ${EMAKIT_PYTHON_STATUS:-no venv}"
+        ran+=("$variant")
+        status=1
+        continue
+      fi
+      EMAKIT_WHEEL_STATUS=""
+      if ! wheel_args="$(emakit_wheel_torch_args)"; then
+        # emakit_wheel_torch_args ran in a subshell: ask again for the reason.
+        emakit_wheel_torch_args >/dev/null || true
+        result[torch2]="SKIPPED: ${EMAKIT_WHEEL_STATUS:-torch wheel unusable}"
+        ran+=("$variant")
+        printf '==> [%s] %s\n' "$variant" "${result[$variant]}"
+        continue
+      fi
+      mapfile -t args <<<"$wheel_args"
+      torch_version="$("$EMAKIT_VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+      ran+=("$variant")
+      run_variant torch2 "PyPI torch $torch_version" "${args[@]}" || status=1
+      ;;
+    *) emakit_die "unknown variant '$variant' (known: torch1.13 torch2)" ;;
+  esac
+  printf '==> [%s] %s\n' "$variant" "${result[$variant]}"
+done
+
+printf '\n==> emakit test summary\n'
+for variant in "${ran[@]}"; do
+  printf '==>   %-10s %s\n' "$variant" "${result[$variant]}"
+done
+if ((status == 0)); then
+  printf '==> OVERALL: PASSED\n'
+else
+  printf '==> OVERALL: FAILED\n'
+fi
+exit "$status"
