@@ -1,0 +1,35 @@
+// Ready-made Ema types: one line per experiment.
+//
+// | alias            | decay              | schedule (default)  | storage          |
+// |------------------|--------------------|---------------------|------------------|
+// | FixedEma         | Fixed(0.9999)      | every step          | FlatStorage      |
+// | WarmupEma        | InversePowerWarmup | every step          | FlatStorage      |
+// | RampEma          | ExponentialRamp    | every step          | FlatStorage      |
+// | PowerEma         | PowerFunction      | every step          | FlatStorage      |
+// | SwaAverage       | Uniform            | every step          | FlatStorage      |
+// | ModuleEma<M>     | Fixed(0.9999)      | every step          | ModuleStorage<M> |
+// | ModuleWarmupEma<M> | InversePowerWarmup | every step        | ModuleStorage<M> |
+//
+//   emakit::WarmupEma ema(*model, emakit::InversePowerWarmup(0.999).power(0.75));
+//   emakit::ModuleEma<NetImpl> teacher(*model);   teacher.module()->forward(x);
+#pragma once
+
+#include <emakit/decay.hpp>
+#include <emakit/ema.hpp>
+#include <emakit/schedule.hpp>
+#include <emakit/storage.hpp>
+
+namespace emakit {
+
+using FixedEma = Ema<Fixed, StepSchedule, FlatStorage>;
+using WarmupEma = Ema<InversePowerWarmup, StepSchedule, FlatStorage>;
+using RampEma = Ema<ExponentialRamp, StepSchedule, FlatStorage>;
+using PowerEma = Ema<PowerFunction, StepSchedule, FlatStorage>;
+using SwaAverage = Ema<Uniform, StepSchedule, FlatStorage>;
+
+template <class ModuleType>
+using ModuleEma = Ema<Fixed, StepSchedule, ModuleStorage<ModuleType>>;
+template <class ModuleType>
+using ModuleWarmupEma = Ema<InversePowerWarmup, StepSchedule, ModuleStorage<ModuleType>>;
+
+}  // namespace emakit

@@ -1,0 +1,232 @@
+// Decay policies: d, the weight an update keeps on the old average (ema = d*ema + (1-d)*x).
+//
+// | policy             | d at an update                                        | used by                    |
+// |--------------------|-------------------------------------------------------|----------------------------|
+// | Fixed              | beta                                                  | the plain loop, NeMo, SWA-EMA|
+// | ExponentialRamp    | decay * (1 - exp(-update / tau))                      | timm ModelEma, YOLO, luxonis|
+// | InversePowerWarmup | 0 if e <= 0, else clamp(1 - (1 + e/inv_gamma)^-power, | ema-pytorch, diffusers,    |
+// |                    |   min_value, beta), e = step - update_after_step - 1  | timm ModelEmaV3 warmup     |
+// | PowerFunction      | (1 - dt / step)^(gamma + 1); the first update copies   | Karras et al. post-hoc EMA |
+// | Uniform            | 1 - 1 / update (an equal-weight mean of every update)  | SWA, AveragedModel default |
+//
+// Every policy validates its options when they are set and throws std::invalid_argument that
+// names the option and the bad value. Policies compare with ==, print with fmt (format.hpp) and
+// write their options into checkpoints through fields().
+#pragma once
+
+#include <emakit/concepts.hpp>
+#include <emakit/detail/check.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+namespace emakit {
+
+// d = beta at every update.
+class Fixed {
+ public:
+  static constexpr std::string_view name = "Fixed";
+
+  explicit Fixed(double beta = 0.9999) { this->beta(beta); }
+
+  double beta() const noexcept { return beta_; }
+  Fixed& beta(double value) {
+    detail::check_unit_interval(value, "Fixed::beta");
+    beta_ = value;
+    return *this;
+  }
+
+  double decay(const DecayInput&) const noexcept { return beta_; }
+  std::vector<Field> fields() const { return {{"beta", beta_}}; }
+  bool operator==(const Fixed&) const = default;
+
+ private:
+  double beta_ = 0.9999;
+};
+
+// d = decay * (1 - exp(-t / tau)), t = the update's number (from 1). timm ModelEma, YOLO and
+// luxonis-train: the average follows the model closely at first and slows down over ~tau updates.
+class ExponentialRamp {
+ public:
+  static constexpr std::string_view name = "ExponentialRamp";
+
+  explicit ExponentialRamp(double decay = 0.9999, double tau = 2000.0) {
+    this->decay_max(decay);
+    this->tau(tau);
+  }
+
+  double decay_max() const noexcept { return decay_; }
+  ExponentialRamp& decay_max(double value) {
+    detail::check_unit_interval(value, "ExponentialRamp::decay");
+    decay_ = value;
+    return *this;
+  }
+  double tau() const noexcept { return tau_; }
+  ExponentialRamp& tau(double value) {
+    detail::check_positive(value, "ExponentialRamp::tau");
+    tau_ = value;
+    return *this;
+  }
+
+  double decay(const DecayInput& in) const noexcept {
+    return decay_ * (1.0 - std::exp(-static_cast<double>(in.update) / tau_));
+  }
+  std::vector<Field> fields() const { return {{"decay", decay_}, {"tau", tau_}}; }
+  bool operator==(const ExponentialRamp&) const = default;
+
+ private:
+  double decay_ = 0.9999;
+  double tau_ = 2000.0;
+};
+
+// The warmup of ema-pytorch, diffusers and timm ModelEmaV3: with e = step - update_after_step - 1,
+// d = 0 while e <= 0, then clamp(1 - (1 + e / inv_gamma)^(-power), min_value, beta).
+// inv_gamma = 1, power = 2/3 reaches 0.999 near 31.6K steps; power = 3/4 near 10K steps.
+class InversePowerWarmup {
+ public:
+  static constexpr std::string_view name = "InversePowerWarmup";
+
+  explicit InversePowerWarmup(double beta = 0.9999) { this->beta(beta); }
+
+  double beta() const noexcept { return beta_; }
+  InversePowerWarmup& beta(double value) {
+    detail::check_unit_interval(value, "InversePowerWarmup::beta");
+    if (value < min_value_)
+      detail::fail("InversePowerWarmup::beta must be >= min_value ({}), got {}", min_value_, value);
+    beta_ = value;
+    return *this;
+  }
+  double inv_gamma() const noexcept { return inv_gamma_; }
+  InversePowerWarmup& inv_gamma(double value) {
+    detail::check_positive(value, "InversePowerWarmup::inv_gamma");
+    inv_gamma_ = value;
+    return *this;
+  }
+  double power() const noexcept { return power_; }
+  InversePowerWarmup& power(double value) {
+    detail::check_positive(value, "InversePowerWarmup::power");
+    power_ = value;
+    return *this;
+  }
+  double min_value() const noexcept { return min_value_; }
+  InversePowerWarmup& min_value(double value) {
+    if (!(value >= 0.0 && value <= beta_))
+      detail::fail("InversePowerWarmup::min_value must be in [0, beta = {}], got {}", beta_, value);
+    min_value_ = value;
+    return *this;
+  }
+  std::int64_t update_after_step() const noexcept { return update_after_step_; }
+  InversePowerWarmup& update_after_step(std::int64_t value) {
+    detail::check_non_negative_int(value, "InversePowerWarmup::update_after_step");
+    update_after_step_ = value;
+    return *this;
+  }
+
+  double decay(const DecayInput& in) const noexcept {
+    const auto e = static_cast<double>(in.step - update_after_step_ - 1);
+    if (e <= 0) return 0.0;
+    const double value = 1.0 - std::pow(1.0 + e / inv_gamma_, -power_);
+    return std::clamp(value, min_value_, beta_);
+  }
+  std::vector<Field> fields() const {
+    return {{"beta", beta_},
+            {"inv_gamma", inv_gamma_},
+            {"power", power_},
+            {"min_value", min_value_},
+            {"update_after_step", static_cast<double>(update_after_step_), true}};
+  }
+  bool operator==(const InversePowerWarmup&) const = default;
+
+ private:
+  double beta_ = 0.9999;
+  double inv_gamma_ = 1.0;
+  double power_ = 2.0 / 3.0;
+  double min_value_ = 0.0;
+  std::int64_t update_after_step_ = 0;
+};
+
+// ---- the power-function EMA of Karras et al. 2024 -----------------------------------------
+
+// The largest sigma_rel a power-function EMA can have (gamma -> 0): sqrt(1/12).
+inline constexpr double max_sigma_rel = 0.28867513459481287;
+
+// sigma_rel = sqrt((gamma + 1) / ((gamma + 2)^2 (gamma + 3))), the EMA's relative width.
+inline double gamma_to_sigma_rel(double gamma) {
+  detail::check_positive(gamma, "gamma");
+  return std::sqrt((gamma + 1.0) / ((gamma + 2.0) * (gamma + 2.0) * (gamma + 3.0)));
+}
+
+// The inverse: the largest real root of g^3 + 7g^2 + (16 - s^-2) g + (12 - s^-2) = 0,
+// for 0 < sigma_rel < sqrt(1/12) ~ 0.2887. The cubic is (g+2)^2 (g+3) - s^-2 (g+1), which has
+// exactly one positive root there; bisection brackets it and Newton polishes to full precision.
+inline double sigma_rel_to_gamma(double sigma_rel) {
+  if (!(sigma_rel > 0.0 && sigma_rel < max_sigma_rel))
+    detail::fail("sigma_rel must be in (0, {:.4f}), got {}", max_sigma_rel, sigma_rel);
+  const double t = 1.0 / (sigma_rel * sigma_rel);
+  auto f = [t](double g) { return (g + 2.0) * (g + 2.0) * (g + 3.0) - t * (g + 1.0); };
+  double lo = 0.0, hi = std::sqrt(t) + 1.0;  // f(0) = 12 - t < 0 < f(sqrt(t) + 1)
+  for (int i = 0; i < 200 && hi - lo > 1e-12 * hi; ++i) {
+    const double mid = 0.5 * (lo + hi);
+    (f(mid) < 0.0 ? lo : hi) = mid;
+  }
+  double g = 0.5 * (lo + hi);
+  for (int i = 0; i < 3; ++i) {
+    const double df = 3.0 * g * g + 14.0 * g + 16.0 - t;
+    if (df == 0.0) break;
+    g -= f(g) / df;
+  }
+  return g;
+}
+
+// d = (1 - dt / t)^(gamma + 1) with t = the step and dt = steps since the previous update; the
+// first update (t = dt) copies. Averages the model's history with weights that grow as t^gamma,
+// the profile that post-hoc EMA synthesis assumes.
+class PowerFunction {
+ public:
+  static constexpr std::string_view name = "PowerFunction";
+
+  explicit PowerFunction(double gamma = 6.9372039376) { this->gamma(gamma); }
+  static PowerFunction from_sigma_rel(double sigma_rel) {
+    return PowerFunction(sigma_rel_to_gamma(sigma_rel));
+  }
+
+  double gamma() const noexcept { return gamma_; }
+  PowerFunction& gamma(double value) {
+    detail::check_positive(value, "PowerFunction::gamma");
+    gamma_ = value;
+    return *this;
+  }
+  double sigma_rel() const { return gamma_to_sigma_rel(gamma_); }
+
+  double decay(const DecayInput& in) const noexcept {
+    const auto t = static_cast<double>(in.step);
+    const auto dt = static_cast<double>(in.steps_since_last_update);
+    if (t <= dt) return 0.0;
+    return std::pow(1.0 - dt / t, gamma_ + 1.0);
+  }
+  std::vector<Field> fields() const { return {{"gamma", gamma_}}; }
+  bool operator==(const PowerFunction&) const = default;
+
+ private:
+  double gamma_ = 6.9372039376;
+};
+
+// d = 1 - 1/n at the n-th update: the running mean of every update (SWA). The first update copies.
+class Uniform {
+ public:
+  static constexpr std::string_view name = "Uniform";
+
+  double decay(const DecayInput& in) const noexcept { return 1.0 - weight(in); }
+  // The lerp weight 1/n itself, so the update uses exactly what torch's SWA uses (1 - d would
+  // round differently).
+  double weight(const DecayInput& in) const noexcept {
+    return in.update <= 1 ? 1.0 : 1.0 / static_cast<double>(in.update);
+  }
+  std::vector<Field> fields() const { return {}; }
+  bool operator==(const Uniform&) const = default;
+};
+
+}  // namespace emakit

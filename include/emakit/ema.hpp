@@ -1,0 +1,637 @@
+// emakit::Ema: an exponential moving average of a LibTorch model's weights.
+//
+//   #include <emakit/emakit.hpp>
+//
+//   Net model;
+//   torch::optim::SGD optimizer(model->parameters(), 0.1);
+//   emakit::WarmupEma ema(*model);                  // = Ema<InversePowerWarmup, StepSchedule, FlatStorage>
+//   for (auto& batch : loader) {
+//     ... loss.backward(); optimizer.step();
+//     ema.update();                                  // after each optimizer step
+//   }
+//   {
+//     auto swapped = ema.swap_into();                // the model now holds the EMA weights
+//     evaluate(model);
+//   }                                                // ... and its own weights again
+//   torch::save(ema, "ema.pt");                      // config, counters and averages
+//
+// The Ema binds once: it keeps handles to the model's tensors and its own, grouped for the update
+// kernel, so update() does no name lookups and allocates nothing. Module::to() keeps the handles
+// valid (it uses set_data), but the average does not move with the model: it stays on its own
+// device and in its own dtype, and the next update reads the model from wherever it went (the
+// kernel re-plans once). A tensor that changes shape after binding is an error.
+#pragma once
+
+#include <emakit/concepts.hpp>
+#include <emakit/decay.hpp>
+#include <emakit/detail/check.hpp>
+#include <emakit/detail/kernel.hpp>
+#include <emakit/options.hpp>
+#include <emakit/schedule.hpp>
+#include <emakit/storage.hpp>
+#include <emakit/version.hpp>
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+#include <torch/ordered_dict.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace emakit {
+
+// A tensor to average, for an Ema bound to tensors rather than a module (a TorchScript model,
+// a hand-made list). `is_buffer` decides whether EmaOptions::buffers applies to it.
+struct SourceTensor {
+  std::string name;
+  at::Tensor tensor;
+  bool is_buffer = false;
+};
+
+// What the caller tells update(): `step` when the trainer counts steps itself (timm passes its
+// optimizer step), `vetoed` when the optimizer skipped this step (gradient-scaler overflow).
+struct StepInfo {
+  std::optional<std::int64_t> step;
+  bool vetoed = false;
+};
+
+// What update() did, the step it completed, and the decay it used (0 for a copy, NaN for a skip).
+struct UpdateResult {
+  Action action = Action::skipped;
+  std::int64_t step = 0;
+  double decay = std::nan("");
+};
+
+enum class LoadMode : std::uint8_t {
+  strict,   // any missing, unexpected or mismatched tensor is an error and nothing is loaded
+  lenient,  // such tensors are reported (and warned about) and keep their current values
+};
+
+// What load_state_dict() found besides the tensors it loaded.
+struct LoadReport {
+  std::vector<std::string> missing;     // keys this EMA has and the state lacks
+  std::vector<std::string> unexpected;  // keys the state has and this EMA lacks
+  std::vector<std::string> mismatched;  // "key: why" for shape or dtype mismatches
+  bool clean() const noexcept { return missing.empty() && unexpected.empty() && mismatched.empty(); }
+};
+
+using StateDict = torch::OrderedDict<std::string, at::Tensor>;
+
+// The version of the state-dict layout below; stored as "emakit.format".
+inline constexpr std::int64_t state_format_version = 1;
+
+// Holds the EMA weights in the model for its scope and restores the model's own weights when the
+// scope ends, also when it ends by an exception. Made by Ema::swap_into().
+class SwapGuard {
+ public:
+  SwapGuard(const SwapGuard&) = delete;
+  SwapGuard& operator=(const SwapGuard&) = delete;
+  SwapGuard(SwapGuard&& other) noexcept
+      : depth_(std::move(other.depth_)), targets_(std::move(other.targets_)), backup_(std::move(other.backup_)) {}
+  SwapGuard& operator=(SwapGuard&&) = delete;
+  ~SwapGuard() { restore(); }
+
+  // Puts the model's own weights back now (the destructor then does nothing).
+  void restore() noexcept {
+    if (!depth_) return;
+    c10::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < targets_.size(); ++i) {
+      try {
+        targets_[i].copy_(backup_[i]);
+      } catch (...) {  // a destructor must not throw; the copy of a same-shaped tensor cannot fail short of OOM
+      }
+    }
+    --*depth_;
+    depth_.reset();
+    targets_.clear();
+    backup_.clear();
+  }
+
+  bool active() const noexcept { return static_cast<bool>(depth_); }
+
+ private:
+  template <DecayPolicy, SchedulePolicy, StoragePolicy>
+  friend class Ema;
+  SwapGuard(std::shared_ptr<int> depth, std::vector<at::Tensor> targets, std::vector<at::Tensor> backup)
+      : depth_(std::move(depth)), targets_(std::move(targets)), backup_(std::move(backup)) {}
+
+  std::shared_ptr<int> depth_;
+  std::vector<at::Tensor> targets_;
+  std::vector<at::Tensor> backup_;
+};
+
+namespace detail {
+
+inline std::vector<SourceTensor> collect(const torch::nn::Module& model) {
+  std::vector<SourceTensor> out;
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) out.push_back({item.key(), item.value(), false});
+  for (const auto& item : model.named_buffers(/*recurse=*/true)) out.push_back({item.key(), item.value(), true});
+  return out;
+}
+
+inline std::unordered_map<std::string, at::Tensor> tensors_by_name(const torch::nn::Module& model) {
+  std::unordered_map<std::string, at::Tensor> out;
+  for (auto& t : collect(model)) out.emplace(std::move(t.name), std::move(t.tensor));
+  return out;
+}
+
+template <class P>
+std::string_view policy_name() {
+  if constexpr (requires { P::name; })
+    return P::name;
+  else
+    return "custom";
+}
+
+template <class P>
+std::vector<Field> policy_fields(const P& p) {
+  if constexpr (requires { { p.fields() } -> std::same_as<std::vector<Field>>; })
+    return p.fields();
+  else
+    return {};
+}
+
+inline at::Tensor string_tensor(std::string_view s) {
+  at::Tensor t = at::empty({static_cast<std::int64_t>(s.size())}, at::TensorOptions().dtype(at::kByte));
+  std::copy(s.begin(), s.end(), reinterpret_cast<char*>(t.data_ptr<std::uint8_t>()));
+  return t;
+}
+
+// true while an Ema is bound; a move leaves false behind, so a moved-from Ema is detected.
+struct BoundFlag {
+  bool value = false;
+  BoundFlag() = default;
+  BoundFlag(BoundFlag&& other) noexcept : value(std::exchange(other.value, false)) {}
+  BoundFlag& operator=(BoundFlag&& other) noexcept {
+    value = std::exchange(other.value, false);
+    return *this;
+  }
+  BoundFlag& operator=(bool v) noexcept {
+    value = v;
+    return *this;
+  }
+  explicit operator bool() const noexcept { return value; }
+};
+
+inline std::string tensor_string(const at::Tensor& t) {
+  if (t.scalar_type() != at::kByte || t.dim() != 1) return "<not a string>";
+  const auto c = t.contiguous();
+  const auto* p = c.data_ptr<std::uint8_t>();
+  return std::string(p, p + c.numel());
+}
+
+inline std::string value_string(double v, bool is_integer) {
+  return is_integer ? fmt::format("{}", static_cast<std::int64_t>(v)) : fmt::format("{}", v);
+}
+
+}  // namespace detail
+
+template <DecayPolicy Decay, SchedulePolicy Schedule, StoragePolicy Storage>
+class Ema {
+ public:
+  using decay_type = Decay;
+  using schedule_type = Schedule;
+  using storage_type = Storage;
+
+  // Binds to every parameter and buffer of `model` (names as in its state dict).
+  explicit Ema(const torch::nn::Module& model, Decay decay = Decay(), Schedule schedule = Schedule(),
+               EmaOptions options = EmaOptions(), Storage storage = Storage())
+      : Ema(&model, detail::collect(model), std::move(decay), std::move(schedule), std::move(options),
+            std::move(storage)) {}
+
+  // Binds to a list of named tensors (e.g. a TorchScript module's parameters).
+  explicit Ema(std::vector<SourceTensor> tensors, Decay decay = Decay(), Schedule schedule = Schedule(),
+               EmaOptions options = EmaOptions(), Storage storage = Storage())
+      : Ema(nullptr, std::move(tensors), std::move(decay), std::move(schedule), std::move(options),
+            std::move(storage)) {}
+
+  Ema(const Ema&) = delete;
+  Ema& operator=(const Ema&) = delete;
+  // Moving is allowed (a SwapGuard stays valid: it refers to the same tensors); the moved-from
+  // Ema refuses every call with an error that says so.
+  Ema(Ema&&) noexcept = default;
+  Ema& operator=(Ema&&) noexcept = default;
+  ~Ema() = default;
+
+  // ---- the update ------------------------------------------------------------------------
+
+  // Call after each optimizer step (each micro-batch with an accumulation window). The schedule
+  // decides whether this call skips, copies the model, or averages; the decay policy gives d.
+  UpdateResult update(StepInfo info = {}) {
+    ensure_bound("update");
+    if (*swap_depth_ > 0)
+      detail::fail("update() while a SwapGuard holds the EMA weights in the model would average the EMA with "
+                   "itself; end the guard's scope (or call restore()) first");
+    const ScheduleInput in{calls_ + 1, info.step, step_, num_updates_, info.vetoed};
+    const Decision decision = schedule_.decide(in);
+    UpdateResult result{decision.action, decision.step, std::nan("")};
+    if (decision.action == Action::copied) {
+      kernel_.check_sources();
+      kernel_.copy();
+      result.decay = 0.0;
+    } else if (decision.action == Action::averaged) {
+      const DecayInput d_in{decision.step, num_updates_ + 1, decision.step - last_update_step_};
+      const double weight = lerp_weight(d_in);
+      kernel_.check_sources();
+      kernel_.average(weight);
+      result.decay = 1.0 - weight;
+    }
+    // Counters change only after the kernel succeeded: a failed update leaves the EMA as it was.
+    calls_ += 1;
+    step_ = decision.step;
+    if (decision.action != Action::skipped) {
+      num_updates_ += 1;
+      last_update_step_ = decision.step;
+      last_decay_ = result.decay;
+    }
+    return result;
+  }
+
+  // ---- counters and parts -------------------------------------------------------------------
+
+  std::int64_t calls() const noexcept { return calls_; }                // update() calls seen
+  std::int64_t step() const noexcept { return step_; }                  // last completed step
+  std::int64_t num_updates() const noexcept { return num_updates_; }    // copies + averages applied
+  std::int64_t last_update_step() const noexcept { return last_update_step_; }
+  double decay() const noexcept { return last_decay_; }                 // d of the last applied update
+
+  const Decay& decay_policy() const noexcept { return decay_; }
+  const Schedule& schedule() const noexcept { return schedule_; }
+  const Storage& storage() const noexcept { return storage_; }
+  const EmaOptions& options() const noexcept { return options_; }
+
+  // The EMA module, for a module-backed storage.
+  decltype(auto) module() const
+    requires requires(const Storage& s) { s.module(); }
+  {
+    ensure_bound("module");
+    return storage_.module();
+  }
+
+  // The averaged and copied tensors by name, in the model's order. They are the EMA's own tensors.
+  StateDict averages() const {
+    ensure_bound("averages");
+    StateDict out;
+    for (const auto& s : kernel_.slots()) out.insert(s.name, s.average);
+    return out;
+  }
+
+  // The EMA tensor named `name` (as in the model's state dict).
+  const at::Tensor& average(const std::string& name) const {
+    ensure_bound("average");
+    for (const auto& s : kernel_.slots())
+      if (s.name == name) return s.average;
+    detail::fail("the EMA has no tensor '{}' (ignored, or not in the model)", name);
+  }
+
+  // Names the EMA averages / copies every update.
+  std::vector<std::string> names(Role role) const {
+    std::vector<std::string> out;
+    for (const auto& s : kernel_.slots())
+      if ((role == Role::average) == s.averaged && role != Role::ignore) out.push_back(s.name);
+    return out;
+  }
+
+  // ---- moving weights between the EMA and a model ------------------------------------------
+
+  // Writes the EMA weights into `model` (matched by name; every EMA tensor must be there).
+  void copy_to(torch::nn::Module& model) const { transfer(model, /*into_model=*/true); }
+  // Overwrites the EMA weights with `model`'s; counters are unchanged.
+  void copy_from(const torch::nn::Module& model) { transfer(const_cast<torch::nn::Module&>(model), false); }
+
+  // Puts the EMA weights into the bound model until the guard's scope ends.
+  [[nodiscard]] SwapGuard swap_into() {
+    ensure_bound("swap_into");
+    c10::NoGradGuard no_grad;
+    std::vector<at::Tensor> targets, backup;
+    targets.reserve(kernel_.slots().size());
+    backup.reserve(kernel_.slots().size());
+    for (const auto& s : kernel_.slots()) {
+      targets.push_back(s.source);
+      backup.push_back(s.source.detach().clone());
+    }
+    ++*swap_depth_;
+    SwapGuard guard(swap_depth_, std::move(targets), std::move(backup));
+    for (std::size_t i = 0; i < kernel_.slots().size(); ++i) kernel_.slots()[i].source.copy_(kernel_.slots()[i].average);
+    return guard;
+  }
+
+  // ---- state ------------------------------------------------------------------------------
+
+  // Config, counters and averaged tensors. Keys:
+  //   emakit.format                       int64, the layout version
+  //   config.decay / config.schedule      the policy's name, as uint8 UTF-8 bytes
+  //   config.decay.<field>, config.schedule.<field>   float64 option values
+  //   counters.calls, counters.step, counters.num_updates, counters.last_update_step   int64
+  //   counters.last_decay                 float64
+  //   average.<name>                      the EMA's tensors (shared, not copied)
+  StateDict state_dict() const {
+    ensure_bound("state_dict");
+    StateDict out;
+    out.insert("emakit.format", at::scalar_tensor(state_format_version, at::kLong));
+    write_config(out, "decay", decay_);
+    write_config(out, "schedule", schedule_);
+    out.insert("counters.calls", at::scalar_tensor(calls_, at::kLong));
+    out.insert("counters.step", at::scalar_tensor(step_, at::kLong));
+    out.insert("counters.num_updates", at::scalar_tensor(num_updates_, at::kLong));
+    out.insert("counters.last_update_step", at::scalar_tensor(last_update_step_, at::kLong));
+    out.insert("counters.last_decay", at::scalar_tensor(last_decay_, at::kDouble));
+    for (const auto& s : kernel_.slots()) out.insert("average." + s.name, s.average);
+    return out;
+  }
+
+  // Loads a state_dict() of an EMA with the same config. A config that differs is an error that
+  // names the field and both values. Everything is checked before anything is written: a failed
+  // load leaves the EMA exactly as it was.
+  LoadReport load_state_dict(const StateDict& state, LoadMode mode = LoadMode::strict) {
+    ensure_bound("load_state_dict");
+    check_format(state);
+    check_config(state, "decay", decay_);
+    check_config(state, "schedule", schedule_);
+    const Counters counters = read_counters(state);
+
+    LoadReport report;
+    std::vector<std::pair<std::size_t, const at::Tensor*>> loads;
+    for (std::size_t i = 0; i < kernel_.slots().size(); ++i) {
+      const auto& s = kernel_.slots()[i];
+      const std::string key = "average." + s.name;
+      const at::Tensor* t = state.find(key);
+      if (t == nullptr) {
+        report.missing.push_back(key);
+      } else if (!t->sizes().equals(s.average.sizes())) {
+        report.mismatched.push_back(fmt::format("{}: shape {} in the state, {} in this EMA", key,
+                                                detail::shape_string(t->sizes()),
+                                                detail::shape_string(s.average.sizes())));
+      } else if (t->scalar_type() != s.average.scalar_type()) {
+        report.mismatched.push_back(fmt::format("{}: dtype {} in the state, {} in this EMA", key,
+                                                c10::toString(t->scalar_type()),
+                                                c10::toString(s.average.scalar_type())));
+      } else {
+        loads.emplace_back(i, t);
+      }
+    }
+    for (const auto& item : state) {
+      const auto& key = item.key();
+      if (key.rfind("average.", 0) == 0) {
+        const std::string name = key.substr(8);
+        bool ours = false;
+        for (const auto& s : kernel_.slots()) ours = ours || s.name == name;
+        if (!ours) report.unexpected.push_back(key);
+      } else if (!known_key(key)) {
+        report.unexpected.push_back(key);
+      }
+    }
+    if (mode == LoadMode::strict && !report.clean()) detail::fail("load_state_dict (strict): {}", describe(report));
+    if (mode == LoadMode::lenient) {
+      for (const auto& k : report.missing) TORCH_WARN("emakit: load_state_dict: missing key '", k, "', kept the current value");
+      for (const auto& k : report.unexpected) TORCH_WARN("emakit: load_state_dict: unexpected key '", k, "', ignored");
+      for (const auto& k : report.mismatched) TORCH_WARN("emakit: load_state_dict: ", k, "; kept the current value");
+    }
+    {
+      c10::NoGradGuard no_grad;
+      for (const auto& [i, t] : loads) kernel_.slots()[i].average.copy_(*t);
+    }
+    calls_ = counters.calls;
+    step_ = counters.step;
+    num_updates_ = counters.num_updates;
+    last_update_step_ = counters.last_update_step;
+    last_decay_ = counters.last_decay;
+    return report;
+  }
+
+  // Archive operators (torch::save(ema, path) / torch::load(ema, path)) live below the class.
+  void save(torch::serialize::OutputArchive& archive) const {
+    c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
+    for (const auto& item : state_dict()) dict.insert(item.key(), item.value());
+    archive.write("emakit_state", c10::IValue(dict));
+  }
+  void load(torch::serialize::InputArchive& archive, LoadMode mode = LoadMode::strict) {
+    c10::IValue value;
+    if (!archive.try_read("emakit_state", value) || !value.isGenericDict())
+      detail::fail("the archive holds no emakit state (no 'emakit_state' dictionary); was it written by "
+                   "torch::save(ema, ...)?");
+    StateDict state;
+    for (const auto& entry : value.toGenericDict()) {
+      if (!entry.key().isString() || !entry.value().isTensor())
+        detail::fail("the archive's emakit state holds a non-tensor entry; it is not an emakit checkpoint");
+      state.insert(entry.key().toStringRef(), entry.value().toTensor());
+    }
+    load_state_dict(state, mode);
+  }
+
+ private:
+  struct Counters {
+    std::int64_t calls, step, num_updates, last_update_step;
+    double last_decay;
+  };
+
+  Ema(const torch::nn::Module* model, std::vector<SourceTensor> tensors, Decay decay, Schedule schedule,
+      EmaOptions options, Storage storage)
+      : decay_(std::move(decay)),
+        schedule_(std::move(schedule)),
+        storage_(std::move(storage)),
+        options_(std::move(options)),
+        swap_depth_(std::make_shared<int>(0)) {
+    bind(model, std::move(tensors));
+  }
+
+  void bind(const torch::nn::Module* model, std::vector<SourceTensor> tensors) {
+    std::vector<std::string> all_names;
+    all_names.reserve(tensors.size());
+    for (const auto& t : tensors) {
+      if (!t.tensor.defined()) detail::fail("tensor '{}' is undefined; bind an Ema to defined tensors", t.name);
+      all_names.push_back(t.name);
+    }
+    for (std::size_t i = 0; i < all_names.size(); ++i)
+      for (std::size_t j = i + 1; j < all_names.size(); ++j)
+        if (all_names[i] == all_names[j]) detail::fail("tensor name '{}' appears twice", all_names[i]);
+    options_.check_names(all_names);
+
+    std::vector<TensorSpec> specs;
+    std::vector<bool> averaged;
+    for (auto& t : tensors) {
+      const auto dtype = t.tensor.scalar_type();
+      const bool floating = c10::isFloatingType(dtype) || c10::isComplexType(dtype);
+      const Role role = options_.role(t.name, t.is_buffer, floating);
+      if (role == Role::ignore) continue;
+      const auto device = options_.device().value_or(t.tensor.device());
+      specs.push_back({t.name, t.tensor, role == Role::average ? options_.average_dtype(dtype) : dtype, device});
+      averaged.push_back(role == Role::average);
+    }
+    std::vector<at::Tensor> own = storage_.create(model, std::span<const TensorSpec>(specs));
+    if (own.size() != specs.size())
+      detail::fail("storage {} made {} tensors for {} specs", detail::policy_name<Storage>(), own.size(), specs.size());
+    std::vector<detail::Slot> slots;
+    slots.reserve(specs.size());
+    for (std::size_t i = 0; i < specs.size(); ++i) {
+      detail::Slot slot;
+      slot.name = specs[i].name;
+      slot.average = own[i];
+      slot.source = specs[i].source;
+      slot.averaged = averaged[i];
+      slots.push_back(std::move(slot));
+    }
+    kernel_ = detail::UpdateKernel(std::move(slots));
+    bound_ = true;
+  }
+
+  void ensure_bound(const char* what) const {
+    if (!bound_) detail::fail("{}() on a moved-from Ema; use the Ema it was moved into", what);
+  }
+
+  double lerp_weight(const DecayInput& in) const {
+    double w;
+    if constexpr (HasLerpWeight<Decay>)
+      w = static_cast<double>(decay_.weight(in));
+    else
+      w = 1.0 - static_cast<double>(decay_.decay(in));
+    if (!(w >= 0.0 && w <= 1.0))
+      detail::fail("decay policy {} gave d = {} at step {} (update {}); d must be in [0, 1]",
+                   detail::policy_name<Decay>(), 1.0 - w, in.step, in.update);
+    return w;
+  }
+
+  void transfer(torch::nn::Module& model, bool into_model) const {
+    ensure_bound(into_model ? "copy_to" : "copy_from");
+    auto theirs = detail::tensors_by_name(model);
+    std::vector<std::pair<const detail::Slot*, at::Tensor>> pairs;
+    for (const auto& s : kernel_.slots()) {
+      auto it = theirs.find(s.name);
+      if (it == theirs.end()) detail::fail("the model has no tensor '{}' that the EMA holds", s.name);
+      if (!it->second.sizes().equals(s.average.sizes()))
+        detail::fail("tensor '{}' has shape {} in the model but {} in the EMA", s.name,
+                     detail::shape_string(it->second.sizes()), detail::shape_string(s.average.sizes()));
+      pairs.emplace_back(&s, it->second);
+    }
+    c10::NoGradGuard no_grad;
+    for (auto& [s, t] : pairs) {
+      if (into_model)
+        t.copy_(s->average);
+      else
+        s->average.copy_(t);
+    }
+  }
+
+  template <class P>
+  static void write_config(StateDict& out, const std::string& axis, const P& p) {
+    out.insert("config." + axis, detail::string_tensor(detail::policy_name<P>()));
+    for (const auto& f : detail::policy_fields(p))
+      out.insert("config." + axis + "." + std::string(f.name), at::scalar_tensor(f.value, at::kDouble));
+  }
+
+  static bool known_key(const std::string& key) {
+    static const char* const fixed[] = {"emakit.format",        "counters.calls",           "counters.step",
+                                        "counters.num_updates", "counters.last_update_step", "counters.last_decay"};
+    for (const char* k : fixed)
+      if (key == k) return true;
+    return key.rfind("config.", 0) == 0;  // every config key was checked already
+  }
+
+  static void check_format(const StateDict& state) {
+    const at::Tensor* f = state.find("emakit.format");
+    if (f == nullptr) detail::fail("the state has no 'emakit.format' entry; it is not an emakit EMA state");
+    if (f->numel() != 1 || f->item<std::int64_t>() != state_format_version)
+      detail::fail("the state's emakit.format is {}, this emakit ({}) reads format {}",
+                   f->numel() == 1 ? fmt::format("{}", f->item<std::int64_t>()) : std::string("not a number"),
+                   version_string, state_format_version);
+  }
+
+  template <class P>
+  static void check_config(const StateDict& state, const std::string& axis, const P& p) {
+    const std::string kind_key = "config." + axis;
+    const at::Tensor* kind = state.find(kind_key);
+    const auto ours = detail::policy_name<P>();
+    if (kind == nullptr) detail::fail("the state has no '{}' (this EMA's {} policy is {})", kind_key, axis, ours);
+    const std::string theirs = detail::tensor_string(*kind);
+    if (theirs != ours)
+      detail::fail("config differs: {} policy is {} in the state, {} in this EMA", axis, theirs, ours);
+    const auto fields = detail::policy_fields(p);
+    for (const auto& f : fields) {
+      const std::string key = kind_key + "." + std::string(f.name);
+      const at::Tensor* t = state.find(key);
+      if (t == nullptr) detail::fail("config differs: the state has no '{}'", key);
+      const double v = t->item<double>();
+      if (v != f.value)
+        detail::fail("config differs: {} is {} in the state, {} in this EMA", key,
+                     detail::value_string(v, f.is_integer), detail::value_string(f.value, f.is_integer));
+    }
+    const std::string prefix = kind_key + ".";
+    for (const auto& item : state) {
+      if (item.key().rfind(prefix, 0) != 0) continue;
+      const std::string name = item.key().substr(prefix.size());
+      bool ours_has = false;
+      for (const auto& f : fields) ours_has = ours_has || f.name == name;
+      if (!ours_has) detail::fail("config differs: the state has '{}', which {} does not have", item.key(), ours);
+    }
+  }
+
+  static Counters read_counters(const StateDict& state) {
+    auto integer = [&](const char* key) {
+      const at::Tensor* t = state.find(key);
+      if (t == nullptr) detail::fail("the state has no '{}'", key);
+      if (t->numel() != 1 || c10::isFloatingType(t->scalar_type()))
+        detail::fail("'{}' must be one integer, got a {} tensor of shape {}", key, c10::toString(t->scalar_type()),
+                     detail::shape_string(t->sizes()));
+      const auto v = t->item<std::int64_t>();
+      if (v < 0) detail::fail("'{}' must be >= 0, got {}", key, v);
+      return v;
+    };
+    Counters c{integer("counters.calls"), integer("counters.step"), integer("counters.num_updates"),
+               integer("counters.last_update_step"), 0.0};
+    const at::Tensor* d = state.find("counters.last_decay");
+    if (d == nullptr) detail::fail("the state has no 'counters.last_decay'");
+    if (d->numel() != 1) detail::fail("'counters.last_decay' must be one number, got shape {}", detail::shape_string(d->sizes()));
+    c.last_decay = d->item<double>();
+    if (!std::isnan(c.last_decay) && !(c.last_decay >= 0.0 && c.last_decay <= 1.0))
+      detail::fail("'counters.last_decay' must be in [0, 1], got {}", c.last_decay);
+    return c;
+  }
+
+  static std::string describe(const LoadReport& r) {
+    std::vector<std::string> parts;
+    for (const auto& k : r.missing) parts.push_back(fmt::format("missing key '{}'", k));
+    for (const auto& k : r.unexpected) parts.push_back(fmt::format("unexpected key '{}'", k));
+    for (const auto& k : r.mismatched) parts.push_back(k);
+    return fmt::format("{}; nothing was loaded", fmt::join(parts, "; "));
+  }
+
+  Decay decay_;
+  Schedule schedule_;
+  Storage storage_;
+  EmaOptions options_;
+  detail::UpdateKernel kernel_;
+  std::shared_ptr<int> swap_depth_;
+  std::int64_t calls_ = 0;
+  std::int64_t step_ = 0;
+  std::int64_t num_updates_ = 0;
+  std::int64_t last_update_step_ = 0;
+  double last_decay_ = std::nan("");
+  detail::BoundFlag bound_;
+};
+
+// torch::save(ema, path) and torch::load(ema, path).
+template <DecayPolicy D, SchedulePolicy S, StoragePolicy St>
+torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive, const Ema<D, S, St>& ema) {
+  ema.save(archive);
+  return archive;
+}
+template <DecayPolicy D, SchedulePolicy S, StoragePolicy St>
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive, Ema<D, S, St>& ema) {
+  ema.load(archive);
+  return archive;
+}
+
+}  // namespace emakit

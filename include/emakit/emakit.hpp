@@ -1,0 +1,14 @@
+// emakit: exponential moving averages of LibTorch model weights. The umbrella header.
+// See fwd.hpp for the whole vocabulary.
+#pragma once
+
+#include <emakit/version.hpp>
+#include <emakit/fwd.hpp>
+#include <emakit/concepts.hpp>
+#include <emakit/decay.hpp>
+#include <emakit/schedule.hpp>
+#include <emakit/storage.hpp>
+#include <emakit/options.hpp>
+#include <emakit/ema.hpp>
+#include <emakit/aliases.hpp>
+#include <emakit/format.hpp>

@@ -1,0 +1,124 @@
+// fmt formatters for every emakit policy, for Action, Warmup, UpdateResult and for an Ema
+// (config and counters on one line):
+//
+//   fmt::print("{}\n", ema);
+//   // Ema(decay=InversePowerWarmup(beta=0.9999, inv_gamma=1, power=0.6666666666666666, min_value=0,
+//   //     update_after_step=0), schedule=StepSchedule(start_step=0, warmup=none, ...),
+//   //     storage=FlatStorage, tensors=4 averaged + 1 copied, calls=10, step=10, updates=10, decay=0.77)
+#pragma once
+
+#include <emakit/concepts.hpp>
+#include <emakit/ema.hpp>
+#include <emakit/schedule.hpp>
+
+#include <fmt/format.h>
+
+#include <string>
+#include <string_view>
+
+namespace emakit {
+
+inline std::string_view to_string(Action a) noexcept {
+  switch (a) {
+    case Action::skipped: return "skipped";
+    case Action::copied: return "copied";
+    case Action::averaged: return "averaged";
+  }
+  return "?";
+}
+
+inline std::string_view to_string(Warmup w) noexcept {
+  switch (w) {
+    case Warmup::none: return "none";
+    case Warmup::copy_before_start: return "copy_before_start";
+    case Warmup::skip_before_start: return "skip_before_start";
+  }
+  return "?";
+}
+
+inline std::string_view to_string(WindowEdge e) noexcept { return e == WindowEdge::end ? "end" : "start"; }
+
+namespace detail {
+// A policy that emakit prints: it satisfies one of the policy concepts and names itself.
+template <class P>
+concept PrintablePolicy =
+    (DecayPolicy<P> || SchedulePolicy<P> || StoragePolicy<P>) && requires { P::name; };
+
+template <class P>
+std::string describe_policy(const P& p) {
+  if constexpr (std::is_same_v<P, StepSchedule>) {
+    return fmt::format("StepSchedule(start_step={}, warmup={}, update_every={}, every_offset={}, accumulate={}, "
+                       "window_edge={})",
+                       p.start_step(), to_string(p.warmup()), p.update_every(), p.every_offset(), p.accumulate(),
+                       to_string(p.window_edge()));
+  } else if constexpr (requires { P::name; }) {
+    std::string out(P::name);
+    if constexpr (DescribedPolicy<P>) {
+      out += '(';
+      bool first = true;
+      for (const auto& f : p.fields()) {
+        if (!first) out += ", ";
+        first = false;
+        out += fmt::format("{}={}", f.name, value_string(f.value, f.is_integer));
+      }
+      out += ')';
+    }
+    return out;
+  } else {
+    return "custom";
+  }
+}
+}  // namespace detail
+
+}  // namespace emakit
+
+template <class P>
+  requires emakit::detail::PrintablePolicy<P>
+struct fmt::formatter<P, char> {
+  constexpr auto parse(fmt::format_parse_context& ctx) { return ctx.begin(); }
+  template <class Context>
+  auto format(const P& p, Context& ctx) const {
+    return fmt::format_to(ctx.out(), "{}", emakit::detail::describe_policy(p));
+  }
+};
+
+template <>
+struct fmt::formatter<emakit::Action, char> : fmt::formatter<std::string_view, char> {
+  template <class Context>
+  auto format(emakit::Action a, Context& ctx) const {
+    return fmt::formatter<std::string_view, char>::format(emakit::to_string(a), ctx);
+  }
+};
+
+template <>
+struct fmt::formatter<emakit::Warmup, char> : fmt::formatter<std::string_view, char> {
+  template <class Context>
+  auto format(emakit::Warmup w, Context& ctx) const {
+    return fmt::formatter<std::string_view, char>::format(emakit::to_string(w), ctx);
+  }
+};
+
+template <>
+struct fmt::formatter<emakit::UpdateResult, char> {
+  constexpr auto parse(fmt::format_parse_context& ctx) { return ctx.begin(); }
+  template <class Context>
+  auto format(const emakit::UpdateResult& r, Context& ctx) const {
+    return fmt::format_to(ctx.out(), "{} at step {} (decay {})", emakit::to_string(r.action), r.step, r.decay);
+  }
+};
+
+template <emakit::DecayPolicy D, emakit::SchedulePolicy S, emakit::StoragePolicy St>
+struct fmt::formatter<emakit::Ema<D, S, St>, char> {
+  constexpr auto parse(fmt::format_parse_context& ctx) { return ctx.begin(); }
+  template <class Context>
+  auto format(const emakit::Ema<D, S, St>& ema, Context& ctx) const {
+    return fmt::format_to(ctx.out(),
+                          "Ema(decay={}, schedule={}, storage={}, tensors={} averaged + {} copied, calls={}, step={}, "
+                          "updates={}, decay_now={})",
+                          emakit::detail::describe_policy(ema.decay_policy()),
+                          emakit::detail::describe_policy(ema.schedule()),
+                          emakit::detail::describe_policy(ema.storage()), ema.names(emakit::Role::average).size(),
+                          ema.names(emakit::Role::copy).size(), ema.calls(), ema.step(), ema.num_updates(),
+                          ema.decay());
+  }
+};

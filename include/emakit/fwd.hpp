@@ -1,0 +1,52 @@
+// emakit vocabulary: every public template with its defaults, and the ready-made aliases.
+//
+// Read this file to see the whole library at a glance:
+//
+//   Ema<Decay, Schedule, Storage>   the one class template (ema.hpp)
+//
+//   Decay policies (decay.hpp): how much of the old average an update keeps
+//     Fixed               d = beta
+//     ExponentialRamp     d = decay * (1 - exp(-t / tau))            timm ModelEma, YOLO, luxonis-train
+//     InversePowerWarmup  d = 1 - (1 + e / inv_gamma)^-power, clamped  ema-pytorch, diffusers, timm V3
+//     PowerFunction       d = (1 - dt / t)^(gamma + 1)               Karras et al. post-hoc EMA
+//     Uniform             d = 1 - 1 / n                              SWA, AveragedModel default
+//
+//   Schedule policies (schedule.hpp): when an update averages, copies or does nothing
+//     StepSchedule        start step (two warmup conventions), update_every, accumulation window, veto
+//
+//   Storage policies (storage.hpp): where the average lives
+//     FlatStorage         an ordered name -> tensor dictionary, no module needed
+//     ModuleStorage<M>    a module of type M you can call forward() on (Cloneable M, or a factory)
+//
+//   Aliases (aliases.hpp): FixedEma, WarmupEma, RampEma, PowerEma, SwaAverage, ModuleEma<M>, ...
+#pragma once
+
+#include <emakit/concepts.hpp>
+
+namespace emakit {
+
+// Decay policies.
+class Fixed;
+class ExponentialRamp;
+class InversePowerWarmup;
+class PowerFunction;
+class Uniform;
+
+// Schedule policies.
+class StepSchedule;
+
+// Storage policies.
+class FlatStorage;
+template <class ModuleType>
+class ModuleStorage;
+
+// Options shared by every Ema (selection, precision, placement).
+class EmaOptions;
+
+// The one class template. The defaults give the "30-line loop" most C++ trainers copy:
+// a fixed decay of 0.9999, every step, the average kept as a flat state dict.
+template <DecayPolicy Decay = Fixed, SchedulePolicy Schedule = StepSchedule,
+          StoragePolicy Storage = FlatStorage>
+class Ema;
+
+}  // namespace emakit
