@@ -1,0 +1,86 @@
+// Small models and checks shared by the emakit tests.
+#pragma once
+
+#include <torch/nn/cloneable.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/linear.h>
+
+#include <c10/util/Exception.h>
+#include <torch/version.h>
+
+#include <string>
+#include <vector>
+
+namespace emakit_test {
+
+// Linear(3 -> 4), BatchNorm1d(4) (running stats and the int64 num_batches_tracked) and a float
+// buffer "scale": parameters, float buffers and a non-float buffer. Cloneable.
+struct TinyNetImpl : torch::nn::Cloneable<TinyNetImpl> {
+  TinyNetImpl() { reset(); }
+  void reset() override {
+    fc = register_module("fc", torch::nn::Linear(3, 4));
+    bn = register_module("bn", torch::nn::BatchNorm1d(4));
+    scale = register_buffer("scale", torch::ones({4}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return bn->forward(fc->forward(x)) * scale; }
+  torch::nn::Linear fc{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+  torch::Tensor scale;
+};
+TORCH_MODULE(TinyNet);
+
+// The same architecture, not Cloneable: module storage needs a factory for it.
+struct PlainNetImpl : torch::nn::Module {
+  PlainNetImpl() {
+    fc = register_module("fc", torch::nn::Linear(3, 4));
+    bn = register_module("bn", torch::nn::BatchNorm1d(4));
+    scale = register_buffer("scale", torch::ones({4}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return bn->forward(fc->forward(x)) * scale; }
+  torch::nn::Linear fc{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+  torch::Tensor scale;
+};
+TORCH_MODULE(PlainNet);
+
+// Sets every floating tensor of `m` to `value` (no grad).
+inline void fill_floats(torch::nn::Module& m, double value) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : m.parameters()) p.fill_(value);
+  for (auto& b : m.buffers())
+    if (b.is_floating_point()) b.fill_(value);
+}
+
+// Adds seeded noise to every parameter, as an optimizer step would.
+inline void perturb(torch::nn::Module& m, double scale = 0.1) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : m.parameters()) p.add_(torch::randn_like(p) * scale);
+}
+
+// Casts every floating parameter and buffer of `m` to `dtype`, leaving integer buffers alone
+// (what Python's module.to(dtype) does).
+inline void cast_floats(torch::nn::Module& m, torch::Dtype dtype) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : m.parameters()) p.set_data(p.to(dtype));
+  for (auto& b : m.buffers())
+    if (b.is_floating_point()) b.set_data(b.to(dtype));
+}
+
+inline bool bitwise_equal(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && torch::equal(a, b);
+}
+
+// Captures c10 warnings (TORCH_WARN) while alive. The handler API changed in LibTorch 2.
+struct WarningCapture : c10::WarningHandler {
+  std::vector<std::string> messages;
+#if TORCH_VERSION_MAJOR >= 2
+  c10::WarningUtils::WarningHandlerGuard guard{this};
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+#else
+  c10::Warning::WarningHandlerGuard guard{this};
+  void process(const c10::SourceLocation&, const std::string& msg, const bool) override { messages.push_back(msg); }
+#endif
+};
+
+}  // namespace emakit_test

@@ -1,0 +1,403 @@
+// emakit::Ema: the update, counters, selection, precision, swap guard, copies, state and errors.
+#include <emakit/emakit.hpp>
+
+#include "helpers.hpp"
+
+#include <torch/serialize.h>
+
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+#include <filesystem>
+#include <stdexcept>
+
+using Catch::Matchers::Contains;
+using emakit::Action;
+using emakit_test::TinyNet;
+using emakit_test::TinyNetImpl;
+
+namespace {
+std::map<std::string, torch::Tensor> snapshot(const emakit::StateDict& averages) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& item : averages) out.emplace(item.key(), item.value().clone());
+  return out;
+}
+bool same_averages(const emakit::StateDict& a, const std::map<std::string, torch::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (const auto& item : a)
+    if (!emakit_test::bitwise_equal(item.value(), b.at(item.key()))) return false;
+  return true;
+}
+}  // namespace
+
+TEST_CASE("An update averages every floating tensor with ema = d*ema + (1-d)*x", "[ema]") {
+  torch::manual_seed(0);
+  TinyNet model;
+  emakit::FixedEma ema(*model, emakit::Fixed(0.9));
+  const auto before = model->fc->weight.detach().clone();
+  emakit_test::perturb(*model);
+  const auto result = ema.update();
+  CHECK(result.action == Action::averaged);
+  CHECK(result.step == 1);
+  CHECK(result.decay == Approx(0.9).epsilon(1e-15));
+  const auto expected = before * 0.9 + model->fc->weight.detach() * 0.1;
+  CHECK(torch::allclose(ema.average("fc.weight"), expected, /*rtol=*/1e-6, /*atol=*/1e-7));
+  CHECK(torch::allclose(ema.average("fc.weight"), before.lerp(model->fc->weight.detach(), 0.1), 1e-6, 1e-7));
+  CHECK(ema.num_updates() == 1);
+  CHECK(ema.calls() == 1);
+  CHECK(ema.step() == 1);
+  CHECK(ema.decay() == Approx(0.9));
+}
+
+TEST_CASE("Non-floating tensors are copied, never averaged", "[ema]") {
+  TinyNet model;
+  emakit::FixedEma ema(*model);
+  model->bn->num_batches_tracked.fill_(7);
+  ema.update();
+  CHECK(ema.average("bn.num_batches_tracked").item<std::int64_t>() == 7);
+  CHECK(ema.average("bn.num_batches_tracked").scalar_type() == torch::kLong);
+  CHECK(ema.names(emakit::Role::copy) == std::vector<std::string>{"bn.num_batches_tracked"});
+}
+
+TEST_CASE("Selection: copy-only names, ignored names and prefixes, buffer modes", "[ema][selection]") {
+  TinyNet model;
+  emakit_test::fill_floats(*model, 1.0);
+  emakit::FixedEma ema(*model, emakit::Fixed(0.5),
+                       {}, emakit::EmaOptions().copy_only({"fc.bias"}).ignore({"scale"}).ignore_prefixes({"bn.running"}));
+  emakit_test::fill_floats(*model, 3.0);
+  ema.update();
+  CHECK(torch::equal(ema.average("fc.weight"), torch::full({4, 3}, 2.0)));  // averaged
+  CHECK(torch::equal(ema.average("fc.bias"), torch::full({4}, 3.0)));       // copied
+  CHECK_THROWS_WITH(ema.average("scale"), Contains("no tensor 'scale'"));
+  CHECK_THROWS_WITH(ema.average("bn.running_mean"), Contains("running_mean"));
+  CHECK(ema.averages().size() == 5);
+
+  emakit_test::fill_floats(*model, 1.0);
+  emakit::FixedEma copy_buffers(*model, emakit::Fixed(0.5), {}, emakit::EmaOptions().buffers(emakit::BufferMode::copy));
+  emakit_test::fill_floats(*model, 3.0);
+  copy_buffers.update();
+  CHECK(torch::equal(copy_buffers.average("bn.running_mean"), torch::full({4}, 3.0)));
+  CHECK(torch::equal(copy_buffers.average("bn.weight"), torch::full({4}, 2.0)));
+
+  emakit::FixedEma no_buffers(*model, {}, {}, emakit::EmaOptions().buffers(emakit::BufferMode::ignore));
+  CHECK(no_buffers.averages().size() == 4);
+}
+
+TEST_CASE("Options that name nothing in the model are errors", "[ema][selection][errors]") {
+  TinyNet model;
+  CHECK_THROWS_WITH(emakit::FixedEma(*model, {}, {}, emakit::EmaOptions().ignore({"fc.wieght"})),
+                    Contains("'fc.wieght'") && Contains("does not have"));
+  CHECK_THROWS_WITH(emakit::FixedEma(*model, {}, {}, emakit::EmaOptions().copy_only({"head.bias"})),
+                    Contains("'head.bias'"));
+  CHECK_THROWS_WITH(emakit::FixedEma(*model, {}, {}, emakit::EmaOptions().ignore_prefixes({"decoder."})),
+                    Contains("'decoder.'"));
+  CHECK_THROWS_WITH(emakit::EmaOptions().dtype(torch::kInt), Contains("floating") && Contains("Int"));
+  CHECK_THROWS_WITH(emakit::EmaOptions().ignore_prefixes({""}), Contains("empty prefix"));
+}
+
+TEST_CASE("A bf16 model gets an fp32 average that follows it; a bf16 average stays put", "[ema][precision]") {
+  TinyNet model;
+  emakit_test::fill_floats(*model, 1.0);
+  emakit_test::cast_floats(*model, torch::kBFloat16);
+  emakit::FixedEma fp32(*model);  // default dtype for a bf16 model: fp32
+  emakit::FixedEma bf16(*model, {}, {}, emakit::EmaOptions().dtype(torch::kBFloat16));
+  CHECK(fp32.average("fc.weight").scalar_type() == torch::kFloat);
+  CHECK(bf16.average("fc.weight").scalar_type() == torch::kBFloat16);
+  emakit_test::fill_floats(*model, 1.5);
+  for (int i = 0; i < 100; ++i) {
+    fp32.update();
+    bf16.update();
+  }
+  const double expected = 1.0 + 0.5 * (1.0 - std::pow(0.9999, 100));  // 1.004975...
+  CHECK(fp32.average("fc.weight").max().item<double>() == Approx(expected).epsilon(1e-5));
+  CHECK(torch::equal(bf16.average("fc.weight"), torch::ones({4, 3}, torch::kBFloat16)));  // stuck at 1
+}
+
+TEST_CASE("The average's dtype and device are chosen apart from the model's", "[ema][precision]") {
+  TinyNet model;
+  emakit::FixedEma f64(*model, {}, {}, emakit::EmaOptions().dtype(torch::kDouble).device(torch::kCPU));
+  CHECK(f64.average("fc.weight").scalar_type() == torch::kDouble);
+  CHECK(f64.average("bn.num_batches_tracked").scalar_type() == torch::kLong);
+  const auto before = model->fc->weight.detach().to(torch::kDouble);
+  emakit_test::perturb(*model);
+  f64.update();
+  const auto expected = before * 0.9999 + model->fc->weight.detach().to(torch::kDouble) * (1.0 - 0.9999);
+  CHECK(torch::allclose(f64.average("fc.weight"), expected, 1e-12, 1e-14));
+}
+
+TEST_CASE("The swap guard puts the EMA weights in the model and restores the model's own", "[ema][swap]") {
+  TinyNet model;
+  emakit_test::fill_floats(*model, 1.0);
+  emakit::FixedEma ema(*model, emakit::Fixed(0.5));
+  emakit_test::fill_floats(*model, 3.0);
+  ema.update();  // average: 2.0
+  {
+    auto guard = ema.swap_into();
+    CHECK(torch::equal(model->fc->weight, torch::full({4, 3}, 2.0)));
+    CHECK_THROWS_WITH(ema.update(), Contains("SwapGuard"));
+    CHECK(ema.num_updates() == 1);
+  }
+  CHECK(torch::equal(model->fc->weight, torch::full({4, 3}, 3.0)));
+  CHECK(model->fc->weight.requires_grad());
+
+  try {
+    auto guard = ema.swap_into();
+    CHECK(torch::equal(model->bn->running_mean, torch::full({4}, 2.0)));
+    throw std::runtime_error("validation failed");
+  } catch (const std::runtime_error&) {
+  }
+  CHECK(torch::equal(model->fc->weight, torch::full({4, 3}, 3.0)));
+  CHECK(torch::equal(model->bn->running_mean, torch::full({4}, 3.0)));
+
+  auto guard = ema.swap_into();
+  guard.restore();
+  CHECK_FALSE(guard.active());
+  CHECK(torch::equal(model->fc->weight, torch::full({4, 3}, 3.0)));
+  CHECK(ema.update().action == Action::averaged);
+}
+
+TEST_CASE("copy_to and copy_from move weights by name", "[ema]") {
+  TinyNet model, other;
+  emakit_test::fill_floats(*model, 1.0);
+  emakit::FixedEma ema(*model);
+  emakit_test::fill_floats(*other, 5.0);
+  ema.copy_from(*other);
+  CHECK(torch::equal(ema.average("fc.weight"), torch::full({4, 3}, 5.0)));
+  CHECK(ema.num_updates() == 0);
+  ema.copy_to(*model);
+  CHECK(torch::equal(model->fc->weight, torch::full({4, 3}, 5.0)));
+
+  struct Smaller : torch::nn::Module {
+    Smaller() { register_module("fc", torch::nn::Linear(3, 4)); }
+  } smaller;
+  CHECK_THROWS_WITH(ema.copy_to(smaller), Contains("no tensor 'bn.weight'"));
+}
+
+TEST_CASE("State dict round trip is bitwise, counters included, and continues identically", "[ema][state]") {
+  torch::manual_seed(3);
+  TinyNet model;
+  emakit::WarmupEma a(*model, emakit::InversePowerWarmup(0.99));
+  for (int i = 0; i < 7; ++i) {
+    emakit_test::perturb(*model);
+    a.update();
+  }
+  emakit::WarmupEma b(*model, emakit::InversePowerWarmup(0.99));
+  const auto report = b.load_state_dict(a.state_dict());
+  CHECK(report.clean());
+  CHECK(same_averages(b.averages(), snapshot(a.averages())));
+  CHECK(b.calls() == 7);
+  CHECK(b.step() == 7);
+  CHECK(b.num_updates() == 7);
+  CHECK(b.decay() == a.decay());
+  emakit_test::perturb(*model);
+  a.update();
+  b.update();
+  CHECK(same_averages(b.averages(), snapshot(a.averages())));
+}
+
+TEST_CASE("torch::save and torch::load write and read the whole EMA", "[ema][state]") {
+  torch::manual_seed(4);
+  TinyNet model;
+  emakit::RampEma a(*model, emakit::ExponentialRamp(0.999, 10));
+  for (int i = 0; i < 5; ++i) {
+    emakit_test::perturb(*model);
+    a.update();
+  }
+  const auto path = (std::filesystem::temp_directory_path() / "emakit_test_save.pt").string();
+  torch::save(a, path);
+  emakit::RampEma b(*model, emakit::ExponentialRamp(0.999, 10));
+  torch::load(b, path);
+  std::remove(path.c_str());
+  CHECK(same_averages(b.averages(), snapshot(a.averages())));
+  CHECK(b.num_updates() == 5);
+  CHECK(b.decay() == a.decay());
+}
+
+TEST_CASE("Loading a state of another config is an error naming the field and both values", "[ema][state][errors]") {
+  TinyNet model;
+  emakit::FixedEma a(*model, emakit::Fixed(0.999));
+  emakit::FixedEma b(*model, emakit::Fixed(0.9));
+  CHECK_THROWS_WITH(b.load_state_dict(a.state_dict()),
+                    Contains("config.decay.beta") && Contains("0.999") && Contains("0.9"));
+  emakit::RampEma c(*model);
+  CHECK_THROWS_WITH(c.load_state_dict(a.state_dict()), Contains("Fixed") && Contains("ExponentialRamp"));
+  emakit::FixedEma d(*model, emakit::Fixed(0.999), emakit::StepSchedule().update_every(3));
+  CHECK_THROWS_WITH(d.load_state_dict(a.state_dict()),
+                    Contains("config.schedule.update_every") && Contains("1") && Contains("3"));
+}
+
+TEST_CASE("Strict load rejects missing, unexpected and mismatched tensors and changes nothing", "[ema][state][errors]") {
+  torch::manual_seed(5);
+  TinyNet model;
+  emakit::FixedEma ema(*model, emakit::Fixed(0.5));
+  emakit_test::perturb(*model);
+  ema.update();
+  const auto before = snapshot(ema.averages());
+
+  auto state = ema.state_dict();
+  auto fresh = [&] {
+    emakit::StateDict copy;
+    for (const auto& item : state) copy.insert(item.key(), item.value().clone());
+    return copy;
+  };
+  {
+    auto s = fresh();
+    s.erase("average.fc.bias");
+    s["counters.num_updates"].fill_(99);
+    CHECK_THROWS_WITH(ema.load_state_dict(s), Contains("missing key 'average.fc.bias'"));
+  }
+  {
+    auto s = fresh();
+    s.insert("average.head.weight", torch::zeros({2}));
+    CHECK_THROWS_WITH(ema.load_state_dict(s), Contains("unexpected key 'average.head.weight'"));
+  }
+  {
+    auto s = fresh();
+    s["average.fc.weight"] = torch::zeros({3, 4});
+    CHECK_THROWS_WITH(ema.load_state_dict(s), Contains("average.fc.weight") && Contains("[3, 4]") && Contains("[4, 3]"));
+  }
+  {
+    auto s = fresh();
+    s["average.fc.weight"] = torch::zeros({4, 3}, torch::kDouble);
+    CHECK_THROWS_WITH(ema.load_state_dict(s), Contains("average.fc.weight") && Contains("dtype Double"));
+  }
+  {
+    auto s = fresh();
+    s.erase("counters.step");
+    CHECK_THROWS_WITH(ema.load_state_dict(s), Contains("counters.step"));
+  }
+  {
+    auto s = fresh();
+    s["counters.calls"] = torch::scalar_tensor(-3, torch::kLong);
+    CHECK_THROWS_WITH(ema.load_state_dict(s), Contains("counters.calls") && Contains("-3"));
+  }
+  {
+    auto s = fresh();
+    s["emakit.format"] = torch::scalar_tensor(42, torch::kLong);
+    CHECK_THROWS_WITH(ema.load_state_dict(s), Contains("emakit.format is 42"));
+  }
+  CHECK(same_averages(ema.averages(), before));
+  CHECK(ema.num_updates() == 1);
+  CHECK(ema.calls() == 1);
+}
+
+TEST_CASE("Lenient load warns per key and keeps current values for those keys", "[ema][state]") {
+  torch::manual_seed(6);
+  TinyNet model;
+  emakit::FixedEma source(*model, emakit::Fixed(0.5));
+  emakit_test::perturb(*model);
+  source.update();
+  auto state = source.state_dict();
+  state.erase("average.fc.bias");
+  state["average.fc.weight"] = torch::zeros({2, 2});
+  state.insert("average.extra", torch::zeros({1}));
+
+  TinyNet other;
+  emakit::FixedEma target(*other, emakit::Fixed(0.5));
+  const auto fc_weight = target.average("fc.weight").clone();
+  const auto fc_bias = target.average("fc.bias").clone();
+  emakit_test::WarningCapture warnings;
+  const auto report = target.load_state_dict(state, emakit::LoadMode::lenient);
+  CHECK(report.missing == std::vector<std::string>{"average.fc.bias"});
+  CHECK(report.unexpected == std::vector<std::string>{"average.extra"});
+  REQUIRE(report.mismatched.size() == 1);
+  CHECK_THAT(report.mismatched[0], Contains("average.fc.weight"));
+  CHECK(warnings.messages.size() == 3);
+  CHECK(torch::equal(target.average("fc.weight"), fc_weight));
+  CHECK(torch::equal(target.average("fc.bias"), fc_bias));
+  CHECK(torch::equal(target.average("bn.weight"), source.average("bn.weight")));
+  CHECK(target.num_updates() == 1);
+}
+
+TEST_CASE("A moved-from Ema refuses every call; the moved-into one works", "[ema][errors]") {
+  TinyNet model;
+  emakit::FixedEma a(*model);
+  emakit::FixedEma b(std::move(a));
+  CHECK_THROWS_WITH(a.update(), Contains("moved-from"));
+  CHECK_THROWS_WITH(a.state_dict(), Contains("moved-from"));
+  CHECK(b.update().action == Action::averaged);
+}
+
+TEST_CASE("After Module::to() the average stays where it is and keeps following the model", "[ema][placement]") {
+  TinyNet model;
+  emakit_test::fill_floats(*model, 1.0);
+  emakit::FixedEma ema(*model, emakit::Fixed(0.5));
+  model->to(torch::kDouble);  // the handles stay valid: Module::to uses set_data
+  emakit_test::fill_floats(*model, 3.0);
+  CHECK(ema.update().action == Action::averaged);
+  CHECK(ema.average("fc.weight").scalar_type() == torch::kFloat);
+  CHECK(torch::equal(ema.average("fc.weight"), torch::full({4, 3}, 2.0)));
+}
+
+TEST_CASE("A tensor that changes shape after binding is an error and nothing changes", "[ema][errors]") {
+  TinyNet model;
+  emakit::FixedEma ema(*model);
+  const auto before = snapshot(ema.averages());
+  {
+    torch::NoGradGuard no_grad;
+    model->fc->weight.set_data(torch::zeros({8, 3}));
+  }
+  CHECK_THROWS_WITH(ema.update(), Contains("fc.weight") && Contains("[4, 3]") && Contains("[8, 3]"));
+  CHECK(ema.calls() == 0);
+  CHECK(same_averages(ema.averages(), before));
+}
+
+TEST_CASE("An Ema binds to a list of named tensors without a module", "[ema]") {
+  auto w = torch::ones({3});
+  auto steps = torch::zeros({}, torch::kLong);
+  emakit::FixedEma ema({{"w", w, false}, {"steps", steps, true}}, emakit::Fixed(0.75));
+  w.fill_(5.0);
+  steps.fill_(2);
+  ema.update();
+  CHECK(torch::equal(ema.average("w"), torch::full({3}, 2.0)));
+  CHECK(ema.average("steps").item<std::int64_t>() == 2);
+  CHECK_THROWS_WITH(emakit::FixedEma({{"w", w, false}, {"w", w, false}}), Contains("'w' appears twice"));
+}
+
+namespace {
+struct QuarterDecay {
+  double decay(const emakit::DecayInput&) const { return 0.25; }
+};
+struct BrokenDecay {
+  double decay(const emakit::DecayInput& in) const { return in.step > 1 ? 1.5 : 0.5; }
+};
+}  // namespace
+
+TEST_CASE("A user-written decay policy works; one that leaves [0, 1] is caught", "[ema]") {
+  auto w = torch::zeros({2});
+  emakit::Ema<QuarterDecay> ema({{"w", w, false}});
+  w.fill_(4.0);
+  ema.update();
+  CHECK(torch::equal(ema.average("w"), torch::full({2}, 3.0)));
+  CHECK(fmt::format("{}", ema.decay_policy().decay({})) == "0.25");
+
+  emakit::Ema<BrokenDecay> broken({{"w", w, false}});
+  broken.update();
+  CHECK_THROWS_WITH(broken.update(), Contains("d = 1.5") && Contains("step 2") && Contains("custom"));
+  CHECK(broken.num_updates() == 1);
+}
+
+TEST_CASE("A vetoed step and a caller-supplied step reach the schedule", "[ema]") {
+  TinyNet model;
+  emakit::WarmupEma ema(*model, {}, emakit::StepSchedule().update_every(5));
+  CHECK(ema.update({.step = 10, .vetoed = true}).action == Action::skipped);
+  CHECK(ema.num_updates() == 0);
+  CHECK(ema.step() == 10);
+  const auto r = ema.update({.step = 15});
+  CHECK(r.action == Action::averaged);
+  CHECK(r.decay == Approx(emakit::InversePowerWarmup().decay({15, 1, 15})));
+}
+
+TEST_CASE("PowerFunction through an Ema: the first update copies, then (1 - dt/t)^(gamma+1)", "[ema][posthoc]") {
+  auto w = torch::zeros({2});
+  emakit::PowerEma ema({{"w", w, false}}, emakit::PowerFunction::from_sigma_rel(0.10),
+                       emakit::StepSchedule().update_every(2));
+  w.fill_(1.0);
+  CHECK(ema.update().action == Action::skipped);  // step 1
+  auto r = ema.update();                             // step 2: t = dt = 2
+  CHECK(r.decay == 0.0);
+  CHECK(torch::equal(ema.average("w"), torch::ones({2})));
+  ema.update();
+  r = ema.update();  // step 4, dt 2
+  CHECK(r.decay == Approx(std::pow(0.5, emakit::sigma_rel_to_gamma(0.10) + 1)).epsilon(1e-12));
+}
