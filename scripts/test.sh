@@ -65,6 +65,10 @@ run_variant() {
                  on && /\(([0-9]+) tests?\)/ {n=$0; sub(/.*\(/, "", n); sub(/ tests?\).*/, "", n);
                                               printf "%s%s %s", sep, $1, n; sep=", "}' "$log")"
   [[ -n "$totals" ]] || totals="no test summary (see $log)"
+  # ctest counts a skipped test (no CUDA device, no PyPI) among the passed: say which ones.
+  local skipped
+  skipped="$(grep -E '^[[:space:]]+[0-9]+ - .* \(Skipped\)$' "$log" | sed -E 's/^[[:space:]]+[0-9]+ - //; s/ \(Skipped\)$//' | paste -sd, - || true)"
+  [[ -z "$skipped" ]] || totals="$totals; skipped, not run: $skipped"
   if ((ctest_rc == 0)) && [[ "$totals" == 100%* ]]; then
     result[$name]="PASSED: $totals${labels:+ [$labels]} ($what)"
   else
