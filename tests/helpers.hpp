@@ -16,31 +16,28 @@ namespace emakit_test {
 
 // Linear(3 -> 4), BatchNorm1d(4) (running stats and the int64 num_batches_tracked) and a float
 // buffer "scale": parameters, float buffers and a non-float buffer. Cloneable.
-struct TinyNetImpl : torch::nn::Cloneable<TinyNetImpl> {
-  TinyNetImpl() { reset(); }
-  void reset() override {
-    fc = register_module("fc", torch::nn::Linear(3, 4));
-    bn = register_module("bn", torch::nn::BatchNorm1d(4));
-    scale = register_buffer("scale", torch::ones({4}));
+template <class Base>
+struct TinyBody : Base {
+  void build() {
+    fc = this->register_module("fc", torch::nn::Linear(3, 4));
+    bn = this->register_module("bn", torch::nn::BatchNorm1d(4));
+    scale = this->register_buffer("scale", torch::ones({4}));
   }
   torch::Tensor forward(const torch::Tensor& x) { return bn->forward(fc->forward(x)) * scale; }
   torch::nn::Linear fc{nullptr};
   torch::nn::BatchNorm1d bn{nullptr};
   torch::Tensor scale;
 };
+
+struct TinyNetImpl : TinyBody<torch::nn::Cloneable<TinyNetImpl>> {
+  TinyNetImpl() { reset(); }
+  void reset() override { build(); }
+};
 TORCH_MODULE(TinyNet);
 
 // The same architecture, not Cloneable: module storage needs a factory for it.
-struct PlainNetImpl : torch::nn::Module {
-  PlainNetImpl() {
-    fc = register_module("fc", torch::nn::Linear(3, 4));
-    bn = register_module("bn", torch::nn::BatchNorm1d(4));
-    scale = register_buffer("scale", torch::ones({4}));
-  }
-  torch::Tensor forward(const torch::Tensor& x) { return bn->forward(fc->forward(x)) * scale; }
-  torch::nn::Linear fc{nullptr};
-  torch::nn::BatchNorm1d bn{nullptr};
-  torch::Tensor scale;
+struct PlainNetImpl : TinyBody<torch::nn::Module> {
+  PlainNetImpl() { build(); }
 };
 TORCH_MODULE(PlainNet);
 

@@ -263,6 +263,11 @@ TEST_CASE("Strict load rejects missing, unexpected and mismatched tensors and ch
   }
   {
     auto s = fresh();
+    s.insert("config.storage", torch::zeros({1}));
+    CHECK_THROWS_WITH(ema.load_state_dict(s), Contains("unexpected key 'config.storage'"));
+  }
+  {
+    auto s = fresh();
     s.erase("counters.step");
     CHECK_THROWS_WITH(ema.load_state_dict(s), Contains("counters.step"));
   }

@@ -310,7 +310,7 @@ class Ema {
   // Writes the EMA weights into `model` (matched by name; every EMA tensor must be there).
   void copy_to(torch::nn::Module& model) const { transfer(model, /*into_model=*/true); }
   // Overwrites the EMA weights with `model`'s; counters are unchanged.
-  void copy_from(const torch::nn::Module& model) { transfer(const_cast<torch::nn::Module&>(model), false); }
+  void copy_from(const torch::nn::Module& model) { transfer(model, /*into_model=*/false); }
 
   // Puts the EMA weights into the bound model until the guard's scope ends.
   [[nodiscard]] SwapGuard swap_into() {
@@ -504,7 +504,9 @@ class Ema {
     return w;
   }
 
-  void transfer(torch::nn::Module& model, bool into_model) const {
+  // The model's tensors are handles: writing into them through a const Module is what
+  // Module::load does too.
+  void transfer(const torch::nn::Module& model, bool into_model) const {
     ensure_bound(into_model ? "copy_to" : "copy_from");
     auto theirs = detail::tensors_by_name(model);
     std::vector<std::pair<const detail::Slot*, at::Tensor>> pairs;
@@ -537,7 +539,9 @@ class Ema {
                                         "counters.num_updates", "counters.last_update_step", "counters.last_decay"};
     for (const char* k : fixed)
       if (key == k) return true;
-    return key.rfind("config.", 0) == 0;  // every config key was checked already
+    // check_config() has checked every key under these two already.
+    return key == "config.decay" || key == "config.schedule" || key.rfind("config.decay.", 0) == 0 ||
+           key.rfind("config.schedule.", 0) == 0;
   }
 
   static void check_format(const StateDict& state) {
