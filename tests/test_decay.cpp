@@ -52,6 +52,17 @@ TEST_CASE("InversePowerWarmup waits update_after_step and clamps to [min_value, 
   CHECK(warmup.decay(at_step(1000000)) == 0.99);  // clamped down to beta
 }
 
+TEST_CASE("InversePowerWarmup without warmup jumps to beta; in single precision it rounds as float32", "[decay]") {
+  auto flat = emakit::InversePowerWarmup(0.95).update_after_step(2).warmup(false);
+  CHECK(flat.decay(at_step(3)) == 0.0);
+  CHECK(flat.decay(at_step(4)) == 0.95);
+  auto single = emakit::InversePowerWarmup().single_precision(true);
+  const double d = single.decay(at_step(10));
+  CHECK(d == static_cast<double>(static_cast<float>(d)));  // a float32 value
+  CHECK(d == Approx(0.7845565310).epsilon(1e-6));
+  CHECK(d == static_cast<double>(1.0f - std::pow(10.0f, -2.0f / 3.0f)));
+}
+
 TEST_CASE("sigma_rel converts to gamma and back", "[decay][posthoc]") {
   const std::pair<double, double> reference[] = {
       {0.05, 16.9721986023}, {0.10, 6.9372039376}, {0.15, 3.5578687749}, {0.20, 1.8262137799}, {0.28, 0.1693439938}};
@@ -125,7 +136,7 @@ static_assert(!emakit::HasLerpWeight<emakit::Fixed>);
 
 TEST_CASE("Policies list their options for checkpoints", "[decay]") {
   const auto fields = emakit::InversePowerWarmup(0.99).update_after_step(7).fields();
-  REQUIRE(fields.size() == 5);
+  REQUIRE(fields.size() == 7);
   CHECK(fields[0].name == "beta");
   CHECK(fields[0].value == 0.99);
   CHECK(fields[4].name == "update_after_step");

@@ -13,7 +13,8 @@ TEST_CASE("Every policy prints its name and options", "[format]") {
   CHECK(fmt::format("{}", emakit::Fixed(0.999)) == "Fixed(beta=0.999)");
   CHECK(fmt::format("{}", emakit::ExponentialRamp(0.9999, 2000)) == "ExponentialRamp(decay=0.9999, tau=2000)");
   CHECK(fmt::format("{}", emakit::InversePowerWarmup(0.99).power(0.75).update_after_step(100)) ==
-        "InversePowerWarmup(beta=0.99, inv_gamma=1, power=0.75, min_value=0, update_after_step=100)");
+        "InversePowerWarmup(beta=0.99, inv_gamma=1, power=0.75, min_value=0, update_after_step=100, warmup=1, "
+        "single_precision=0)");
   CHECK(fmt::format("{}", emakit::PowerFunction(7.0)) == "PowerFunction(gamma=7)");
   CHECK(fmt::format("{}", emakit::Uniform()) == "Uniform()");
   CHECK(fmt::format("{}", emakit::StepSchedule().warmup(emakit::Warmup::copy_before_start).update_every(10)) ==

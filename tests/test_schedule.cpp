@@ -60,7 +60,9 @@ TEST_CASE("skip_before_start follows AveragedModel/EMAHook: nothing before start
 }
 
 TEST_CASE("A vetoed step never changes the average", "[schedule]") {
-  CHECK(trace(StepSchedule(), 4, {2, 3}) == "ASSA");
+  std::vector<std::int64_t> steps;
+  CHECK(trace(StepSchedule(), 4, {2, 3}, &steps) == "ASSA");
+  CHECK(steps == std::vector<std::int64_t>{1, 1, 1, 2});  // a vetoed call completes no step
   // The first eligible update was vetoed: the copy moves to the next eligible one.
   CHECK(trace(StepSchedule().warmup(Warmup::skip_before_start), 3, {1}) == "SCA");
   CHECK(trace(StepSchedule().warmup(Warmup::copy_before_start), 3, {1}) == "SCA");

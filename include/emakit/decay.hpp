@@ -124,19 +124,33 @@ class InversePowerWarmup {
     update_after_step_ = value;
     return *this;
   }
+  // false: no warmup curve, d = beta as soon as e > 0 (timm ModelEmaV3 with use_warmup=False
+  // and a step).
+  bool warmup() const noexcept { return warmup_; }
+  InversePowerWarmup& warmup(bool value) {
+    warmup_ = value;
+    return *this;
+  }
+  // true: compute d in float32, as ema-pytorch does (its step and decay are float32 tensors);
+  // the weight 1 - d then differs from the float64 one in the 8th digit.
+  bool single_precision() const noexcept { return single_precision_; }
+  InversePowerWarmup& single_precision(bool value) {
+    single_precision_ = value;
+    return *this;
+  }
 
   double decay(const DecayInput& in) const noexcept {
-    const auto e = static_cast<double>(in.step - update_after_step_ - 1);
-    if (e <= 0) return 0.0;
-    const double value = 1.0 - std::pow(1.0 + e / inv_gamma_, -power_);
-    return std::clamp(value, min_value_, beta_);
+    if (single_precision_) return decay_as<float>(in);
+    return decay_as<double>(in);
   }
   std::vector<Field> fields() const {
     return {{"beta", beta_},
             {"inv_gamma", inv_gamma_},
             {"power", power_},
             {"min_value", min_value_},
-            {"update_after_step", static_cast<double>(update_after_step_), true}};
+            {"update_after_step", static_cast<double>(update_after_step_), true},
+            {"warmup", warmup_ ? 1.0 : 0.0, true},
+            {"single_precision", single_precision_ ? 1.0 : 0.0, true}};
   }
   bool operator==(const InversePowerWarmup&) const = default;
 
@@ -146,6 +160,17 @@ class InversePowerWarmup {
   double power_ = 2.0 / 3.0;
   double min_value_ = 0.0;
   std::int64_t update_after_step_ = 0;
+  bool warmup_ = true;
+  bool single_precision_ = false;
+
+  template <class T>
+  double decay_as(const DecayInput& in) const noexcept {
+    const auto e = static_cast<T>(in.step - update_after_step_ - 1);
+    if (e <= T(0)) return 0.0;
+    if (!warmup_) return beta_;
+    const T value = T(1) - std::pow(T(1) + e / static_cast<T>(inv_gamma_), static_cast<T>(-power_));
+    return static_cast<double>(std::clamp(value, static_cast<T>(min_value_), static_cast<T>(beta_)));
+  }
 };
 
 // ---- the power-function EMA of Karras et al. 2024 -----------------------------------------

@@ -249,6 +249,9 @@ class Ema {
       kernel_.average(weight);
       result.decay = 1.0 - weight;
     }
+    if (options_.switch_every() > 0 && decision.action != Action::copied && !info.vetoed &&
+        (decision.step - options_.switch_offset()) % options_.switch_every() == 0)
+      switch_model(options_.switch_beta());
     // Counters change only after the kernel succeeded: a failed update leaves the EMA as it was.
     calls_ += 1;
     step_ = decision.step;
@@ -258,6 +261,14 @@ class Ema {
       last_decay_ = result.decay;
     }
     return result;
+  }
+
+  // With EmaOptions::side_stream: orders the current CUDA stream (and the host, for a CPU
+  // average) after the last update. Call it before the next optimizer step writes the model;
+  // reads of the average wait by themselves. Without a side stream it does nothing.
+  void wait() const {
+    ensure_bound("wait");
+    kernel_.wait();
   }
 
   // ---- counters and parts -------------------------------------------------------------------
@@ -297,11 +308,13 @@ class Ema {
     detail::fail("the EMA has no tensor '{}' (ignored, or not in the model)", name);
   }
 
-  // Names the EMA averages / copies every update.
+  // Names of the tensors the EMA holds in a role (Role::ignore: none, it holds no such tensor).
   std::vector<std::string> names(Role role) const {
     std::vector<std::string> out;
-    for (const auto& s : kernel_.slots())
-      if ((role == Role::average) == s.averaged && role != Role::ignore) out.push_back(s.name);
+    for (const auto& s : kernel_.slots()) {
+      const Role r = s.averaged ? Role::average : s.follows_averages ? Role::copy : Role::follow_copies;
+      if (r == role) out.push_back(s.name);
+    }
     return out;
   }
 
@@ -311,6 +324,24 @@ class Ema {
   void copy_to(torch::nn::Module& model) const { transfer(model, /*into_model=*/true); }
   // Overwrites the EMA weights with `model`'s; counters are unchanged.
   void copy_from(const torch::nn::Module& model) { transfer(model, /*into_model=*/false); }
+
+  // Pulls the bound model towards the EMA ("switch EMA"): model = lerp(model, ema, 1 - beta) for
+  // averaged tensors, model = ema for copied ones; beta = 0 copies every tensor the EMA holds.
+  // update() calls it by itself when EmaOptions::switch_model is set.
+  void switch_model(double beta) {
+    ensure_bound("switch_model");
+    detail::check_unit_interval(beta, "switch_model beta");
+    c10::NoGradGuard no_grad;
+    for (const auto& s : kernel_.slots()) {
+      if (beta == 0.0) {
+        s.source.copy_(s.average);
+      } else if (s.averaged) {
+        s.source.lerp_(s.average.to(s.source.options()), 1.0 - beta);
+      } else if (s.follows_averages) {
+        s.source.copy_(s.average);
+      }
+    }
+  }
 
   // Puts the EMA weights into the bound model until the guard's scope ends.
   [[nodiscard]] SwapGuard swap_into() {
@@ -461,7 +492,7 @@ class Ema {
     options_.check_names(all_names);
 
     std::vector<TensorSpec> specs;
-    std::vector<bool> averaged;
+    std::vector<Role> roles;
     for (auto& t : tensors) {
       const auto dtype = t.tensor.scalar_type();
       const bool floating = c10::isFloatingType(dtype) || c10::isComplexType(dtype);
@@ -469,7 +500,7 @@ class Ema {
       if (role == Role::ignore) continue;
       const auto device = options_.device().value_or(t.tensor.device());
       specs.push_back({t.name, t.tensor, role == Role::average ? options_.average_dtype(dtype) : dtype, device});
-      averaged.push_back(role == Role::average);
+      roles.push_back(role);
     }
     std::vector<at::Tensor> own = storage_.create(model, std::span<const TensorSpec>(specs));
     if (own.size() != specs.size())
@@ -481,10 +512,11 @@ class Ema {
       slot.name = specs[i].name;
       slot.average = own[i];
       slot.source = specs[i].source;
-      slot.averaged = averaged[i];
+      slot.averaged = roles[i] == Role::average;
+      slot.follows_averages = roles[i] != Role::follow_copies;
       slots.push_back(std::move(slot));
     }
-    kernel_ = detail::UpdateKernel(std::move(slots));
+    kernel_ = detail::UpdateKernel(std::move(slots), detail::UpdateKernel::CpuPath::fused, options_.side_stream());
     bound_ = true;
   }
 

@@ -4,6 +4,7 @@
 //   emakit::EmaOptions()
 //       .dtype(torch::kFloat32)              // the average's dtype (default: fp32 for bf16/fp16 models)
 //       .device(torch::kCPU)                 // the average's device (default: the model's): CPU offload
+//       .side_stream(true)                   // CUDA: update on a side stream (call wait() before the next step)
 //       .copy_only({"pos_embedding"})        // copied at every update, never averaged
 //       .ignore({"head.weight"})             // left out of the EMA
 //       .ignore_prefixes({"teacher."})       // every name starting with one of these is left out
@@ -29,8 +30,9 @@ namespace emakit {
 
 enum class BufferMode : std::uint8_t { average = 0, copy = 1, ignore = 2 };
 
-// What an Ema does with one tensor of the model.
-enum class Role : std::uint8_t { average, copy, ignore };
+// What an Ema does with one tensor of the model. `follow_copies`: left out of averages but
+// written when an update copies the model (what ema-pytorch does with its ignored names).
+enum class Role : std::uint8_t { average, copy, ignore, follow_copies };
 
 class EmaOptions {
  public:
@@ -42,9 +44,27 @@ class EmaOptions {
     dtype_ = value;
     return *this;
   }
+  // Keep every averaged tensor in its model tensor's dtype, as every Python peer does (a bf16
+  // model gets a bf16 average, which stops moving at d = 0.9999). Off by default.
+  bool keep_model_dtype() const noexcept { return keep_model_dtype_; }
+  EmaOptions& keep_model_dtype(bool value) {
+    keep_model_dtype_ = value;
+    return *this;
+  }
   std::optional<c10::Device> device() const noexcept { return device_; }
   EmaOptions& device(c10::Device value) {
     device_ = value;
+    return *this;
+  }
+  // CUDA: run each update on a side stream, so that it overlaps the next forward and backward
+  // (NeMo's EMA does this). The side stream waits for the optimizer step before it reads the
+  // model; call Ema::wait() before the next optimizer step writes the model. Reads of the average
+  // (average(), averages(), state_dict(), swap_into(), copy_to()) wait by themselves. With a CPU
+  // average of a CUDA model, the CPU half of the update also runs off the caller's thread.
+  // No effect on CPU-only models.
+  bool side_stream() const noexcept { return side_stream_; }
+  EmaOptions& side_stream(bool value) {
+    side_stream_ = value;
     return *this;
   }
   const std::vector<std::string>& copy_only() const noexcept { return copy_only_; }
@@ -64,6 +84,39 @@ class EmaOptions {
     ignore_prefixes_ = std::move(prefixes);
     return *this;
   }
+  // Non-floating tensors (integer buffers): copied at every update (default, as timm and
+  // luxonis-train), or left out (ema-pytorch, which never touches them).
+  BufferMode non_floating() const noexcept { return non_floating_; }
+  EmaOptions& non_floating(BufferMode value) {
+    if (value != BufferMode::copy && value != BufferMode::ignore)
+      detail::fail("EmaOptions::non_floating must be copy or ignore (integers cannot be averaged), got {}",
+                   static_cast<int>(value));
+    non_floating_ = value;
+    return *this;
+  }
+  // Ignored names are still written when an update copies the whole model (ema-pytorch's copies
+  // at init and during warmup do this); off by default: ignored means untouched.
+  bool ignored_follow_copies() const noexcept { return ignored_follow_copies_; }
+  EmaOptions& ignored_follow_copies(bool value) {
+    ignored_follow_copies_ = value;
+    return *this;
+  }
+  // "Switch EMA" (Li et al. 2024): at steps with (step - offset) % every == 0 that did not copy,
+  // the model is pulled to the EMA: model = lerp(model, ema, 1 - beta), or a copy for beta = 0
+  // (ema-pytorch's update_model_with_ema_every / update_model_with_ema_beta). 0 = off.
+  std::int64_t switch_every() const noexcept { return switch_every_; }
+  std::int64_t switch_offset() const noexcept { return switch_offset_; }
+  double switch_beta() const noexcept { return switch_beta_; }
+  EmaOptions& switch_model(std::int64_t every, double beta = 0.0, std::int64_t offset = 0) {
+    detail::check_non_negative_int(every, "EmaOptions::switch_model every");
+    detail::check_non_negative_int(offset, "EmaOptions::switch_model offset");
+    detail::check_unit_interval(beta, "EmaOptions::switch_model beta");
+    switch_every_ = every;
+    switch_beta_ = beta;
+    switch_offset_ = offset;
+    return *this;
+  }
+
   BufferMode buffers() const noexcept { return buffers_; }
   EmaOptions& buffers(BufferMode value) {
     if (static_cast<int>(value) > 2)
@@ -74,9 +127,11 @@ class EmaOptions {
 
   // The role of a tensor named `name`; `floating` says whether its dtype can be averaged.
   Role role(const std::string& name, bool is_buffer, bool floating) const {
-    if (contains(ignore_, name) || starts_with_any(name)) return Role::ignore;
+    if (contains(ignore_, name) || starts_with_any(name))
+      return ignored_follow_copies_ && floating ? Role::follow_copies : Role::ignore;
     if (is_buffer && buffers_ == BufferMode::ignore) return Role::ignore;
-    if (!floating || contains(copy_only_, name) || (is_buffer && buffers_ == BufferMode::copy)) return Role::copy;
+    if (!floating) return non_floating_ == BufferMode::ignore ? Role::ignore : Role::copy;
+    if (contains(copy_only_, name) || (is_buffer && buffers_ == BufferMode::copy)) return Role::copy;
     return Role::average;
   }
 
@@ -84,6 +139,7 @@ class EmaOptions {
   c10::ScalarType average_dtype(c10::ScalarType source) const {
     if (!c10::isFloatingType(source)) return source;  // complex stays complex
     if (dtype_) return *dtype_;
+    if (keep_model_dtype_) return source;
     return (source == c10::ScalarType::Half || source == c10::ScalarType::BFloat16) ? c10::ScalarType::Float
                                                                                      : source;
   }
@@ -111,11 +167,18 @@ class EmaOptions {
   }
 
   std::optional<c10::ScalarType> dtype_;
+  bool keep_model_dtype_ = false;
   std::optional<c10::Device> device_;
   std::vector<std::string> copy_only_;
   std::vector<std::string> ignore_;
   std::vector<std::string> ignore_prefixes_;
   BufferMode buffers_ = BufferMode::average;
+  bool side_stream_ = false;
+  BufferMode non_floating_ = BufferMode::copy;
+  bool ignored_follow_copies_ = false;
+  std::int64_t switch_every_ = 0;
+  std::int64_t switch_offset_ = 0;
+  double switch_beta_ = 0.0;
 };
 
 }  // namespace emakit

@@ -12,10 +12,11 @@
 // |               | calls, at the window's end (default) or start (luxonis-train)              |
 //
 // A call with `vetoed` set (the optimizer skipped its step, e.g. a gradient-scaler overflow)
-// never changes the average.
+// never changes the average and completes no step.
 //
-// Steps count from 1: the n-th call completes step n, unless the caller supplies the step
-// (timm passes its optimizer step) or an accumulation window groups calls into steps.
+// Steps count completed optimizer steps from 1: each call that is not vetoed completes one,
+// unless the caller supplies the step (timm passes its optimizer step) or an accumulation
+// window groups calls into steps (one step per window).
 #pragma once
 
 #include <emakit/concepts.hpp>
@@ -91,7 +92,8 @@ class StepSchedule {
     const std::int64_t n = accumulate_;
     const bool at_edge = n == 1 || (window_edge_ == WindowEdge::end ? in.call % n == 0
                                                                    : (in.call - 1) % n == 0);
-    const std::int64_t counted = window_edge_ == WindowEdge::end ? in.call / n : (in.call + n - 1) / n;
+    // An optimizer step completes at the window's edge, unless it was vetoed (skipped).
+    const std::int64_t counted = in.previous_step + (at_edge && !in.vetoed ? 1 : 0);
     const std::int64_t step = in.given_step.value_or(counted);
     if (in.vetoed || !at_edge) return {Action::skipped, step};
 

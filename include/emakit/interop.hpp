@@ -1,0 +1,173 @@
+// Moving an EMA between Python and C++: export the average as a file that Python's
+// `torch.load(path)` reads as a plain dict (with the keys the Python peer uses), and import the
+// EMA state a Python peer saved, with its counters, so a run continues in the other language.
+//
+//   emakit::export_state(ema, emakit::Peer::ema_pytorch, "ema.pt");
+//   # Python: ema.load_state_dict(torch.load("ema.pt"), strict=False)
+//
+//   # Python: torch.save(dict(ema.state_dict()), "ema.pt")   (a plain dict: LibTorch 1.13
+//   #         cannot read an OrderedDict)
+//   emakit::import_state(ema, emakit::Peer::ema_pytorch, "ema.pt");
+//
+// | Peer            | keys of the tensors        | counters                                  |
+// |-----------------|----------------------------|-------------------------------------------|
+// | ema_pytorch     | ema_model.<name>           | step (update calls), initted              |
+// | timm_v3         | module.<name>              | none (timm's caller passes the step)      |
+// | averaged_model  | module.<name>              | n_averaged (= num_updates)                |
+//
+// The Python files carry no config: the EMA you import into must be made with the peer's
+// options (the presets in presets.hpp). Tensors the Python peer holds and emakit does not
+// (ema-pytorch's integer buffers) are left out of the export and ignored on import.
+#pragma once
+
+#include <emakit/detail/check.hpp>
+#include <emakit/ema.hpp>
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/csrc/jit/serialization/pickler.h>
+
+#include <cstdint>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace emakit {
+
+enum class Peer : std::uint8_t { ema_pytorch, timm_v3, averaged_model };
+
+namespace detail {
+
+inline std::string_view peer_prefix(Peer peer) {
+  switch (peer) {
+    case Peer::ema_pytorch: return "ema_model.";
+    case Peer::timm_v3:
+    case Peer::averaged_model: return "module.";
+  }
+  return "";
+}
+
+// Writes `dict` (str -> Tensor) in torch.save's zip format, without the TorchScript type tags
+// that torch::pickle_save adds, so that Python's torch.load(path, weights_only=True) reads it.
+inline void write_python_dict(const c10::impl::GenericDict& dict, const std::string& path) {
+  std::vector<char> pickle;
+  torch::jit::Pickler pickler([&](const char* data, std::size_t size) { pickle.insert(pickle.end(), data, data + size); },
+                              /*tensor_table=*/nullptr, /*type_renamer=*/nullptr,
+                              /*memoized_class_types=*/nullptr, /*get_tensor_id=*/nullptr,
+                              /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(c10::IValue(dict));
+  pickler.stop();
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) fail("cannot open '{}' for writing", path);
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, std::size_t size) -> std::size_t {
+    out.write(static_cast<const char*>(data), static_cast<std::streamsize>(size));
+    return out ? size : 0;
+  });
+  torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(), writer);
+  writer.writeEndOfFile();
+  out.close();
+  if (!out) fail("writing '{}' failed", path);
+}
+
+inline c10::impl::GenericDict read_python_dict(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("cannot open '{}'", path);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  c10::IValue value;
+  try {
+    value = torch::jit::pickle_load(bytes);
+  } catch (const c10::Error& e) {
+    fail("'{}' is not a file torch.save wrote with a plain dict of tensors: {}", path, e.what_without_backtrace());
+  }
+  if (!value.isGenericDict())
+    fail("'{}' holds a {}, not a dict; in Python save a plain dict: torch.save(dict(ema.state_dict()), path)", path,
+         value.tagKind());
+  return value.toGenericDict();
+}
+
+inline const at::Tensor* entry(const c10::impl::GenericDict& dict, const std::string& key) {
+  const auto it = dict.find(key);
+  if (it == dict.end() || !it->value().isTensor()) return nullptr;
+  return &it->value().toTensor();
+}
+
+}  // namespace detail
+
+// Writes the EMA's tensors and counters with `peer`'s key names to `path`, readable by Python's
+// torch.load (weights_only) as a plain dict.
+template <class E>
+void export_state(const E& ema, Peer peer, const std::string& path) {
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
+  const std::string prefix(detail::peer_prefix(peer));
+  for (const auto& item : ema.averages()) dict.insert(prefix + item.key(), item.value().detach().cpu().contiguous());
+  if (peer == Peer::ema_pytorch) {
+    dict.insert("step", at::scalar_tensor(ema.step(), at::kLong));
+    dict.insert("initted", at::scalar_tensor(ema.num_updates() > 0, at::kBool));
+  } else if (peer == Peer::averaged_model) {
+    dict.insert("n_averaged", at::scalar_tensor(ema.num_updates(), at::kLong));
+  }
+  detail::write_python_dict(dict, path);
+}
+
+// Loads the EMA state a Python `peer` saved (torch.save of a plain dict) into `ema`, which must
+// be made with the peer's options. The counters are rebuilt from the peer's: ema-pytorch's step
+// counts update calls, and the number of updates it applied is recounted with this EMA's own
+// schedule. Strict: every tensor this EMA holds must be in the file with its shape and dtype.
+template <class E>
+LoadReport import_state(E& ema, Peer peer, const std::string& path, LoadMode mode = LoadMode::strict) {
+  const auto dict = detail::read_python_dict(path);
+  StateDict state = ema.state_dict();  // this EMA's own config, counters and keys
+  StateDict out;
+  const std::string prefix(detail::peer_prefix(peer));
+  for (const auto& item : state) {
+    const std::string& key = item.key();
+    if (key.rfind("average.", 0) == 0) {
+      const at::Tensor* t = detail::entry(dict, prefix + key.substr(8));
+      if (t != nullptr) out.insert(key, *t);  // missing ones are reported by load_state_dict
+    } else if (key.rfind("counters.", 0) != 0) {
+      out.insert(key, item.value());
+    }
+  }
+  std::int64_t step = ema.step(), updates = ema.num_updates(), last = ema.last_update_step();
+  if (peer == Peer::ema_pytorch) {
+    const at::Tensor* s = detail::entry(dict, "step");
+    const at::Tensor* initted = detail::entry(dict, "initted");
+    if (s == nullptr || initted == nullptr) detail::fail("'{}' has no 'step' and 'initted': not an ema-pytorch EMA state", path);
+    step = s->item<std::int64_t>();
+    if (step < 0) detail::fail("'{}': step must be >= 0, got {}", path, step);
+    updates = 0;
+    last = 0;
+    if (initted->item<bool>()) {
+      // Recount what the schedule did over `step` calls (ema-pytorch calls are never vetoed).
+      for (std::int64_t call = 1, previous = 0; call <= step; ++call) {
+        const Decision d = ema.schedule().decide({call, std::nullopt, previous, updates, false});
+        previous = d.step;
+        if (d.action != Action::skipped) {
+          ++updates;
+          last = d.step;
+        }
+      }
+    }
+  } else if (peer == Peer::averaged_model) {
+    const at::Tensor* n = detail::entry(dict, "n_averaged");
+    if (n == nullptr) detail::fail("'{}' has no 'n_averaged': not an AveragedModel state", path);
+    updates = n->item<std::int64_t>();
+    if (updates < 0) detail::fail("'{}': n_averaged must be >= 0, got {}", path, updates);
+    step = last = updates;
+  }
+  out.insert("counters.calls", at::scalar_tensor(step, at::kLong));
+  out.insert("counters.step", at::scalar_tensor(step, at::kLong));
+  out.insert("counters.num_updates", at::scalar_tensor(updates, at::kLong));
+  out.insert("counters.last_update_step", at::scalar_tensor(last, at::kLong));
+  out.insert("counters.last_decay", at::scalar_tensor(ema.decay(), at::kDouble));
+  return ema.load_state_dict(out, mode);
+}
+
+}  // namespace emakit

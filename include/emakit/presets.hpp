@@ -1,0 +1,219 @@
+// Presets: one factory per Python peer, with the peer's defaults, so a run moves from Python to
+// C++ without changing its numbers. Each returns an ordinary emakit::Ema.
+//
+// | Python                                                   | emakit                                        |
+// |----------------------------------------------------------|-----------------------------------------------|
+// | ema_pytorch.EMA(model, beta=..., ...)                     | emakit::ema_pytorch(*model, {.beta = ...})     |
+// | timm ModelEmaV3(model, decay=..., use_warmup=...)          | emakit::timm_model_ema_v3(*model, {...})      |
+// |   ema.update(model, step=step)                            |   ema.update({.step = step})                  |
+// | AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(d)) | emakit::averaged_model_ema(*model, {.decay = d}) |
+// | AveragedModel(model) (SWA)                                | emakit::averaged_model_swa(*model, {...})     |
+// | nvalchemi EMAHook(decay=..., start_step=..., ...)          | emakit::ema_hook(*model, {...})               |
+// |   hook(ctx, AFTER_OPTIMIZER_STEP, will_skip=s)             |   ema.update({.vetoed = s})                   |
+// | luxonis-train ModelEma(model, decay=..., decay_tau=...)    | emakit::luxonis_model_ema(*model, {...})      |
+//
+// Every preset keeps the average in the model's dtype, as its peer does; emakit's own default
+// (an fp32 average of a bf16/fp16 model) differs on purpose. Set `.dtype` to get it back.
+#pragma once
+
+#include <emakit/decay.hpp>
+#include <emakit/ema.hpp>
+#include <emakit/options.hpp>
+#include <emakit/schedule.hpp>
+#include <emakit/storage.hpp>
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace emakit {
+
+// ---- ema-pytorch EMA ----------------------------------------------------------------------
+
+struct EmaPytorchOptions {
+  double beta = 0.9999;
+  std::int64_t update_after_step = 100;
+  std::int64_t update_every = 10;
+  double inv_gamma = 1.0;
+  double power = 2.0 / 3.0;
+  double min_value = 0.0;
+  std::vector<std::string> param_or_buffer_names_no_ema = {};
+  std::vector<std::string> ignore_names = {};
+  std::vector<std::string> ignore_startswith_names = {};
+  std::int64_t update_model_with_ema_every = 0;  // 0: off (ema-pytorch's None)
+  double update_model_with_ema_beta = 0.0;
+  std::optional<c10::ScalarType> dtype = std::nullopt;  // default: the model's (deepcopy)
+};
+
+using EmaPytorchEma = Ema<InversePowerWarmup, StepSchedule, FlatStorage>;
+
+// The parts of an ema-pytorch EMA: decay computed in float32 from the update counter; the first
+// update copies, then every update_every-th call (counted from the first) copies until
+// update_after_step has passed and averages after; integer tensors untouched; ignored names
+// still copied by those copies; optional switch of the model to the EMA.
+inline InversePowerWarmup ema_pytorch_decay(const EmaPytorchOptions& o) {
+  return InversePowerWarmup(o.beta)
+      .min_value(o.min_value)
+      .inv_gamma(o.inv_gamma)
+      .power(o.power)
+      .update_after_step(o.update_after_step)
+      .single_precision(true);
+}
+inline StepSchedule ema_pytorch_schedule(const EmaPytorchOptions& o) {
+  // ema-pytorch averages when (step - 1) % update_every == 0 and step - 1 > update_after_step.
+  return StepSchedule()
+      .warmup(Warmup::copy_before_start)
+      .start_step(o.update_after_step + 2)
+      .update_every(o.update_every)
+      .every_offset(1);
+}
+inline EmaOptions ema_pytorch_options(const EmaPytorchOptions& o) {
+  auto out = EmaOptions()
+                 .keep_model_dtype(true)
+                 .copy_only(o.param_or_buffer_names_no_ema)
+                 .ignore(o.ignore_names)
+                 .ignore_prefixes(o.ignore_startswith_names)
+                 .ignored_follow_copies(true)
+                 .non_floating(BufferMode::ignore);
+  if (o.update_model_with_ema_every > 0) out.switch_model(o.update_model_with_ema_every, o.update_model_with_ema_beta, 1);
+  if (o.dtype) out.dtype(*o.dtype);
+  return out;
+}
+
+template <StoragePolicy Storage = FlatStorage>
+Ema<InversePowerWarmup, StepSchedule, Storage> ema_pytorch(const torch::nn::Module& model,
+                                                          const EmaPytorchOptions& o = {}, Storage storage = {}) {
+  return Ema<InversePowerWarmup, StepSchedule, Storage>(model, ema_pytorch_decay(o), ema_pytorch_schedule(o),
+                                                        ema_pytorch_options(o), std::move(storage));
+}
+inline EmaPytorchEma ema_pytorch(std::vector<SourceTensor> tensors, const EmaPytorchOptions& o = {}) {
+  return EmaPytorchEma(std::move(tensors), ema_pytorch_decay(o), ema_pytorch_schedule(o), ema_pytorch_options(o));
+}
+
+// ---- timm ModelEmaV3 --------------------------------------------------------------------
+
+// For `ema.update(model, step=step)`, timm's train.py way: pass the step to update(). timm's
+// `update(model)` without a step uses the plain decay at every call: that is FixedEma.
+struct TimmModelEmaV3Options {
+  double decay = 0.9999;
+  double min_decay = 0.0;
+  std::int64_t update_after_step = 0;
+  bool use_warmup = false;
+  double warmup_gamma = 1.0;
+  double warmup_power = 2.0 / 3.0;
+  bool exclude_buffers = false;
+  std::optional<c10::ScalarType> dtype = std::nullopt;
+  std::optional<c10::Device> device = std::nullopt;
+};
+
+inline InversePowerWarmup timm_v3_decay(const TimmModelEmaV3Options& o) {
+  return InversePowerWarmup(o.decay)
+      .min_value(o.min_decay)
+      .inv_gamma(o.warmup_gamma)
+      .power(o.warmup_power)
+      .update_after_step(o.update_after_step)
+      .warmup(o.use_warmup);
+}
+inline EmaOptions timm_v3_options(const TimmModelEmaV3Options& o) {
+  auto out = EmaOptions().keep_model_dtype(true).buffers(o.exclude_buffers ? BufferMode::copy : BufferMode::average);
+  if (o.dtype) out.dtype(*o.dtype);
+  if (o.device) out.device(*o.device);
+  return out;
+}
+
+template <StoragePolicy Storage = FlatStorage>
+Ema<InversePowerWarmup, StepSchedule, Storage> timm_model_ema_v3(const torch::nn::Module& model,
+                                                                const TimmModelEmaV3Options& o = {},
+                                                                Storage storage = {}) {
+  return Ema<InversePowerWarmup, StepSchedule, Storage>(model, timm_v3_decay(o), StepSchedule(), timm_v3_options(o),
+                                                        std::move(storage));
+}
+inline Ema<InversePowerWarmup> timm_model_ema_v3(std::vector<SourceTensor> tensors, const TimmModelEmaV3Options& o = {}) {
+  return Ema<InversePowerWarmup>(std::move(tensors), timm_v3_decay(o), StepSchedule(), timm_v3_options(o));
+}
+
+// ---- torch AveragedModel, and nvalchemi's EMAHook on top of it ------------------------------
+
+struct AveragedModelOptions {
+  double decay = 0.999;     // get_ema_multi_avg_fn's default (not used by the SWA preset)
+  bool use_buffers = false;
+};
+
+inline EmaOptions averaged_model_options(bool use_buffers) {
+  return EmaOptions().keep_model_dtype(true).buffers(use_buffers ? BufferMode::average : BufferMode::copy);
+}
+inline StepSchedule averaged_model_schedule() { return StepSchedule().warmup(Warmup::skip_before_start); }
+
+// AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=...): the first
+// update_parameters copies, later ones lerp with weight 1 - decay.
+template <StoragePolicy Storage = FlatStorage>
+Ema<Fixed, StepSchedule, Storage> averaged_model_ema(const torch::nn::Module& model, const AveragedModelOptions& o = {},
+                                                     Storage storage = {}) {
+  return Ema<Fixed, StepSchedule, Storage>(model, Fixed(o.decay), averaged_model_schedule(),
+                                           averaged_model_options(o.use_buffers), std::move(storage));
+}
+inline Ema<Fixed> averaged_model_ema(std::vector<SourceTensor> tensors, const AveragedModelOptions& o = {}) {
+  return Ema<Fixed>(std::move(tensors), Fixed(o.decay), averaged_model_schedule(), averaged_model_options(o.use_buffers));
+}
+
+// AveragedModel(model, use_buffers=...): stochastic weight averaging, the equal-weight mean.
+template <StoragePolicy Storage = FlatStorage>
+Ema<Uniform, StepSchedule, Storage> averaged_model_swa(const torch::nn::Module& model, const AveragedModelOptions& o = {},
+                                                       Storage storage = {}) {
+  return Ema<Uniform, StepSchedule, Storage>(model, Uniform(), averaged_model_schedule(),
+                                             averaged_model_options(o.use_buffers), std::move(storage));
+}
+inline Ema<Uniform> averaged_model_swa(std::vector<SourceTensor> tensors, const AveragedModelOptions& o = {}) {
+  return Ema<Uniform>(std::move(tensors), Uniform(), averaged_model_schedule(), averaged_model_options(o.use_buffers));
+}
+
+// nvalchemi EMAHook: AveragedModel's EMA on completed steps >= start_step with
+// step % update_every == 0; a vetoed step (will_skip) does nothing.
+struct EmaHookOptions {
+  double decay = 0.999;
+  std::int64_t update_every = 1;
+  std::int64_t start_step = 0;
+  bool use_buffers = true;
+};
+
+inline StepSchedule ema_hook_schedule(const EmaHookOptions& o) {
+  return StepSchedule().warmup(Warmup::skip_before_start).start_step(o.start_step).update_every(o.update_every);
+}
+
+template <StoragePolicy Storage = FlatStorage>
+Ema<Fixed, StepSchedule, Storage> ema_hook(const torch::nn::Module& model, const EmaHookOptions& o = {},
+                                           Storage storage = {}) {
+  return Ema<Fixed, StepSchedule, Storage>(model, Fixed(o.decay), ema_hook_schedule(o),
+                                           averaged_model_options(o.use_buffers), std::move(storage));
+}
+inline Ema<Fixed> ema_hook(std::vector<SourceTensor> tensors, const EmaHookOptions& o = {}) {
+  return Ema<Fixed>(std::move(tensors), Fixed(o.decay), ema_hook_schedule(o), averaged_model_options(o.use_buffers));
+}
+
+// ---- luxonis-train ModelEma -----------------------------------------------------------------
+
+// ModelEma(model, decay, use_dynamic_decay=True, decay_tau): d = decay * (1 - exp(-updates/tau))
+// over the whole state dict, non-floats copied. use_dynamic_decay=False is FixedEma with
+// keep_model_dtype(true).
+struct LuxonisModelEmaOptions {
+  double decay = 0.9999;
+  double decay_tau = 2000.0;
+};
+
+template <StoragePolicy Storage = FlatStorage>
+Ema<ExponentialRamp, StepSchedule, Storage> luxonis_model_ema(const torch::nn::Module& model,
+                                                             const LuxonisModelEmaOptions& o = {},
+                                                             Storage storage = {}) {
+  return Ema<ExponentialRamp, StepSchedule, Storage>(model, ExponentialRamp(o.decay, o.decay_tau), StepSchedule(),
+                                                     EmaOptions().keep_model_dtype(true), std::move(storage));
+}
+inline Ema<ExponentialRamp> luxonis_model_ema(std::vector<SourceTensor> tensors, const LuxonisModelEmaOptions& o = {}) {
+  return Ema<ExponentialRamp>(std::move(tensors), ExponentialRamp(o.decay, o.decay_tau), StepSchedule(),
+                              EmaOptions().keep_model_dtype(true));
+}
+
+}  // namespace emakit

@@ -1,0 +1,92 @@
+// Moving a run between Python and C++ with the real packages: a state a Python peer saved is
+// imported and the run continues in C++ with the peer's numbers; an emakit export is read by
+// Python's torch.load (weights_only) and loaded by the peer itself (tests/conformance/_check_export.py).
+#include <emakit/interop.hpp>
+
+#include "replay.hpp"
+
+#include <unistd.h>
+
+using namespace emakit_conformance;
+
+namespace {
+
+// Runs tests/conformance/_check_export.py with the venv's Python; returns its exit status.
+int check_in_python(const std::string& exported, const fs::path& reference, const char* peer) {
+  const char* python = std::getenv("EMAKIT_PYTHON");
+  REQUIRE(python != nullptr);
+  const std::string command = fmt::format("\"{}\" \"{}/_check_export.py\" \"{}\" \"{}\" {}", python,
+                                          EMAKIT_CONFORMANCE_SCRIPTS, exported, reference.string(), peer);
+  return std::system(command.c_str());
+}
+
+std::string temp_path(const char* name) {
+  return (fs::temp_directory_path() / fmt::format("emakit_{}_{}.pt", name, ::getpid())).string();
+}
+
+}  // namespace
+
+TEST_CASE("ema-pytorch: a run saved in Python continues in C++ with the same numbers and counters",
+          "[conformance][interop][ema-pytorch]") {
+  const auto dir = scenario_dir("ema_pytorch_peer", "defaults_with_skips");
+  if (!dir) return;
+  auto sources = sources_from(*dir);
+  auto ema = emakit::ema_pytorch(sources);
+  const auto report = emakit::import_state(ema, emakit::Peer::ema_pytorch, step_file(*dir, "state", 120).string());
+  CHECK(report.clean());
+  CHECK(ema.step() == load_dict(step_file(*dir, "step", 120)).at("counter.step").item<std::int64_t>());
+  replay(*dir, sources, ema, false, ema_pytorch_counters, false, /*first_step=*/121);
+
+  const auto path = temp_path("ema_pytorch_export");
+  emakit::export_state(ema, emakit::Peer::ema_pytorch, path);
+  const auto steps = load_dict(*dir / "meta.pt").at("steps").item<std::int64_t>();
+  CHECK(check_in_python(path, step_file(*dir, "step", steps), "ema_pytorch") == 0);
+  fs::remove(path);
+}
+
+TEST_CASE("AveragedModel: a run saved in Python continues in C++; the export loads in Python",
+          "[conformance][interop][averaged-model]") {
+  const auto dir = scenario_dir("averaged_model_peer", "ema_no_buffers");
+  if (!dir) return;
+  auto sources = sources_from(*dir);
+  auto ema = emakit::averaged_model_ema(sources, {.decay = 0.95, .use_buffers = false});
+  CHECK(emakit::import_state(ema, emakit::Peer::averaged_model, step_file(*dir, "state", 12).string()).clean());
+  CHECK(ema.num_updates() == load_dict(step_file(*dir, "step", 12)).at("counter.n_averaged").item<std::int64_t>());
+  replay(*dir, sources, ema, false, averaged_model_counters, false, 13);
+
+  const auto path = temp_path("averaged_model_export");
+  emakit::export_state(ema, emakit::Peer::averaged_model, path);
+  CHECK(check_in_python(path, step_file(*dir, "step", 30), "averaged_model") == 0);
+  fs::remove(path);
+}
+
+TEST_CASE("timm ModelEmaV3: a run saved in Python continues in C++; the export loads in Python",
+          "[conformance][interop][timm]") {
+  const auto dir = scenario_dir("timm_peer", "warmup_with_step");
+  if (!dir) return;
+  auto sources = sources_from(*dir);
+  auto ema = emakit::timm_model_ema_v3(
+      sources, {.decay = 0.99, .min_decay = 0.1, .update_after_step = 2, .use_warmup = true, .warmup_power = 0.75});
+  CHECK(emakit::import_state(ema, emakit::Peer::timm_v3, step_file(*dir, "state", 25).string()).clean());
+  replay(*dir, sources, ema, /*pass_step=*/true, no_counters, false, 26);
+
+  const auto path = temp_path("timm_export");
+  emakit::export_state(ema, emakit::Peer::timm_v3, path);
+  CHECK(check_in_python(path, step_file(*dir, "step", 40), "timm_v3") == 0);
+  fs::remove(path);
+}
+
+TEST_CASE("Importing a file that is not a peer's state is an error naming the file", "[conformance][interop]") {
+  const auto dir = scenario_dir("averaged_model_peer", "ema_no_buffers");
+  if (!dir) return;
+  auto sources = sources_from(*dir);
+  auto ema = emakit::ema_pytorch(sources);
+  const auto before = ema.averages()["lin.weight"].clone();
+  const auto path = (*dir / "state_0012.pt").string();  // an AveragedModel state: no 'step' / 'initted'
+  CHECK_THROWS_WITH(emakit::import_state(ema, emakit::Peer::ema_pytorch, path),
+                    Catch::Matchers::Contains("state_0012.pt") && Catch::Matchers::Contains("ema-pytorch"));
+  CHECK_THROWS_WITH(emakit::import_state(ema, emakit::Peer::ema_pytorch, "/nonexistent/ema.pt"),
+                    Catch::Matchers::Contains("/nonexistent/ema.pt"));
+  CHECK(torch::equal(ema.averages()["lin.weight"], before));
+  CHECK(ema.num_updates() == 0);
+}
