@@ -9,6 +9,7 @@ reads plain dicts, not OrderedDicts):
   peer.<name>     the peer's averaged state after its update at step K (K >= 1)
   after.<name>    the model's state after the update (only for scenarios that write the model)
   called          1 when the trainer called the peer's update at step K, 0 for a skipped step
+  vetoed          1 when the trainer called the peer but told it the step was skipped
   counter.<c>     the peer's counters after step K (names per peer)
 
 and, for scenarios that test moving a run to C++, OUT/S/state_KKKK.pt: the peer's own
@@ -59,7 +60,7 @@ def skipped(out, reason):
 
 
 def run(out, scenario, make, update, peer_state, counters, steps, skip_steps=(), writes_model=False, seed=0,
-        saved_state=None, saved_state_step=None):
+        saved_state=None, saved_state_step=None, vetoed_steps=()):
     """Drives one scenario and writes its files.
 
     make(model) -> ema; update(ema, model, step) calls the peer; peer_state(ema) -> dict name ->
@@ -83,6 +84,7 @@ def run(out, scenario, make, update, peer_state, counters, steps, skip_steps=(),
         if called:
             update(ema, model, step)
         record["called"] = torch.tensor(1 if called else 0)
+        record["vetoed"] = torch.tensor(1 if step in vetoed_steps else 0)
         record.update({"peer." + k: v.detach().clone() for k, v in peer_state(ema).items()})
         record.update({"counter." + k: torch.tensor(v) for k, v in counters(ema).items()})
         if writes_model:

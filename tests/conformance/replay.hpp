@@ -98,8 +98,9 @@ Replay replay(const fs::path& dir, std::vector<emakit::SourceTensor>& sources, E
       for (auto& s : sources) s.tensor.copy_(rec.at("source." + s.name));
     }
     const bool called = rec.at("called").item<std::int64_t>() != 0;
+    const auto vetoed = rec.find("vetoed");
     emakit::StepInfo info;
-    info.vetoed = !called;
+    info.vetoed = !called || (vetoed != rec.end() && vetoed->second.item<std::int64_t>() != 0);
     if (pass_step) info.step = step;
     ema.update(info);
     INFO("step " << step);
