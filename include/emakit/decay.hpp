@@ -30,7 +30,8 @@ class Fixed {
  public:
   static constexpr std::string_view name = "Fixed";
 
-  explicit Fixed(double beta = 0.9999) { this->beta(beta); }
+  Fixed() = default;  // not explicit: `{}` means the default policy
+  explicit Fixed(double beta) { this->beta(beta); }
 
   double beta() const noexcept { return beta_; }
   Fixed& beta(double value) {
@@ -53,7 +54,8 @@ class ExponentialRamp {
  public:
   static constexpr std::string_view name = "ExponentialRamp";
 
-  explicit ExponentialRamp(double decay = 0.9999, double tau = 2000.0) {
+  ExponentialRamp() = default;
+  explicit ExponentialRamp(double decay, double tau = 2000.0) {
     this->decay_max(decay);
     this->tau(tau);
   }
@@ -89,7 +91,8 @@ class InversePowerWarmup {
  public:
   static constexpr std::string_view name = "InversePowerWarmup";
 
-  explicit InversePowerWarmup(double beta = 0.9999) { this->beta(beta); }
+  InversePowerWarmup() = default;
+  explicit InversePowerWarmup(double beta) { this->beta(beta); }
 
   double beta() const noexcept { return beta_; }
   InversePowerWarmup& beta(double value) {
@@ -213,7 +216,8 @@ class PowerFunction {
  public:
   static constexpr std::string_view name = "PowerFunction";
 
-  explicit PowerFunction(double gamma = 6.9372039376) { this->gamma(gamma); }
+  PowerFunction() = default;  // sigma_rel 0.10
+  explicit PowerFunction(double gamma) { this->gamma(gamma); }
   static PowerFunction from_sigma_rel(double sigma_rel) {
     return PowerFunction(sigma_rel_to_gamma(sigma_rel));
   }
