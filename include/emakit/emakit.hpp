@@ -11,4 +11,5 @@
 #include <emakit/options.hpp>
 #include <emakit/ema.hpp>
 #include <emakit/aliases.hpp>
+#include <emakit/posthoc.hpp>
 #include <emakit/format.hpp>

@@ -42,6 +42,7 @@ class ModuleStorage;
 
 // Options shared by every Ema (selection, precision, placement).
 class EmaOptions;
+class PostHocEma;  // post-hoc EMA: several PowerFunction Emas, snapshots, synthesis (posthoc.hpp)
 
 // The one class template. The defaults give the "30-line loop" most C++ trainers copy:
 // a fixed decay of 0.9999, every step, the average kept as a flat state dict.
