@@ -165,7 +165,7 @@ TEST_CASE("Post-hoc synthesis on ema-pytorch's snapshots: its result divided by 
     std::cout << fmt::format("posthoc conformance (target t = {}): max rel |emakit * {:.6f} - ema-pytorch| = {:.3g}; "
                              "without the factor {:.3g}\n",
                              t.item<std::int64_t>(), their_sum, scaled, plain);
-    CHECK(scaled < 1e-5);
+    CHECK(scaled < 1e-6);  // measured 1e-7: float32 rounding
     CHECK(plain > 1e-3);  // the normalisation is a visible difference
   }
 }
@@ -205,6 +205,6 @@ TEST_CASE("Post-hoc tracking: ema-pytorch's EMA after k calls is emakit's after 
   std::cout << fmt::format("posthoc conformance tracking: max rel difference to ema-pytorch's checkpoints {:.3g} with "
                            "the first state twice, {:.3g} on the plain trajectory\n",
                            shifted, plain);
-  CHECK(shifted < 1e-5);
+  CHECK(shifted < 1e-6);  // measured 1.2e-7: float32 rounding over 40 updates
   CHECK(plain > 1e-3);
 }
