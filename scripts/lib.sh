@@ -15,9 +15,9 @@ EMAKIT_BUILD_TYPE="${EMAKIT_BUILD_TYPE:-Release}"
 EMAKIT_REQUIREMENTS="$EMAKIT_ROOT/scripts/requirements.txt"
 
 # Debian packages the build needs (compiler, CMake, LibTorch 1.13, fmt, Catch2 v2, Google
-# Benchmark, ccache, python3-venv for the reference packages).
+# Benchmark, ccache, python3-venv for the reference packages, CLI11 for the examples).
 EMAKIT_DEB_PACKAGES=(g++ make cmake ccache libtorch-dev libfmt-dev catch2 libbenchmark-dev
-                     python3-venv)
+                     python3-venv libcli11-dev)
 
 emakit_say() { printf '==> %s\n' "$*"; }
 emakit_warn() { printf '==> WARNING: %s\n' "$*" >&2; }

@@ -1,0 +1,140 @@
+// Post-hoc EMA from the command line: list a snapshot folder, synthesize the EMA for any
+// sigma_rel (or gamma) at any snapshot time into a checkpoint file.
+//
+//   emakit_example_posthoc_tool list runs/a/phema
+//   emakit_example_posthoc_tool synthesize runs/a/phema --sigma-rel 0.07 -o ema-0.07.pt
+//   emakit_example_posthoc_tool synthesize runs/a/phema --gamma 5 --step 20000 --format emkit -o ema.emkit
+//
+// The .pt output is a dict name -> tensor: torch.load("ema-0.07.pt") in Python,
+// torch::pickle_load in C++, model.load_state_dict(...) with the model's names. It is written
+// atomically: on any error there is no output file.
+#include <emakit/posthoc.hpp>
+
+#include <CLI/CLI.hpp>
+#include <fmt/core.h>
+
+#include <cstdint>
+#include <exception>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+
+namespace {
+
+double megabytes(std::uint64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
+
+int list(const std::string& folder) {
+  const auto snapshots = emakit::list_snapshots(folder);
+  std::set<std::int64_t> times;
+  std::map<std::uint32_t, double> profiles;
+  std::uint64_t total = 0;
+  fmt::print("{:>12}  {:>12}  {:>7}  {:>9}  {:>11}  {:>5}  {:>7}  {:>9}  {}\n", "t", "step", "profile", "sigma_rel",
+             "gamma", "dt", "tensors", "MiB", "file");
+  for (const auto& s : snapshots) {
+    std::set<std::string> dtypes;
+    for (const auto& t : s.tensors)
+      if (t.averaged) dtypes.insert(c10::toString(t.stored_dtype));
+    fmt::print("{:>12}  {:>12}  {:>7}  {:>9.5f}  {:>11.6f}  {:>5}  {:>7}  {:>9.2f}  {} ({})\n", s.t, s.step, s.profile,
+               s.sigma_rel, s.gamma, s.update_every, s.tensors.size(), megabytes(s.file_size),
+               s.path.filename().string(), fmt::join(dtypes, ", "));
+    times.insert(s.t);
+    profiles[s.profile] = s.sigma_rel;
+    total += s.file_size;
+  }
+  if (snapshots.empty()) {
+    fmt::print("{}: no snapshot files (phema-*.emkit)\n", folder);
+  } else {
+    fmt::print("\n{} snapshots, {} profiles (sigma_rel", snapshots.size(), profiles.size());
+    for (const auto& [index, sigma_rel] : profiles) fmt::print(" {}:{:.4f}", index, sigma_rel);
+    fmt::print("), {} times from t = {} to {}, {:.1f} MiB\n", times.size(), *times.begin(), *times.rbegin(),
+               megabytes(total));
+  }
+  if (const auto stale = emakit::interrupted_writes(folder); !stale.empty())
+    fmt::print("{} temporary files of interrupted writes (not snapshots; safe to delete when nothing writes here)\n",
+               stale.size());
+  return 0;
+}
+
+struct SynthesizeArgs {
+  std::string folder;
+  std::optional<double> sigma_rel;
+  std::optional<double> gamma;
+  std::optional<std::int64_t> step;
+  std::string output;
+  std::string format = "pt";
+  std::string dtype;
+  double max_condition = emakit::default_max_condition;
+  bool dry_run = false;
+};
+
+int synthesize(const SynthesizeArgs& args) {
+  auto options = args.gamma ? emakit::SynthesisOptions(*args.gamma) : emakit::SynthesisOptions::from_sigma_rel(*args.sigma_rel);
+  if (args.step) options.step(*args.step);
+  options.max_condition(args.max_condition);
+  static const std::map<std::string, c10::ScalarType> dtypes = {{"float32", c10::ScalarType::Float},
+                                                                {"float64", c10::ScalarType::Double},
+                                                                {"float16", c10::ScalarType::Half},
+                                                                {"bfloat16", c10::ScalarType::BFloat16}};
+  if (!args.dtype.empty()) options.dtype(dtypes.at(args.dtype));
+
+  const auto plan = emakit::plan_synthesis(args.folder, options);
+  fmt::print("target: sigma_rel {:.5f} (gamma {:.6f}) at t = {}\n", options.sigma_rel(), options.gamma(),
+             static_cast<std::int64_t>(plan.target.t));
+  fmt::print("{} snapshots, condition number {:.3g}, weights before normalisation sum to {:.9f}\n",
+             plan.snapshots.size(), plan.solution.condition, plan.solution.raw_sum);
+  fmt::print("{:>12}  {:>9}  {:>16}  {}\n", "t", "sigma_rel", "weight", "file");
+  for (std::size_t i = 0; i < plan.snapshots.size(); ++i)
+    fmt::print("{:>12}  {:>9.5f}  {:>16.9e}  {}\n", plan.snapshots[i].t, plan.snapshots[i].sigma_rel,
+               plan.solution.weights[i], plan.snapshots[i].path.filename().string());
+  if (args.dry_run) return 0;
+  const auto format = args.format == "emkit" ? emakit::OutputFormat::snapshot : emakit::OutputFormat::torch_pickle;
+  emakit::synthesize_to_file(plan, args.output, format);
+  fmt::print("wrote {}\n", args.output);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Post-hoc EMA: list a snapshot folder, synthesize an EMA for any sigma_rel"};
+  app.require_subcommand(1);
+
+  std::string list_folder;
+  auto* list_cmd = app.add_subcommand("list", "list the snapshots of a folder");
+  list_cmd->add_option("folder", list_folder, "the snapshot folder")->required()->check(CLI::ExistingDirectory);
+
+  SynthesizeArgs args;
+  auto* synth = app.add_subcommand("synthesize", "synthesize the EMA of a profile into a checkpoint file");
+  synth->add_option("folder", args.folder, "the snapshot folder")->required()->check(CLI::ExistingDirectory);
+  auto* sigma = synth->add_option("--sigma-rel,-s", args.sigma_rel, "the EMA length, in (0, 0.2887)");
+  auto* gamma = synth->add_option("--gamma,-g", args.gamma, "or the power-function exponent, > 0");
+  sigma->excludes(gamma);
+  gamma->excludes(sigma);
+  synth->add_option("--step,-t", args.step, "the target time: a snapshot's t (default: the latest)");
+  synth->add_option("--output,-o", args.output, "the output file (default: ema-<sigma_rel>-<t>.pt)");
+  synth->add_option("--format,-f", args.format, "pt: a dict name -> tensor for torch.load; emkit: a snapshot file")
+      ->check(CLI::IsMember({"pt", "emkit"}));
+  synth->add_option("--dtype", args.dtype, "the result's dtype (default: the averages' dtype)")
+      ->check(CLI::IsMember({"float32", "float64", "float16", "bfloat16"}));
+  synth->add_option("--max-condition", args.max_condition, "refuse systems with a larger condition number");
+  synth->add_flag("--dry-run,-n", args.dry_run, "print the weights, write nothing");
+
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (list_cmd->parsed()) return list(list_folder);
+    if (!args.sigma_rel && !args.gamma) {
+      fmt::print(stderr, "error: give --sigma-rel or --gamma\n");
+      return 2;
+    }
+    if (args.output.empty()) {
+      const double s = args.sigma_rel ? *args.sigma_rel : emakit::gamma_to_sigma_rel(*args.gamma);
+      args.output = fmt::format("ema-{:.4f}{}.{}", s, args.step ? fmt::format("-{}", *args.step) : std::string(),
+                                args.format);
+    }
+    return synthesize(args);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  }
+}
