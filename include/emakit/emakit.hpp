@@ -11,5 +11,6 @@
 #include <emakit/options.hpp>
 #include <emakit/ema.hpp>
 #include <emakit/aliases.hpp>
+#include <emakit/presets.hpp>
 #include <emakit/posthoc.hpp>
 #include <emakit/format.hpp>
