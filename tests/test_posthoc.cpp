@@ -602,7 +602,7 @@ TEST_CASE("A folder without write permission is an error naming it, and no outpu
   CHECK(fs::is_empty(locked));
 }
 
-TEST_CASE("A PostHocEma resumes from its state dict; a state of other profiles is refused whole",
+TEST_CASE("A PostHocEma resumes from its state dict, and a state of other profiles is refused whole",
           "[posthoc][state]") {
   TempFolder folder("resume");
   torch::manual_seed(7);
