@@ -52,7 +52,7 @@ TEST_CASE("InversePowerWarmup waits update_after_step and clamps to [min_value, 
   CHECK(warmup.decay(at_step(1000000)) == 0.99);  // clamped down to beta
 }
 
-TEST_CASE("InversePowerWarmup without warmup jumps to beta; in single precision it rounds as float32", "[decay]") {
+TEST_CASE("InversePowerWarmup without warmup jumps to beta, in single precision it rounds as float32", "[decay]") {
   auto flat = emakit::InversePowerWarmup(0.95).update_after_step(2).warmup(false);
   CHECK(flat.decay(at_step(3)) == 0.0);
   CHECK(flat.decay(at_step(4)) == 0.95);

@@ -95,7 +95,7 @@ TEST_CASE("Options that name nothing in the model are errors", "[ema][selection]
   CHECK_THROWS_WITH(emakit::EmaOptions().ignore_prefixes({""}), Contains("empty prefix"));
 }
 
-TEST_CASE("A bf16 model gets an fp32 average that follows it; a bf16 average stays put", "[ema][precision]") {
+TEST_CASE("A bf16 model gets an fp32 average that follows it, a bf16 average stays put", "[ema][precision]") {
   TinyNet model;
   emakit_test::fill_floats(*model, 1.0);
   emakit_test::cast_floats(*model, torch::kBFloat16);
@@ -314,7 +314,7 @@ TEST_CASE("Lenient load warns per key and keeps current values for those keys", 
   CHECK(target.num_updates() == 1);
 }
 
-TEST_CASE("A moved-from Ema refuses every call; the moved-into one works", "[ema][errors]") {
+TEST_CASE("A moved-from Ema refuses every call, the moved-into one works", "[ema][errors]") {
   TinyNet model;
   emakit::FixedEma a(*model);
   emakit::FixedEma b(std::move(a));
@@ -368,7 +368,7 @@ struct BrokenDecay {
 };
 }  // namespace
 
-TEST_CASE("A user-written decay policy works; one that leaves [0, 1] is caught", "[ema]") {
+TEST_CASE("A user-written decay policy works, one that leaves [0, 1] is caught", "[ema]") {
   auto w = torch::zeros({2});
   emakit::Ema<QuarterDecay> ema({{"w", w, false}});
   w.fill_(4.0);

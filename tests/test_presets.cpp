@@ -61,7 +61,7 @@ TEST_CASE("ema-pytorch preset: integers untouched, ignored names follow copies o
   CHECK(torch::equal(ema.average("scale"), torch::full({4}, 3.0)));  // not averaged, not copied
 }
 
-TEST_CASE("Presets keep the model's dtype, as their peers do; emakit's default does not", "[presets][precision]") {
+TEST_CASE("Presets keep the model's dtype, as their peers do, emakit's default does not", "[presets][precision]") {
   TinyNet model;
   emakit_test::cast_floats(*model, torch::kBFloat16);
   CHECK(emakit::ema_pytorch(*model).average("fc.weight").scalar_type() == torch::kBFloat16);

@@ -21,15 +21,13 @@
 #pragma once
 
 #include <emakit/detail/check.hpp>
+#include <emakit/detail/torch_pickle.hpp>
 #include <emakit/ema.hpp>
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/scalar_tensor.h>
-#include <caffe2/serialize/inline_container.h>
-#include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickle.h>
-#include <torch/csrc/jit/serialization/pickler.h>
 
 #include <cstdint>
 #include <fstream>
@@ -51,29 +49,6 @@ inline std::string_view peer_prefix(Peer peer) {
     case Peer::averaged_model: return "module.";
   }
   return "";
-}
-
-// Writes `dict` (str -> Tensor) in torch.save's zip format, without the TorchScript type tags
-// that torch::pickle_save adds, so that Python's torch.load(path, weights_only=True) reads it.
-inline void write_python_dict(const c10::impl::GenericDict& dict, const std::string& path) {
-  std::vector<char> pickle;
-  torch::jit::Pickler pickler([&](const char* data, std::size_t size) { pickle.insert(pickle.end(), data, data + size); },
-                              /*tensor_table=*/nullptr, /*type_renamer=*/nullptr,
-                              /*memoized_class_types=*/nullptr, /*get_tensor_id=*/nullptr,
-                              /*tag_aggregates=*/false);
-  pickler.protocol();
-  pickler.pushIValue(c10::IValue(dict));
-  pickler.stop();
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) fail("cannot open '{}' for writing", path);
-  caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, std::size_t size) -> std::size_t {
-    out.write(static_cast<const char*>(data), static_cast<std::streamsize>(size));
-    return out ? size : 0;
-  });
-  torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(), writer);
-  writer.writeEndOfFile();
-  out.close();
-  if (!out) fail("writing '{}' failed", path);
 }
 
 inline c10::impl::GenericDict read_python_dict(const std::string& path) {
@@ -113,7 +88,7 @@ void export_state(const E& ema, Peer peer, const std::string& path) {
   } else if (peer == Peer::averaged_model) {
     dict.insert("n_averaged", at::scalar_tensor(ema.num_updates(), at::kLong));
   }
-  detail::write_python_dict(dict, path);
+  detail::write_tensor_dict(path, dict);  // atomic, untagged: torch.load(weights_only=True) reads it
 }
 
 // Loads the EMA state a Python `peer` saved (torch.save of a plain dict) into `ema`, which must

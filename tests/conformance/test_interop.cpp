@@ -44,7 +44,7 @@ TEST_CASE("ema-pytorch: a run saved in Python continues in C++ with the same num
   fs::remove(path);
 }
 
-TEST_CASE("AveragedModel: a run saved in Python continues in C++; the export loads in Python",
+TEST_CASE("AveragedModel: a run saved in Python continues in C++, the export loads in Python",
           "[conformance][interop][averaged-model]") {
   const auto dir = scenario_dir("averaged_model_peer", "ema_no_buffers");
   if (!dir) return;
@@ -60,7 +60,7 @@ TEST_CASE("AveragedModel: a run saved in Python continues in C++; the export loa
   fs::remove(path);
 }
 
-TEST_CASE("timm ModelEmaV3: a run saved in Python continues in C++; the export loads in Python",
+TEST_CASE("timm ModelEmaV3: a run saved in Python continues in C++, the export loads in Python",
           "[conformance][interop][timm]") {
   const auto dir = scenario_dir("timm_peer", "warmup_with_step");
   if (!dir) return;
