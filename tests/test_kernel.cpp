@@ -11,7 +11,10 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <atomic>
+#include <bit>
+#include <cmath>
 #include <cstdlib>
 #include <new>
 
@@ -168,4 +171,157 @@ TEST_CASE("An update allocates no tensor memory, for fp32 and bf16 models", "[ke
     CHECK(counter.count.load() == 1);  // only the probe
     CHECK(ema.num_updates() == 11);
   }
+}
+
+// ---- the fused pass: conversions, partition, copies ---------------------------------------
+
+TEST_CASE("The vectorised bf16 and fp16 widening equals c10's conversion for all 65536 inputs", "[kernel]") {
+  int mismatches = 0;
+  for (std::uint32_t b = 0; b <= 0xffffu; ++b) {
+    const auto bits = static_cast<std::uint16_t>(b);
+    const float half = emakit::detail::half_bits_to_float(bits);
+    const float half_ref = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+    const float bf16 = emakit::detail::bf16_bits_to_float(bits);
+    const float bf16_ref = static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()));
+    const bool half_ok = std::isnan(half_ref) ? std::isnan(half) : std::bit_cast<std::uint32_t>(half) == std::bit_cast<std::uint32_t>(half_ref);
+    const bool bf16_ok = std::isnan(bf16_ref) ? std::isnan(bf16) : std::bit_cast<std::uint32_t>(bf16) == std::bit_cast<std::uint32_t>(bf16_ref);
+    if (!half_ok || !bf16_ok) {
+      if (++mismatches <= 5) INFO("bits " << b << ": fp16 " << half << " vs " << half_ref << ", bf16 " << bf16 << " vs " << bf16_ref);
+      CHECK((half_ok && bf16_ok));
+    }
+  }
+  CHECK(mismatches == 0);
+}
+
+namespace {
+// Counts how often each element is visited: a segment function over int32 counters.
+void count_visits(void* a, const void*, std::int64_t begin, std::int64_t end, double) noexcept {
+  for (std::int64_t i = begin; i < end; ++i) ++static_cast<std::int32_t*>(a)[i];
+}
+}  // namespace
+
+TEST_CASE("The CPU pass splits its tensors into shares that cover every element exactly once", "[kernel]") {
+  std::vector<std::vector<std::int32_t>> counters;
+  emakit::detail::CpuPass pass;
+  const std::int64_t sizes[] = {1, 15, 16, 17, 1000, 3, 65536 + 5, 0, 7, 100000};
+  const std::int64_t costs[] = {12, 10, 8, 12, 6, 12, 10, 12, 24, 12};
+  for (std::size_t k = 0; k < std::size(sizes); ++k) {
+    counters.emplace_back(static_cast<std::size_t>(sizes[k]), 0);
+    pass.add(&count_visits, k, sizes[k], costs[k]);
+  }
+  for (std::size_t k = 0, j = 0; k < std::size(sizes); ++k) {
+    if (sizes[k] == 0) continue;  // empty tensors get no segment
+    pass.segments()[j++].a = counters[k].data();
+  }
+  const std::int64_t total = pass.total_cost();
+  for (std::int64_t shares : {1, 2, 3, 7, 64, 1000}) {
+    INFO(shares << " shares");
+    for (auto& c : counters) std::fill(c.begin(), c.end(), 0);
+    for (std::int64_t t = 0; t < shares; ++t) pass.run_share(total * t / shares, total * (t + 1) / shares, 0.0);
+    for (std::size_t k = 0; k < counters.size(); ++k) {
+      INFO("tensor " << k << " of " << sizes[k] << " elements");
+      CHECK(std::all_of(counters[k].begin(), counters[k].end(), [](std::int32_t v) { return v == 1; }));
+    }
+  }
+}
+
+TEST_CASE("copy() makes every average equal to its source, for every dtype pair and layout", "[kernel]") {
+  torch::manual_seed(5);
+  struct Pair {
+    torch::Dtype average, source;
+  };
+  const Pair pairs[] = {{torch::kFloat, torch::kFloat},   {torch::kFloat, torch::kBFloat16}, {torch::kFloat, torch::kHalf},
+                        {torch::kDouble, torch::kFloat},  {torch::kFloat, torch::kDouble},   {torch::kBFloat16, torch::kBFloat16},
+                        {torch::kLong, torch::kLong},     {torch::kComplexFloat, torch::kComplexFloat}};
+  for (const auto& pair : pairs) {
+    for (bool contiguous : {true, false}) {
+      INFO(c10::toString(pair.average) << " <- " << c10::toString(pair.source) << (contiguous ? "" : ", transposed"));
+      std::vector<emakit::detail::Slot> slots(2);
+      auto source = (torch::randn({300, 7}) * 100).to(pair.source);
+      if (!contiguous) source = source.t();
+      slots[0].name = "averaged";
+      slots[0].source = source;
+      slots[0].average = torch::full(source.sizes(), std::nan(""), torch::kDouble).to(pair.average);
+      slots[0].averaged = c10::isFloatingType(pair.source) || c10::isComplexType(pair.source);
+      slots[1].name = "copied";
+      slots[1].source = source;
+      slots[1].average = torch::zeros(source.sizes()).to(pair.average);
+      slots[1].averaged = false;
+      emakit::detail::UpdateKernel kernel(std::move(slots));
+      kernel.copy();
+      for (const auto& s : kernel.slots()) CHECK(torch::equal(s.average, s.source.to(pair.average)));
+    }
+  }
+}
+
+TEST_CASE("A model of every dtype averages with 1 and all threads like ATen, copying its integers", "[kernel]") {
+  torch::manual_seed(6);
+  std::vector<emakit::SourceTensor> sources;
+  const torch::Dtype dtypes[] = {torch::kFloat, torch::kBFloat16, torch::kHalf, torch::kDouble};
+  for (int i = 0; i < 64; ++i) {
+    const std::int64_t n = (i % 5 == 0) ? emakit::detail::UpdateKernel::chunk_elements + i : 1 + 37 * i;
+    sources.push_back({"t" + std::to_string(i), torch::randn({n}).to(dtypes[i % 4]), false});
+  }
+  sources.push_back({"count", torch::tensor({7}, torch::kLong), true});
+  const int threads = at::get_num_threads();
+  for (int t : {1, threads}) {
+    INFO(t << " threads");
+    at::set_num_threads(t);
+    emakit::FixedEma ema(sources, emakit::Fixed(0.75));
+    std::vector<torch::Tensor> expected;
+    for (auto& s : sources) {
+      const auto start = s.tensor.to(ema.average(s.name).scalar_type()).clone();
+      if (s.tensor.is_floating_point()) s.tensor.add_(1.0);
+      else s.tensor.add_(3);
+      expected.push_back(s.tensor.is_floating_point() ? start.lerp(s.tensor.to(start.scalar_type()), 0.25) : s.tensor.clone());
+    }
+    ema.update();
+    for (std::size_t k = 0; k < sources.size(); ++k) {
+      INFO(sources[k].name << " " << c10::toString(sources[k].tensor.scalar_type()));
+      CHECK(torch::allclose(ema.average(sources[k].name).to(torch::kDouble), expected[k].to(torch::kDouble), 1e-6, 1e-6));
+    }
+  }
+  at::set_num_threads(threads);
+}
+
+TEST_CASE("The side-stream option changes nothing for a CPU model", "[kernel]") {
+  torch::manual_seed(7);
+  emakit_test::TinyNet model;
+  emakit::FixedEma plain(*model, emakit::Fixed(0.9));
+  emakit::FixedEma side(*model, emakit::Fixed(0.9), {}, emakit::EmaOptions().side_stream(true));
+  for (int i = 0; i < 3; ++i) {
+    emakit_test::perturb(*model);
+    plain.update();
+    side.update();
+    side.wait();
+  }
+  for (const auto& item : plain.averages()) CHECK(torch::equal(item.value(), side.average(item.key())));
+}
+
+TEST_CASE("The AVX2 copies of the segment loops round exactly like the baseline ones", "[kernel]") {
+#if EMAKIT_AVX2_CLONES
+  if (!emakit::detail::use_avx2()) {
+    WARN("this CPU has no AVX2: only the baseline loops run");
+    return;
+  }
+  torch::manual_seed(8);
+  const std::int64_t n = 1000 + 13;
+  for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+    INFO(c10::toString(dtype));
+    const auto x = torch::randn({n}).to(dtype);
+    for (double w : {1e-3, 0.7}) {
+      auto base = torch::randn({n});
+      auto avx2 = base.clone();
+      emakit::detail::dispatch_pair(torch::kFloat, dtype, [&](auto* a_tag, auto* s_tag) {
+        using A = std::remove_pointer_t<decltype(a_tag)>;
+        using S = std::remove_const_t<std::remove_pointer_t<decltype(s_tag)>>;
+        emakit::detail::lerp_segment<A, S>(base.data_ptr(), x.data_ptr(), 0, n, w);
+        emakit::detail::lerp_segment_avx2<A, S>(avx2.data_ptr(), x.data_ptr(), 0, n, w);
+      });
+      CHECK(torch::equal(base, avx2));
+    }
+  }
+#else
+  WARN("no AVX2 copies in this build (not x86-64, or the baseline already has AVX2)");
+#endif
 }

@@ -2,19 +2,32 @@
 //
 // Planned once at bind time (and again only if a source tensor moves device, changes dtype or
 // stops being contiguous), then each update:
-//   - CPU averages: one fused pass per tensor chunk, parallel over chunks with at::parallel_for,
-//     reading the source in its own dtype (bf16/fp16 model into an fp32 average in the same pass),
-//     with no temporaries. The arithmetic is ATen's lerp: a + w*(x-a) for w < 0.5, else
-//     x + (w-1)*(x-a), in float for float/half/bf16 averages and double for double averages.
+//   - CPU averages: one fused pass over every CPU tensor of the EMA at once. The tensors are laid
+//     end to end as segments, weighted by the bytes each element moves (12 for fp32 <- fp32, 10
+//     for fp32 <- bf16, ...), and at::parallel_for splits that line into one equal share per
+//     thread, cutting tensors where it falls: one parallel region per update, balanced for one
+//     huge tensor and for thousands of small ones. Each segment is a vectorised loop (`omp simd`)
+//     that reads the source in its own dtype (bf16/fp16 model into an fp32 average: the 16 bits
+//     are widened with integer shifts, so the loop vectorises without F16C), with no temporaries.
+//     The arithmetic is ATen's lerp: a + w*(x-a) for w < 0.5, else x + (w-1)*(x-a), in float for
+//     float/half/bf16 averages and double for double averages. Copied tensors (integer buffers,
+//     copy-only names) are segments of the same pass (memcpy), and copy() is one such pass too.
 //   - other devices: tensors grouped by (device, dtype); one torch::_foreach_lerp_ per group
 //     (LibTorch >= 2.0) or _foreach_mul_ + _foreach_add_ (LibTorch 1.13, which lacks it).
+//     With the side-stream option, a CUDA device's work runs on a stream of its own that first
+//     waits for the current stream (the optimizer step); wait() makes the current stream wait
+//     for it, and every read of the averages through slots() waits first (detail/device_sync.hpp).
 //   - a source on another device or in a dtype the pass cannot read is first copied into a
-//     staging tensor allocated at plan time (CPU offload of the average, complex tensors).
-//   - non-floating tensors and copy-only names: copy_.
+//     staging tensor allocated at plan time. CPU offload (CUDA model, CPU average): the staging
+//     tensor is pinned and keeps the source's dtype when the pass reads it (a bf16 model moves
+//     half the bytes over PCIe), the copies are non-blocking and the host waits once for all of
+//     them. With the side stream as well, the CPU pass runs on a host thread after the copies
+//     land, so update() returns at once; wait() and any read join it.
 // An update allocates nothing and looks up no names.
 #pragma once
 
 #include <emakit/detail/check.hpp>
+#include <emakit/detail/device_sync.hpp>
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -33,9 +46,17 @@
 #define EMAKIT_HAS_FOREACH_LERP 0
 #endif
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <exception>
+#include <future>
+#include <memory>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -49,26 +70,110 @@ namespace emakit::detail {
 #define EMAKIT_SIMD
 #endif
 
+#if defined(__GNUC__) || defined(__clang__)
+#define EMAKIT_ALWAYS_INLINE [[gnu::always_inline]] inline
+#else
+#define EMAKIT_ALWAYS_INLINE inline
+#endif
+
+// x86-64 builds for a baseline below AVX2 (the default -march=x86-64 has SSE2 only) also compile
+// each segment loop for AVX2, and the kernel picks that copy at plan time when the CPU has it:
+// widening a bf16 source in cache runs twice as fast. No FMA: both copies round identically.
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__)) && !defined(__AVX2__)
+#define EMAKIT_AVX2_CLONES 1
+#else
+#define EMAKIT_AVX2_CLONES 0
+#endif
+
+// Whether the AVX2 copies of the segment loops are built and this CPU can run them.
+inline bool use_avx2() noexcept {
+#if EMAKIT_AVX2_CLONES
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
 template <class A>
 using opmath_t = std::conditional_t<std::is_same_v<A, double>, double, float>;
 
-// a = lerp(a, x, w) over n elements, in ATen's formula, as one pass.
+// ---- widening loads that vectorise ---------------------------------------------------------
+
+// bf16 -> fp32 is exact: the 16 bits are the top half of the float.
+EMAKIT_ALWAYS_INLINE float bf16_bits_to_float(std::uint16_t b) noexcept { return std::bit_cast<float>(std::uint32_t{b} << 16); }
+
+// fp16 -> fp32, exact for every input (normals, subnormals, zeros, infinities, NaN payloads),
+// without branches so that the loop around it vectorises on plain SSE2.
+EMAKIT_ALWAYS_INLINE float half_bits_to_float(std::uint16_t h) noexcept {
+  const std::uint32_t sign = (std::uint32_t{h} & 0x8000u) << 16;
+  const std::uint32_t body = (std::uint32_t{h} & 0x7fffu) << 13;  // exponent and mantissa, float-aligned
+  const std::uint32_t exponent = body & 0x0f800000u;
+  std::uint32_t bits = body + (112u << 23);                        // rebias 15 -> 127
+  bits = exponent == 0x0f800000u ? bits + (112u << 23) : bits;     // inf / NaN: exponent 255
+  // Zero and subnormals: 2^-14 * (1 + m/1024) - 2^-14 = m * 2^-24, computed by the FPU.
+  const float subnormal = std::bit_cast<float>(body + (113u << 23)) - std::bit_cast<float>(113u << 23);
+  bits = exponent == 0 ? std::bit_cast<std::uint32_t>(subnormal) : bits;
+  return std::bit_cast<float>(bits | sign);
+}
+
+// The element type a segment reads: bf16/fp16 as their raw bits (c10::BFloat16 and c10::Half are
+// standard-layout structs whose only member is the uint16_t), everything else as itself.
+template <class S>
+struct Load {
+  using raw = S;
+  template <class T>
+  static T at(const raw* p, std::int64_t i) noexcept { return static_cast<T>(p[i]); }
+};
+template <>
+struct Load<c10::BFloat16> {
+  using raw = std::uint16_t;
+  template <class T>
+  static T at(const raw* p, std::int64_t i) noexcept { return static_cast<T>(bf16_bits_to_float(p[i])); }
+};
+template <>
+struct Load<c10::Half> {
+  using raw = std::uint16_t;
+  template <class T>
+  static T at(const raw* p, std::int64_t i) noexcept { return static_cast<T>(half_bits_to_float(p[i])); }
+};
+
+// a = lerp(a, x, w) over n elements, in ATen's formula, as one pass. Inlined into each segment
+// function, so that the AVX2 copies compile the loop for AVX2.
 template <class A, class S>
-void lerp_range(A* __restrict a, const S* __restrict x, std::int64_t n, opmath_t<A> w) noexcept {
+EMAKIT_ALWAYS_INLINE void lerp_range(A* __restrict a, const S* __restrict x, std::int64_t n, opmath_t<A> w) noexcept {
   using T = opmath_t<A>;
+  using L = Load<S>;
+  const auto* __restrict xr = reinterpret_cast<const typename L::raw*>(x);
   if (std::abs(w) < T(0.5)) {
     EMAKIT_SIMD
     for (std::int64_t i = 0; i < n; ++i) {
       const T ai = static_cast<T>(a[i]);
-      a[i] = static_cast<A>(ai + w * (static_cast<T>(x[i]) - ai));
+      a[i] = static_cast<A>(ai + w * (L::template at<T>(xr, i) - ai));
     }
   } else {
     const T c = w - T(1);
     EMAKIT_SIMD
     for (std::int64_t i = 0; i < n; ++i) {
-      const T xi = static_cast<T>(x[i]);
+      const T xi = L::template at<T>(xr, i);
       a[i] = static_cast<A>(xi + c * (xi - static_cast<T>(a[i])));
     }
+  }
+}
+
+// a = x over n elements (a conversion when the dtypes differ).
+template <class A, class S>
+EMAKIT_ALWAYS_INLINE void copy_range(A* __restrict a, const S* __restrict x, std::int64_t n) noexcept {
+  if constexpr (std::is_same_v<A, S>) {
+    std::memcpy(a, x, static_cast<std::size_t>(n) * sizeof(A));
+  } else {
+    using L = Load<S>;
+    const auto* __restrict xr = reinterpret_cast<const typename L::raw*>(x);
+    EMAKIT_SIMD
+    for (std::int64_t i = 0; i < n; ++i) a[i] = static_cast<A>(L::template at<opmath_t<A>>(xr, i));
   }
 }
 
@@ -103,12 +208,149 @@ void dispatch_pair(c10::ScalarType a, c10::ScalarType s, F&& f) {
   fail("internal: no fused CPU pass for {} from {}", c10::toString(a), c10::toString(s));
 }
 
+// ---- the fused CPU pass ----------------------------------------------------------------------
+
+// The source's data for reading. LibTorch >= 2.1 has copy-on-write storage, whose data_ptr()
+// would materialise a copy (an allocation) of a model tensor that is only read.
+inline const void* read_ptr(const at::Tensor& t) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+  return t.const_data_ptr();
+#else
+  return t.data_ptr();
+#endif
+}
+
+// Work on one tensor: fn(a, x, begin, end, weight) over elements [begin, end).
+using SegmentFn = void (*)(void*, const void*, std::int64_t, std::int64_t, double) noexcept;
+
+template <class A, class S>
+void lerp_segment(void* a, const void* x, std::int64_t begin, std::int64_t end, double w) noexcept {
+  lerp_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin,
+                   static_cast<opmath_t<A>>(w));
+}
+
+template <class A, class S>
+void copy_segment(void* a, const void* x, std::int64_t begin, std::int64_t end, double) noexcept {
+  copy_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin);
+}
+
+#if EMAKIT_AVX2_CLONES
+template <class A, class S>
+__attribute__((target("avx2"))) void lerp_segment_avx2(void* a, const void* x, std::int64_t begin, std::int64_t end,
+                                                       double w) noexcept {
+  lerp_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin,
+                   static_cast<opmath_t<A>>(w));
+}
+
+template <class A, class S>
+__attribute__((target("avx2"))) void copy_segment_avx2(void* a, const void* x, std::int64_t begin, std::int64_t end,
+                                                       double) noexcept {
+  copy_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin);
+}
+#endif
+
+// The segment functions of a fused pair, for the best ISA this CPU runs.
+template <class A, class S>
+std::pair<SegmentFn, SegmentFn> segment_fns() noexcept {
+#if EMAKIT_AVX2_CLONES
+  if (use_avx2()) return {&lerp_segment_avx2<A, S>, &copy_segment_avx2<A, S>};
+#endif
+  return {&lerp_segment<A, S>, &copy_segment<A, S>};
+}
+
+// Same-dtype copy of any element type, as bytes (element size E).
+template <std::size_t E>
+void byte_copy_segment(void* a, const void* x, std::int64_t begin, std::int64_t end, double) noexcept {
+  std::memcpy(static_cast<char*>(a) + begin * static_cast<std::int64_t>(E),
+              static_cast<const char*>(x) + begin * static_cast<std::int64_t>(E),
+              static_cast<std::size_t>(end - begin) * E);
+}
+
+inline SegmentFn byte_copy_fn(std::size_t element_size) {
+  switch (element_size) {
+    case 1: return &byte_copy_segment<1>;
+    case 2: return &byte_copy_segment<2>;
+    case 4: return &byte_copy_segment<4>;
+    case 8: return &byte_copy_segment<8>;
+    case 16: return &byte_copy_segment<16>;
+    default: return nullptr;
+  }
+}
+
+// The CPU tensors of one update laid end to end. `cost` is bytes moved per element; a thread's
+// share is a range of the summed cost, mapped back to element ranges of the segments it covers.
+class CpuPass {
+ public:
+  // Elements per cut: shares start on multiples of this (64 bytes of fp32), so that two threads
+  // write the same cache line at most once per cut.
+  static constexpr std::int64_t align_elements = 16;
+
+  struct Segment {
+    SegmentFn fn;
+    std::size_t slot;        // index into the kernel's slots
+    std::int64_t n;          // elements
+    std::int64_t cost;       // bytes moved per element
+    std::int64_t begin = 0;  // first cost unit (prefix sum)
+    void* a = nullptr;       // refreshed before every pass
+    const void* x = nullptr;
+  };
+
+  void clear() {
+    segments_.clear();
+    total_ = 0;
+  }
+  void add(SegmentFn fn, std::size_t slot, std::int64_t n, std::int64_t cost) {
+    if (n == 0) return;
+    segments_.push_back(Segment{fn, slot, n, cost, total_});
+    total_ += n * cost;
+  }
+  bool empty() const noexcept { return segments_.empty(); }
+  std::int64_t total_cost() const noexcept { return total_; }
+  std::vector<Segment>& segments() noexcept { return segments_; }
+
+  // Runs every segment, split over at::parallel_for's threads; below `grain` cost units it runs
+  // on the calling thread (a parallel region costs a few microseconds).
+  void run(double weight, std::int64_t grain) const {
+    if (segments_.empty()) return;
+    at::parallel_for(0, total_, grain, [&](std::int64_t begin, std::int64_t end) { run_share(begin, end, weight); });
+  }
+
+  // The segments' work between cost units [c0, c1).
+  void run_share(std::int64_t c0, std::int64_t c1, double weight) const noexcept {
+    auto it = std::upper_bound(segments_.begin(), segments_.end(), c0,
+                               [](std::int64_t c, const Segment& s) { return c < s.begin; });
+    if (it != segments_.begin()) --it;
+    for (; it != segments_.end() && it->begin < c1; ++it) {
+      const std::int64_t lo = element_at(*it, c0);
+      const std::int64_t hi = element_at(*it, c1);
+      if (lo < hi) it->fn(it->a, it->x, lo, hi, weight);
+    }
+  }
+
+ private:
+  // The first element of `s` at or after cost unit c, rounded up to align_elements: the same
+  // function on both sides of a cut, so shares never overlap and never leave a gap.
+  static std::int64_t element_at(const Segment& s, std::int64_t c) noexcept {
+    if (c <= s.begin) return 0;
+    const std::int64_t e = (c - s.begin + s.cost - 1) / s.cost;
+    const std::int64_t aligned = (e + align_elements - 1) / align_elements * align_elements;
+    return std::min(s.n, aligned);
+  }
+
+  std::vector<Segment> segments_;
+  std::int64_t total_ = 0;
+};
+
+// ---- slots and the kernel --------------------------------------------------------------------
+
 // One averaged or copied tensor pair.
 struct Slot {
   std::string name;
   at::Tensor average;   // the EMA's tensor
   at::Tensor source;    // the model's tensor (a handle: follows Module::to())
-  bool averaged = true; // false: copied at every update
+  bool averaged = true; // false: copied, not averaged
+  bool follows_averages = true;  // for a copied slot: false = written by copy() only (ema-pytorch's
+                                 // ignored names, which its copies still write)
   // Bound at plan time; a change of any of these makes the next update re-plan.
   c10::Device source_device{c10::kCPU};
   c10::ScalarType source_dtype{c10::ScalarType::Undefined};
@@ -120,6 +362,8 @@ struct Slot {
 
 class UpdateKernel {
  public:
+  // The parallel grain of the CPU pass, in elements of fp32 <- fp32 (12 bytes each): below it an
+  // update runs on one thread.
   static constexpr std::int64_t chunk_elements = std::int64_t{1} << 15;
 
   // How CPU averages are updated: the fused pass, or the foreach ops used on other devices
@@ -127,14 +371,59 @@ class UpdateKernel {
   enum class CpuPath : std::uint8_t { fused, foreach };
 
   UpdateKernel() = default;
-  explicit UpdateKernel(std::vector<Slot> slots, CpuPath cpu_path = CpuPath::fused)
-      : slots_(std::move(slots)), cpu_path_(cpu_path) {
+  // side_stream: run the work of each CUDA device on a side stream (see the top of this file).
+  explicit UpdateKernel(std::vector<Slot> slots, CpuPath cpu_path = CpuPath::fused, bool side_stream = false)
+      : slots_(std::move(slots)), cpu_path_(cpu_path), side_stream_(side_stream) {
     for (auto& s : slots_) s.shape.assign(s.source.sizes().begin(), s.source.sizes().end());
     plan();
   }
+  // Moves wait for pending side-stream or host work first: it refers to the tensors being moved.
+  UpdateKernel(UpdateKernel&& other) noexcept { *this = std::move(other); }
+  UpdateKernel& operator=(UpdateKernel&& other) noexcept {
+    if (this == &other) return *this;
+    wait_noexcept();
+    other.wait_noexcept();
+    slots_ = std::move(other.slots_);
+    cpu_path_ = other.cpu_path_;
+    side_stream_ = other.side_stream_;
+    average_pass_ = std::move(other.average_pass_);
+    copy_pass_ = std::move(other.copy_pass_);
+    device_groups_ = std::move(other.device_groups_);
+    device_copies_ = std::move(other.device_copies_);
+    staged_ = std::move(other.staged_);
+    generic_ = std::move(other.generic_);
+    generic_copies_ = std::move(other.generic_copies_);
+    lanes_ = std::move(other.lanes_);
+    offload_lanes_ = std::move(other.offload_lanes_);
+    return *this;
+  }
+  UpdateKernel(const UpdateKernel&) = delete;
+  UpdateKernel& operator=(const UpdateKernel&) = delete;
+  // Pending side-stream work writes tensors this kernel holds: the current stream waits for it
+  // before they can be freed and reused.
+  ~UpdateKernel() { wait_noexcept(); }
 
-  const std::vector<Slot>& slots() const noexcept { return slots_; }
-  std::vector<Slot>& slots() noexcept { return slots_; }
+  // The slots; a pending side-stream update is waited for first (see wait()), so whatever reads
+  // or writes the averages through them is ordered after it.
+  const std::vector<Slot>& slots() const {
+    wait();
+    return slots_;
+  }
+  std::vector<Slot>& slots() {
+    wait();
+    return slots_;
+  }
+
+  bool side_stream() const noexcept { return side_stream_; }
+
+  // Orders everything after the last update: joins the host thread of an offloaded update
+  // (rethrowing its error) and makes each CUDA device's current stream wait for its side stream.
+  // Asynchronous for the host otherwise. Call before the next optimizer step when the side stream
+  // is on; a no-op without it.
+  void wait() const {
+    join_host();
+    for (auto& lane : lanes_) lane.wait();
+  }
 
   // Throws if a source changed shape since bind; re-plans if one moved or changed dtype.
   // Returns true when it re-planned.
@@ -149,103 +438,216 @@ class UpdateKernel {
       stale = stale || s.source.device() != s.source_device || s.source.scalar_type() != s.source_dtype ||
               s.source.is_contiguous() != s.source_contiguous;
     }
-    if (stale) plan();
+    if (stale) {
+      wait();
+      plan();
+    }
     return stale;
   }
 
-  // ema = lerp(ema, model, weight) for averaged slots; copy for the others.
-  void average(double weight) {
-    c10::NoGradGuard no_grad;
-    for (auto i : staged_) slots_[i].staging.copy_(slots_[i].source);
-    for (auto& g : cpu_groups_) run_cpu_group(g, weight);
-    for (auto& g : device_groups_) run_device_group(g, weight);
-    for (auto i : generic_) slots_[i].average.lerp_(slots_[i].input(), weight);
-    for (auto i : copied_) slots_[i].average.copy_(slots_[i].source);
-  }
+  // ema = lerp(ema, model, weight) for averaged slots; copy for the copied ones.
+  void average(double weight) { run(/*averaging=*/true, weight); }
 
   // ema = model for every slot.
-  void copy() {
-    c10::NoGradGuard no_grad;
-    for (auto& s : slots_) s.average.copy_(s.source);
-  }
+  void copy() { run(/*averaging=*/false, 1.0); }
 
  private:
-  struct Chunk {
-    std::int32_t group_slot;  // index into the group's pointer table
-    std::int64_t begin;
-    std::int64_t end;
-  };
-  struct CpuGroup {
-    c10::ScalarType average_dtype;
-    c10::ScalarType input_dtype;
-    std::vector<std::size_t> slots;
-    std::vector<std::pair<void*, const void*>> pointers;  // refreshed per update, sized at plan
-    std::vector<Chunk> chunks;
-  };
   struct DeviceGroup {
     c10::Device device{c10::kCPU};
     c10::ScalarType dtype;
     std::vector<at::Tensor> averages;
     std::vector<at::Tensor> inputs;
   };
+  // A device's staging copies, foreach groups and plain copies all run under its lane.
+  struct DeviceCopy {
+    std::size_t slot;
+    bool follows_averages;
+  };
+
+  void run(bool averaging, double weight) {
+    c10::NoGradGuard no_grad;
+    join_host();  // the previous offloaded pass must finish before this one touches its buffers
+    CpuPass& pass = averaging ? average_pass_ : copy_pass_;
+    for (auto& seg : pass.segments()) {
+      const Slot& s = slots_[seg.slot];
+      seg.a = s.average.data_ptr();
+      seg.x = read_ptr(s.input());
+    }
+    for (std::size_t k = 0; k < lanes_.size(); ++k) {
+      Lane& lane = lanes_[k];
+      auto guard = lane.begin();
+      run_device_work(averaging, weight, k);
+      lane.finish();
+    }
+    run_device_work(averaging, weight, npos);  // CPU foreach path, devices without streams
+    if (offload_lanes_.empty()) {
+      run_cpu(averaging, weight);
+    } else if (side_stream_) {
+      // The host waits for the device-to-host copies on a thread of its own, then runs the pass.
+      host_ = std::async(std::launch::async, [this, averaging, weight] {
+        c10::NoGradGuard no_grad_here;
+        for (auto k : offload_lanes_) lanes_[k].synchronize_host();
+        run_cpu(averaging, weight);
+      });
+    } else {
+      for (auto k : offload_lanes_) lanes_[k].synchronize_host();
+      run_cpu(averaging, weight);
+    }
+  }
+
+  // The staging copies, foreach groups and device copies of lane k (npos: of no lane).
+  void run_device_work(bool averaging, double weight, std::size_t k) {
+    for (auto i : staged_)
+      if (lane_of(slots_[i]) == k) stage_copy(slots_[i]);
+    for (auto& g : device_groups_) {
+      if (lane_of(g.device) != k) continue;
+      if (averaging) {
+        run_device_group(g, weight);
+      } else {
+        for (std::size_t j = 0; j < g.averages.size(); ++j) g.averages[j].copy_(g.inputs[j]);
+      }
+    }
+    for (const auto& c : device_copies_) {
+      Slot& s = slots_[c.slot];
+      if (lane_of(s.average.device()) == k && (!averaging || c.follows_averages)) s.average.copy_(s.input());
+    }
+  }
+
+  void run_cpu(bool averaging, double weight) {
+    (averaging ? average_pass_ : copy_pass_).run(weight, chunk_elements * 12);
+    if (averaging) {
+      for (auto i : generic_) slots_[i].average.lerp_(slots_[i].input(), weight);
+      for (auto i : generic_copies_)
+        if (slots_[i].follows_averages) slots_[i].average.copy_(slots_[i].input());
+    } else {
+      for (auto i : generic_) slots_[i].average.copy_(slots_[i].input());
+      for (auto i : generic_copies_) slots_[i].average.copy_(slots_[i].input());
+    }
+  }
+
+  void stage_copy(Slot& s) {
+    // Non-blocking only into pinned memory: the host waits for the lane before reading it.
+    const bool non_blocking = s.staging.is_cpu() && s.source.is_cuda() && s.staging.is_pinned();
+    s.staging.copy_(s.source, non_blocking);
+  }
+
+  void join_host() const {
+    if (host_.valid()) host_.get();  // rethrows an error of the host pass
+  }
+  void wait_noexcept() const noexcept {
+    try {
+      wait();
+    } catch (...) {  // a failed pass was already reported by update(), or cannot be anymore
+    }
+  }
+
+  static constexpr std::size_t npos = static_cast<std::size_t>(-1);
+
+  // The lane of a device (npos: none; only CUDA devices have lanes).
+  std::size_t lane_of(c10::Device dev) const {
+    for (std::size_t k = 0; k < lanes_.size(); ++k)
+      if (lanes_[k].device() == dev) return k;
+    return npos;
+  }
+  // The lane a slot's staging copy runs on: the CUDA device it crosses, if any.
+  std::size_t lane_of(const Slot& s) const {
+    return lane_of(s.average.is_cuda() ? s.average.device() : s.source.device());
+  }
+
+  std::size_t lane_for(c10::Device dev) {
+    for (std::size_t k = 0; k < lanes_.size(); ++k)
+      if (lanes_[k].device() == dev) return k;
+    lanes_.emplace_back(dev, side_stream_);
+    return lanes_.size() - 1;
+  }
 
   void plan() {
-    cpu_groups_.clear();
+    average_pass_.clear();
+    copy_pass_.clear();
     device_groups_.clear();
+    device_copies_.clear();
     staged_.clear();
     generic_.clear();
-    copied_.clear();
+    generic_copies_.clear();
+    lanes_.clear();
+    offload_lanes_.clear();
     for (std::size_t i = 0; i < slots_.size(); ++i) {
       Slot& s = slots_[i];
       s.source_device = s.source.device();
       s.source_dtype = s.source.scalar_type();
       s.source_contiguous = s.source.is_contiguous();
       s.staging = at::Tensor();
-      if (!s.averaged) {
-        copied_.push_back(i);
-        continue;
-      }
       const auto a_dev = s.average.device();
       const auto a_type = s.average.scalar_type();
-      const bool same_place = s.source_device == a_dev && s.source_contiguous;
-      if (a_dev.is_cpu() && cpu_path_ == CpuPath::fused) {
-        if (same_place && fused_pair(a_type, s.source_dtype)) {
-          cpu_group(a_type, s.source_dtype).slots.push_back(i);
-          continue;
-        }
-        if (!(same_place && s.source_dtype == a_type)) stage(i, a_type);
-        if (fused_pair(a_type, a_type)) {
-          cpu_group(a_type, a_type).slots.push_back(i);
-        } else {
-          generic_.push_back(i);  // complex and other rare dtypes: ATen's own lerp_
-        }
+      if (a_dev.is_cuda()) lane_for(a_dev);
+      if (s.source_device.is_cuda() && !a_dev.is_cuda()) {
+        const std::size_t k = lane_for(s.source_device);
+        if (std::find(offload_lanes_.begin(), offload_lanes_.end(), k) == offload_lanes_.end())
+          offload_lanes_.push_back(k);
+      }
+      if (a_dev.is_cpu() && (cpu_path_ == CpuPath::fused || !s.averaged)) {
+        plan_cpu_slot(i);
       } else {
-        if (!(same_place && s.source_dtype == a_type)) stage(i, a_type);
-        device_group(a_dev, a_type, s.average, s.input());
-      }
-    }
-    for (auto& g : cpu_groups_) {
-      g.pointers.assign(g.slots.size(), {nullptr, nullptr});
-      g.chunks.clear();
-      for (std::size_t k = 0; k < g.slots.size(); ++k) {
-        const std::int64_t n = slots_[g.slots[k]].average.numel();
-        for (std::int64_t b = 0; b < n; b += chunk_elements)
-          g.chunks.push_back({static_cast<std::int32_t>(k), b, std::min(n, b + chunk_elements)});
+        const bool same_place = s.source_device == a_dev && s.source_contiguous;
+        if (!(same_place && s.source_dtype == a_type)) stage(i, a_type, /*pinned=*/false);
+        if (s.averaged) {
+          device_group(a_dev, a_type, s.average, s.input());
+        } else if (a_dev.is_cpu()) {
+          generic_copies_.push_back(i);
+        } else {
+          device_copies_.push_back({i, s.follows_averages});
+        }
       }
     }
   }
 
-  void stage(std::size_t i, c10::ScalarType dtype) {
+  // A CPU average: a segment of the fused passes when the pass can read its input (the source
+  // itself, or a staging copy of it), else ATen's own lerp_/copy_ (complex and rare dtypes).
+  void plan_cpu_slot(std::size_t i) {
     Slot& s = slots_[i];
-    s.staging = at::empty(s.source.sizes(), s.average.options().dtype(dtype));
-    staged_.push_back(i);
+    const auto a_type = s.average.scalar_type();
+    const bool offload = s.source_device.is_cuda();
+    const bool readable = s.source_device.is_cpu() && s.source_contiguous;
+    // The dtype the pass will read: the source's own when the pair is fused (so an offloaded bf16
+    // model crosses PCIe in bf16), else the average's.
+    c10::ScalarType in_type = s.source_dtype;
+    const bool pair = s.averaged ? fused_pair(a_type, in_type) : (in_type == a_type || fused_pair(a_type, in_type));
+    if (!pair) in_type = a_type;
+    if (!readable || in_type != s.source_dtype) stage(i, in_type, /*pinned=*/offload);
+    const std::int64_t n = s.average.numel();
+    const std::int64_t cost = static_cast<std::int64_t>(s.average.element_size() * 2 + c10::elementSize(in_type));
+    const std::int64_t copy_cost = static_cast<std::int64_t>(s.average.element_size() + c10::elementSize(in_type));
+    SegmentFn lerp = nullptr, copy = nullptr;
+    if (fused_pair(a_type, in_type)) {
+      dispatch_pair(a_type, in_type, [&](auto* a_tag, auto* s_tag) {
+        using A = std::remove_pointer_t<decltype(a_tag)>;
+        using S = std::remove_const_t<std::remove_pointer_t<decltype(s_tag)>>;
+        std::tie(lerp, copy) = segment_fns<A, S>();
+      });
+    } else if (in_type == a_type) {
+      copy = byte_copy_fn(s.average.element_size());
+    }
+    if (s.averaged) {
+      if (lerp != nullptr) {
+        average_pass_.add(lerp, i, n, cost);
+        copy_pass_.add(copy, i, n, copy_cost);
+      } else {
+        generic_.push_back(i);
+      }
+    } else if (copy != nullptr) {
+      if (s.follows_averages) average_pass_.add(copy, i, n, copy_cost);
+      copy_pass_.add(copy, i, n, copy_cost);
+    } else {
+      generic_copies_.push_back(i);
+    }
   }
 
-  CpuGroup& cpu_group(c10::ScalarType a, c10::ScalarType in) {
-    for (auto& g : cpu_groups_)
-      if (g.average_dtype == a && g.input_dtype == in) return g;
-    cpu_groups_.push_back(CpuGroup{a, in, {}, {}, {}});
-    return cpu_groups_.back();
+  void stage(std::size_t i, c10::ScalarType dtype, bool pinned) {
+    Slot& s = slots_[i];
+    auto options = s.average.options().dtype(dtype);
+    if (pinned) options = options.pinned_memory(true);
+    s.staging = at::empty(s.source.sizes(), options);
+    staged_.push_back(i);
   }
 
   void device_group(c10::Device dev, c10::ScalarType dtype, const at::Tensor& avg, const at::Tensor& in) {
@@ -259,29 +661,7 @@ class UpdateKernel {
     device_groups_.push_back(DeviceGroup{dev, dtype, {avg}, {in}});
   }
 
-  void run_cpu_group(CpuGroup& g, double weight) {
-    for (std::size_t k = 0; k < g.slots.size(); ++k) {
-      const Slot& s = slots_[g.slots[k]];
-      g.pointers[k] = {s.average.data_ptr(), s.input().data_ptr()};
-    }
-    dispatch_pair(g.average_dtype, g.input_dtype, [&](auto* a_tag, auto* s_tag) {
-      using A = std::remove_pointer_t<decltype(a_tag)>;
-      using S = std::remove_const_t<std::remove_pointer_t<decltype(s_tag)>>;
-      const auto w = static_cast<opmath_t<A>>(weight);
-      const auto& chunks = g.chunks;
-      const auto& ptrs = g.pointers;
-      at::parallel_for(0, static_cast<std::int64_t>(chunks.size()), 1, [&](std::int64_t begin, std::int64_t end) {
-        for (std::int64_t c = begin; c < end; ++c) {
-          const Chunk& ch = chunks[static_cast<std::size_t>(c)];
-          auto* a = static_cast<A*>(ptrs[static_cast<std::size_t>(ch.group_slot)].first) + ch.begin;
-          const auto* x = static_cast<const S*>(ptrs[static_cast<std::size_t>(ch.group_slot)].second) + ch.begin;
-          lerp_range<A, S>(a, x, ch.end - ch.begin, w);
-        }
-      });
-    });
-  }
-
-  static void run_device_group(DeviceGroup& g, double weight) {
+  void run_device_group(DeviceGroup& g, double weight) {
 #if EMAKIT_HAS_FOREACH_LERP
     at::_foreach_lerp_(g.averages, g.inputs, weight);
 #else
@@ -292,11 +672,17 @@ class UpdateKernel {
 
   std::vector<Slot> slots_;
   CpuPath cpu_path_ = CpuPath::fused;
-  std::vector<CpuGroup> cpu_groups_;
+  bool side_stream_ = false;
+  CpuPass average_pass_;
+  CpuPass copy_pass_;
   std::vector<DeviceGroup> device_groups_;
+  std::vector<DeviceCopy> device_copies_;
   std::vector<std::size_t> staged_;
-  std::vector<std::size_t> generic_;
-  std::vector<std::size_t> copied_;
+  std::vector<std::size_t> generic_;         // CPU averages the pass cannot read: lerp_ / copy_
+  std::vector<std::size_t> generic_copies_;  // CPU copied slots the pass cannot copy: copy_
+  mutable std::vector<Lane> lanes_;          // one per CUDA device the update touches
+  std::vector<std::size_t> offload_lanes_;   // lanes whose device-to-host copies the CPU pass reads
+  mutable std::future<void> host_;           // the CPU pass of an offloaded side-stream update
 };
 
 }  // namespace emakit::detail
