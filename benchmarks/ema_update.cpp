@@ -1,0 +1,520 @@
+// emakit_bench_ema_update: the EMA update against its roofline and LibTorch's own ops.
+//
+// Every case updates the same buffers: a model's parameters (fp32, or bf16 with an fp32 EMA) and
+// the EMA's averages. Names are  <op>/<layout>/<precision>/<implementation>/threads:<n>:
+//   op              average (ema = lerp(ema, model, w)) or copy (ema = model)
+//   implementation  emakit        Ema::update() (the fused CPU pass; foreach ops on CUDA)
+//                   roofline      a plain fused loop over the same buffers, split evenly over the
+//                                 threads: the speed limit of one pass (CPU); on CUDA, one
+//                                 device-to-device copy of the same bytes
+//                   aten_lerp     Tensor::lerp_ per tensor (fp32)
+//                   aten_mul_add  Tensor::mul_ + Tensor::add_ per tensor (the 30-line loop)
+//                   aten_foreach  emakit's device path run on CPU tensors (_foreach_lerp_ on
+//                                 LibTorch >= 2, _foreach_mul_ + _foreach_add_ on 1.13; fp32)
+//                   aten_copy     Tensor::copy_ per tensor (copy)
+// Counters: bytes (moved per update: 12 per fp32 element averaged, 10 from bf16, 8 / 6 copied),
+// params, tensors. bytes_per_second is bytes / time.
+// memory/<layout>/bf16/emakit: the resident memory one update adds (VmHWM after the update minus
+// VmRSS before, /proc/self/clear_refs resetting the peak), as extra_rss_fraction of model + EMA.
+// step/<mode>/mlp (CUDA): a synthetic training step (forward, backward, SGD step) with no EMA,
+// the EMA updated inline, or updated on a side stream (EmaOptions::side_stream).
+//
+// Own flags (the rest go to Google Benchmark):
+//   --emakit_device=cpu|cuda         (default cpu)
+//   --emakit_layouts=a,b,...         (default: every layout up to large_256m on CPU; on CUDA
+//                                     many_small,resnet50,vit_b16,llm1b)
+//   --emakit_threads=1,all           (CPU; `all` is every CPU the process may run on)
+//   --emakit_dump_layouts=FILE       write the layouts as JSON and exit
+#include "layouts.hpp"
+
+#include <emakit/emakit.hpp>
+
+#include <ATen/Parallel.h>
+#include <benchmark/benchmark.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/cuda.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
+#include <torch/version.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+namespace {
+
+using emakit_bench::Layout;
+
+enum class Precision { fp32, bf16 };
+const char* name_of(Precision p) { return p == Precision::fp32 ? "fp32" : "bf16"; }
+enum class Op { average, copy };
+const char* name_of(Op o) { return o == Op::average ? "average" : "copy"; }
+
+constexpr double kWeight = 1e-3;  // lerp weight (decay 0.999)
+
+// ---- the buffers ---------------------------------------------------------------------------
+
+// A model's tensors and two EMAs of it: one that averages at every update, one that copies.
+struct Fixture {
+  std::string key;
+  Layout layout;
+  Precision precision;
+  c10::Device device{c10::kCPU};
+  std::vector<emakit::SourceTensor> model;
+  std::unique_ptr<emakit::FixedEma> averaging;
+  std::unique_ptr<emakit::FixedEma> copying;
+  std::unique_ptr<emakit::detail::UpdateKernel> foreach_kernel;  // fp32 only, built on first use
+  at::Tensor flat_a, flat_b;  // CUDA roofline buffers, built on first use
+
+  std::int64_t params() const { return layout.numel(); }
+  std::int64_t source_bytes() const { return precision == Precision::fp32 ? 4 : 2; }
+  std::int64_t bytes(Op op) const { return params() * (op == Op::average ? 8 + source_bytes() : 4 + source_bytes()); }
+
+  emakit::FixedEma& ema(Op op) { return op == Op::average ? *averaging : *copying; }
+  std::vector<at::Tensor> averages(Op op) {
+    std::vector<at::Tensor> out;
+    for (const auto& item : ema(op).averages()) out.push_back(item.value());
+    return out;
+  }
+};
+
+std::unique_ptr<Fixture> g_fixture;  // one at a time: the cases of one fixture run consecutively
+
+Fixture& fixture(const Layout& layout, Precision precision, c10::Device device) {
+  const std::string key = layout.name + "/" + name_of(precision) + "/" + device.str();
+  if (g_fixture && g_fixture->key == key) return *g_fixture;
+  g_fixture.reset();  // free the previous buffers first
+  auto f = std::make_unique<Fixture>();
+  f->key = key;
+  f->layout = layout;
+  f->precision = precision;
+  f->device = device;
+  torch::NoGradGuard no_grad;
+  torch::manual_seed(0);
+  const auto dtype = precision == Precision::fp32 ? torch::kFloat : torch::kBFloat16;
+  for (std::size_t i = 0; i < layout.shapes.size(); ++i) {
+    auto t = torch::randn(layout.shapes[i], torch::TensorOptions().device(device)).to(dtype);
+    f->model.push_back({"p" + std::to_string(i), t, false});
+  }
+  f->averaging = std::make_unique<emakit::FixedEma>(f->model, emakit::Fixed(1.0 - kWeight));
+  f->copying = std::make_unique<emakit::FixedEma>(
+      f->model, emakit::Fixed(1.0 - kWeight),
+      emakit::StepSchedule().warmup(emakit::Warmup::copy_before_start).start_step(std::int64_t{1} << 62));
+  g_fixture = std::move(f);
+  return *g_fixture;
+}
+
+void synchronize(c10::Device device) {
+  if (!device.is_cuda()) return;
+  c10::impl::VirtualGuardImpl impl(device.type());
+  impl.synchronizeStream(impl.getStream(device));
+}
+
+// ---- the roofline: a plain fused loop --------------------------------------------------------
+
+struct Span {
+  float* a;
+  const void* x;
+  std::int64_t n;
+};
+
+std::vector<Span> spans(Fixture& f, Op op) {
+  std::vector<Span> out;
+  auto avg = f.averages(op);
+  for (std::size_t i = 0; i < avg.size(); ++i)
+    out.push_back({avg[i].data_ptr<float>(), f.model[i].tensor.data_ptr(), avg[i].numel()});
+  return out;
+}
+
+inline float widen(const float* x, std::int64_t i) { return x[i]; }
+inline float widen(const std::uint16_t* x, std::int64_t i) {
+  std::uint32_t bits = std::uint32_t{x[i]} << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <class S, bool Average>
+[[gnu::always_inline]] inline void plain_loop(float* __restrict a, const S* __restrict x, std::int64_t n, float w) {
+  if constexpr (Average) {
+#pragma omp simd
+    for (std::int64_t i = 0; i < n; ++i) a[i] = a[i] + w * (widen(x, i) - a[i]);
+  } else {
+#pragma omp simd
+    for (std::int64_t i = 0; i < n; ++i) a[i] = widen(x, i);
+  }
+}
+
+// The roofline is the best plain loop this CPU runs: on x86-64 also compiled for AVX2 (as
+// emakit's segments are) and picked at run time.
+template <class S, bool Average>
+void plain_loop_baseline(float* a, const S* x, std::int64_t n, float w) { plain_loop<S, Average>(a, x, n, w); }
+#if defined(__x86_64__) && !defined(__AVX2__)
+template <class S, bool Average>
+__attribute__((target("avx2"))) void plain_loop_avx2(float* a, const S* x, std::int64_t n, float w) {
+  plain_loop<S, Average>(a, x, n, w);
+}
+bool cpu_has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") != 0;
+}
+#endif
+template <class S, bool Average>
+auto best_plain_loop() {
+#if defined(__x86_64__) && !defined(__AVX2__)
+  if (cpu_has_avx2()) return &plain_loop_avx2<S, Average>;
+#endif
+  return &plain_loop_baseline<S, Average>;
+}
+
+// Each thread takes one contiguous share of the concatenated elements.
+template <class S, bool Average>
+void roofline(const std::vector<Span>& spans, std::int64_t total, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+#if defined(_OPENMP)
+    const std::int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    const std::int64_t t = 0, nt = 1;
+#endif
+    const std::int64_t begin = total * t / nt, end = total * (t + 1) / nt;
+    static const auto loop = best_plain_loop<S, Average>();
+    std::int64_t offset = 0;
+    for (const auto& s : spans) {
+      const std::int64_t lo = std::max(begin, offset), hi = std::min(end, offset + s.n);
+      if (lo < hi) loop(s.a + (lo - offset), static_cast<const S*>(s.x) + (lo - offset), hi - lo, float(kWeight));
+      offset += s.n;
+      if (offset >= end) break;
+    }
+  }
+}
+
+// ---- the cases -------------------------------------------------------------------------------
+
+struct Case {
+  Layout layout;
+  Precision precision;
+  Op op;
+  std::string impl;
+  int threads;
+  c10::Device device{c10::kCPU};
+};
+
+void set_counters(benchmark::State& state, Fixture& f, Op op) {
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * f.bytes(op));
+  state.counters["bytes"] = static_cast<double>(f.bytes(op));
+  state.counters["params"] = static_cast<double>(f.params());
+  state.counters["tensors"] = static_cast<double>(f.model.size());
+}
+
+void run_case(benchmark::State& state, const Case& c) {
+  at::set_num_threads(c.threads);
+  Fixture& f = fixture(c.layout, c.precision, c.device);
+  torch::NoGradGuard no_grad;
+  std::function<void()> step;
+  if (c.impl == "emakit") {
+    auto& ema = f.ema(c.op);
+    step = [&ema] { ema.update(); };
+  } else if (c.impl == "roofline" && c.device.is_cpu()) {
+    auto s = spans(f, c.op);
+    const std::int64_t total = f.params();
+    const int threads = c.threads;
+    if (c.precision == Precision::fp32)
+      step = c.op == Op::average ? std::function<void()>([s, total, threads] { roofline<float, true>(s, total, threads); })
+                                 : std::function<void()>([s, total, threads] { roofline<float, false>(s, total, threads); });
+    else
+      step = c.op == Op::average
+                 ? std::function<void()>([s, total, threads] { roofline<std::uint16_t, true>(s, total, threads); })
+                 : std::function<void()>([s, total, threads] { roofline<std::uint16_t, false>(s, total, threads); });
+  } else if (c.impl == "roofline") {  // CUDA: one device-to-device copy of the update's bytes
+    if (!f.flat_a.defined()) {
+      const std::int64_t n = (f.bytes(c.op) / 2 + 3) / 4;  // bytes read = bytes written
+      f.flat_a = torch::empty({n}, torch::TensorOptions().device(f.device));
+      f.flat_b = torch::zeros({n}, torch::TensorOptions().device(f.device));
+    }
+    step = [&f] { f.flat_a.copy_(f.flat_b); };
+  } else if (c.impl == "aten_lerp") {
+    auto avg = f.averages(c.op);
+    step = [avg, &f] {
+      for (std::size_t i = 0; i < avg.size(); ++i) avg[i].lerp_(f.model[i].tensor, kWeight);
+    };
+  } else if (c.impl == "aten_mul_add") {
+    auto avg = f.averages(c.op);
+    step = [avg, &f] {
+      for (std::size_t i = 0; i < avg.size(); ++i) avg[i].mul_(1.0 - kWeight).add_(f.model[i].tensor, kWeight);
+    };
+  } else if (c.impl == "aten_foreach") {
+    if (!f.foreach_kernel) {
+      std::vector<emakit::detail::Slot> slots;
+      auto avg = f.averages(c.op);
+      for (std::size_t i = 0; i < avg.size(); ++i) {
+        emakit::detail::Slot s;
+        s.name = f.model[i].name;
+        s.average = avg[i];
+        s.source = f.model[i].tensor;
+        slots.push_back(std::move(s));
+      }
+      f.foreach_kernel = std::make_unique<emakit::detail::UpdateKernel>(
+          std::move(slots), emakit::detail::UpdateKernel::CpuPath::foreach);
+    }
+    auto* kernel = f.foreach_kernel.get();
+    step = [kernel] { kernel->average(kWeight); };
+  } else if (c.impl == "aten_copy") {
+    auto avg = f.averages(c.op);
+    step = [avg, &f] {
+      for (std::size_t i = 0; i < avg.size(); ++i) avg[i].copy_(f.model[i].tensor);
+    };
+  } else {
+    state.SkipWithError(("unknown implementation " + c.impl).c_str());
+    return;
+  }
+  step();  // warm: page faults, thread pool, lazy set-up
+  synchronize(f.device);
+  for (auto _ : state) {
+    step();
+    synchronize(f.device);
+  }
+  set_counters(state, f, c.op);
+}
+
+// ---- resident memory of one update ---------------------------------------------------------
+
+std::int64_t status_kib(const char* field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  const std::size_t len = std::strlen(field);
+  while (std::getline(in, line))
+    if (line.compare(0, len, field) == 0) return std::stoll(line.substr(len + 1));
+  return -1;
+}
+
+bool reset_peak_rss() {
+  std::ofstream out("/proc/self/clear_refs");
+  out << "5";
+  out.flush();
+  return static_cast<bool>(out);
+}
+
+void run_memory(benchmark::State& state, const Case& c) {
+  at::set_num_threads(c.threads);
+  Fixture& f = fixture(c.layout, c.precision, c.device);
+  auto& ema = f.ema(Op::average);
+  ema.update();
+  double extra = 0;
+  for (auto _ : state) {
+    if (!reset_peak_rss()) {
+      state.SkipWithError("cannot write /proc/self/clear_refs to reset the peak RSS");
+      return;
+    }
+    const std::int64_t before = status_kib("VmRSS:");
+    ema.update();
+    const std::int64_t peak = status_kib("VmHWM:");
+    extra = std::max(extra, static_cast<double>(peak - before) * 1024.0);
+  }
+  const double resident = static_cast<double>(f.params()) * (4.0 + static_cast<double>(f.source_bytes()));
+  state.counters["extra_rss_bytes"] = extra;
+  state.counters["model_plus_ema_bytes"] = resident;
+  state.counters["extra_rss_fraction"] = extra / resident;
+  state.counters["params"] = static_cast<double>(f.params());
+}
+
+// ---- a synthetic training step (CUDA) -----------------------------------------------------
+
+struct MlpImpl : torch::nn::Module {
+  explicit MlpImpl(int layers, int width) {
+    for (int i = 0; i < layers; ++i) fcs.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(width, width)));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& fc : fcs) x = torch::relu(fc->forward(x));
+    return x;
+  }
+  std::vector<torch::nn::Linear> fcs;
+};
+
+void run_step(benchmark::State& state, const std::string& mode, c10::Device device) {
+  g_fixture.reset();
+  torch::manual_seed(0);
+  auto model = std::make_shared<MlpImpl>(8, 4096);
+  model->to(device);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(1e-4));
+  std::optional<emakit::FixedEma> ema;
+  if (mode != "no_ema")
+    ema.emplace(*model, emakit::Fixed(0.999), emakit::StepSchedule(),
+                emakit::EmaOptions().side_stream(mode == "ema_side_stream"));
+  const auto x = torch::randn({1024, 4096}, torch::TensorOptions().device(device));
+  auto train_step = [&] {
+    optimizer.zero_grad();
+    model->forward(x).square().mean().backward();
+    if (ema) ema->wait();  // the optimizer step writes the weights the side stream may still read
+    optimizer.step();
+    if (ema) ema->update();
+  };
+  for (int i = 0; i < 3; ++i) train_step();
+  if (ema) ema->wait();
+  synchronize(device);
+  constexpr int steps = 20;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < steps; ++i) train_step();
+    if (ema) ema->wait();
+    synchronize(device);
+    state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / steps);
+  }
+  state.counters["params"] = 8.0 * (4096.0 * 4096.0 + 4096.0);
+}
+
+// ---- registration ------------------------------------------------------------------------------
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ','))
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+void dump_layouts(const std::string& path) {
+  std::ofstream out(path);
+  out << "{\n";
+  const auto layouts = emakit_bench::all_layouts();
+  for (std::size_t k = 0; k < layouts.size(); ++k) {
+    const auto& l = layouts[k];
+    out << "  \"" << l.name << "\": {\"description\": \"" << l.description << "\", \"params\": " << l.numel()
+        << ", \"shapes\": [";
+    for (std::size_t i = 0; i < l.shapes.size(); ++i) {
+      out << (i ? ", " : "") << "[";
+      for (std::size_t j = 0; j < l.shapes[i].size(); ++j) out << (j ? ", " : "") << l.shapes[i][j];
+      out << "]";
+    }
+    out << "]}" << (k + 1 < layouts.size() ? "," : "") << "\n";
+  }
+  out << "}\n";
+}
+
+void register_cases(const std::vector<Layout>& layouts, const std::vector<int>& threads, c10::Device device) {
+  for (const auto& layout : layouts) {
+    for (Precision precision : {Precision::fp32, Precision::bf16}) {
+      for (int t : threads) {
+        for (Op op : {Op::average, Op::copy}) {
+          std::vector<std::string> impls = {"emakit", "roofline"};
+          if (device.is_cpu()) {
+            if (op == Op::average && precision == Precision::fp32) impls.insert(impls.end(), {"aten_lerp", "aten_foreach"});
+            if (op == Op::average) impls.push_back("aten_mul_add");
+            if (op == Op::copy) impls.push_back("aten_copy");
+          } else if (op == Op::copy) {
+            impls.push_back("aten_copy");
+          }
+          for (const auto& impl : impls) {
+            const Case c{layout, precision, op, impl, t, device};
+            const std::string name = std::string(name_of(op)) + "/" + layout.name + "/" + name_of(precision) + "/" +
+                                     impl + "/threads:" + std::to_string(t);
+            auto* b = benchmark::RegisterBenchmark(name.c_str(), [c](benchmark::State& s) { run_case(s, c); });
+            b->Unit(benchmark::kMillisecond)->UseRealTime();
+          }
+        }
+        if (precision == Precision::bf16 && device.is_cpu()) {
+          const Case c{layout, precision, Op::average, "emakit", t, device};
+          const std::string name = "memory/" + layout.name + "/bf16/emakit/threads:" + std::to_string(t);
+          benchmark::RegisterBenchmark(name.c_str(), [c](benchmark::State& s) { run_memory(s, c); })
+              ->Iterations(3)
+              ->Unit(benchmark::kMillisecond);
+        }
+      }
+    }
+  }
+  if (device.is_cuda()) {
+    for (const char* mode : {"no_ema", "ema_inline", "ema_side_stream"}) {
+      const std::string m = mode;
+      benchmark::RegisterBenchmark(("step/" + m + "/mlp8x4096/fp32").c_str(),
+                                   [m, device](benchmark::State& s) { run_step(s, m, device); })
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string device_name = "cpu", layouts_arg, threads_arg = "1,all";
+  std::vector<char*> rest;
+  for (int i = 0; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&](const char* flag) -> std::optional<std::string> {
+      const std::string prefix = std::string(flag) + "=";
+      if (arg.rfind(prefix, 0) == 0) return arg.substr(prefix.size());
+      return std::nullopt;
+    };
+    if (auto v = value("--emakit_device")) {
+      device_name = *v;
+    } else if (auto v2 = value("--emakit_layouts")) {
+      layouts_arg = *v2;
+    } else if (auto v3 = value("--emakit_threads")) {
+      threads_arg = *v3;
+    } else if (auto v4 = value("--emakit_dump_layouts")) {
+      dump_layouts(*v4);
+      return 0;
+    } else {
+      rest.push_back(argv[i]);
+    }
+  }
+  const bool cuda = device_name == "cuda";
+  if (cuda && !torch::cuda::is_available()) {
+    std::fprintf(stderr, "emakit_bench_ema_update: --emakit_device=cuda but no CUDA device is available\n");
+    return 77;
+  }
+  if (layouts_arg.empty())
+    layouts_arg = cuda ? "many_small,resnet50,vit_b16,llm1b" : "many_small,large_16m,resnet50,large_64m,vit_b16,large_256m";
+  std::vector<Layout> layouts;
+  const auto known = emakit_bench::all_layouts();
+  for (const auto& name : split(layouts_arg)) {
+    auto it = std::find_if(known.begin(), known.end(), [&](const Layout& l) { return l.name == name; });
+    if (it == known.end()) {
+      std::fprintf(stderr, "emakit_bench_ema_update: unknown layout '%s'\n", name.c_str());
+      return 2;
+    }
+    layouts.push_back(*it);
+  }
+  // "all": the CPUs this process may run on (LibTorch's default thread count can be lower:
+  // Debian's LibTorch 1.13 starts with 1 on this machine).
+#if defined(_OPENMP)
+  const int all = omp_get_num_procs();
+#else
+  const int all = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+#endif
+  std::vector<int> threads;
+  if (cuda) {
+    threads = {all};
+  } else {
+    for (const auto& t : split(threads_arg)) {
+      const int n = t == "all" ? all : std::stoi(t);
+      if (std::find(threads.begin(), threads.end(), n) == threads.end()) threads.push_back(n);
+    }
+  }
+  register_cases(layouts, threads, cuda ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU));
+  benchmark::AddCustomContext("libtorch", TORCH_VERSION);
+  benchmark::AddCustomContext("emakit_threads_all", std::to_string(all));
+  benchmark::AddCustomContext("emakit_device", device_name);
+  int rest_argc = static_cast<int>(rest.size());
+  benchmark::Initialize(&rest_argc, rest.data());
+  if (benchmark::ReportUnrecognizedArguments(rest_argc, rest.data())) return 2;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  g_fixture.reset();
+  return 0;
+}

@@ -1,0 +1,326 @@
+#!/usr/bin/env python3
+"""Tables and a plot from one benchmark run: emakit_bench_ema_update's Google Benchmark JSON (one
+file per LibTorch build and round; files are grouped by the LibTorch version they name) and
+benchmarks/peers.py's JSON (one file per round).
+
+  python benchmarks/report.py --cpp build/bench/torch1.13-*.json build/bench/torch2-*.json \
+      --peers build/bench/peers-*.json --out-md results.md --out-png results.png [--machine TEXT]
+
+Every time is the median over all repetitions of all rounds. Ratios compare results of this one run:
+"of roofline" is emakit's throughput over the plain fused loop's on the same buffers in the same
+process; "a peer / emakit" is the peer's time per update over emakit's (above 1: emakit is faster).
+"""
+import argparse
+import json
+import re
+import sys
+
+PEERS = [("ema_pytorch", "ema-pytorch"), ("ema_pytorch_foreach", "ema-pytorch foreach"),
+         ("timm_v3", "timm ModelEmaV3"), ("averaged_model", "AveragedModel")]
+LARGE = ("large_16m", "resnet50", "large_64m", "vit_b16", "large_256m", "llm1b")
+SMALL = ("many_small",)
+
+
+def median(values):
+    values = sorted(values)
+    n = len(values)
+    return values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
+
+
+def load_cpp(paths):
+    """{(op, layout, precision, impl, threads): record} over one LibTorch build's rounds (every
+    repetition of every file; the time is their median), its version and context."""
+    samples, meta, memory, ctx = {}, {}, {}, {}
+    for path in paths:
+        data = json.load(open(path))
+        ctx = data.get("context", ctx)
+        for b in data["benchmarks"]:
+            if b.get("error_occurred") or b.get("run_type") == "aggregate":
+                continue
+            name = re.sub(r"/(real_time|manual_time|iterations:\d+|repeats:\d+)", "", b.get("run_name", b["name"]))
+            parts = name.split("/")
+            scale = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}[b.get("time_unit", "ns")]
+            if parts[0] == "memory":
+                key = (parts[1], parts[3])
+                memory[key] = max(memory.get(key, 0.0), b.get("extra_rss_fraction", 0.0))
+                continue
+            key = ("step", parts[1], parts[2], parts[3], 0) if parts[0] == "step" else \
+                (parts[0], parts[1], parts[2], parts[3], int(parts[4].split(":")[1]))
+            samples.setdefault(key, []).append(b["real_time"] * scale)
+            meta[key] = {"bytes": b.get("bytes"), "params": b.get("params"), "tensors": b.get("tensors")}
+    runs = {}
+    for key, times in samples.items():
+        rec = {"time_s": median(times), "samples": len(times)}
+        if key[0] != "step":
+            rec.update(meta[key])
+        runs[key] = rec
+    return ctx.get("libtorch", "?"), ctx, runs, memory
+
+
+def load_peers(paths):
+    samples, meta, memory, unsupported, ctx = {}, {}, {}, [], {}
+    for path in paths:
+        data = json.load(open(path))
+        ctx = data["context"]
+        for r in data["results"]:
+            op, layout, precision, impl, threads = r["name"].split("/")
+            key = (op, layout, precision, impl, int(threads.split(":")[1]))
+            samples.setdefault(key, []).extend(r["times_s"])
+            meta[key] = r
+        for m in data.get("memory", []):
+            _, layout, _, peer = m["name"].split("/")
+            memory[(layout, peer)] = max(memory.get((layout, peer), 0.0), m["extra_rss_fraction"])
+        unsupported += data.get("unsupported", [])
+    runs = {k: dict(meta[k], time_s=median(v), samples=len(v)) for k, v in samples.items()}
+    return ctx, runs, memory, unsupported
+
+
+def fmt_time(s):
+    return f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} µs"
+
+
+def fmt_ratio(x):
+    return "n/a" if x is None else f"{x:.2f}×"
+
+
+def gbps(rec):
+    return rec["bytes"] / rec["time_s"] / 1e9
+
+
+def layouts_in(runs):
+    order = ["many_small", "large_16m", "resnet50", "large_64m", "vit_b16", "large_256m", "llm1b"]
+    present = {k[1] for k in runs if k[0] in ("average", "copy")}
+    return [l for l in order if l in present]
+
+
+def table(version, runs, peer_runs, op, threads_list):
+    peer_cols = [label for _, label in PEERS]
+    base_cols = ["lerp_", "mul_+add_"] if op == "average" else ["copy_"]
+    base_impl = {"lerp_": "aten_lerp", "mul_+add_": "aten_mul_add", "copy_": "aten_copy"}
+    head = ["layout", "params, tensors", "model → EMA", "threads", "emakit time", "GB/s", "of roofline"]
+    head += [f"{c} / emakit" for c in peer_cols] + [f"C++ {c} / emakit" for c in base_cols]
+    lines = [f"**{op}, LibTorch {version}**", "", "| " + " | ".join(head) + " |",
+             "|" + "|".join(["---"] * 4 + ["---:"] * (len(head) - 4)) + "|"]
+    for layout in layouts_in(runs):
+        for precision in ("fp32", "bf16"):
+            for t in threads_list:
+                e = runs.get((op, layout, precision, "emakit", t))
+                r = runs.get((op, layout, precision, "roofline", t))
+                if not e:
+                    continue
+                row = [layout, f"{e['params'] / 1e6:.3g}M, {int(e['tensors'])}",
+                       "fp32 → fp32" if precision == "fp32" else "bf16 → fp32", str(t), fmt_time(e["time_s"]),
+                       f"{gbps(e):.1f}", f"{r['time_s'] / e['time_s']:.0%}" if r else "n/a"]
+                for peer, _ in PEERS:
+                    p = peer_runs.get((op, layout, precision, peer, t))
+                    row.append(fmt_ratio(p["time_s"] / e["time_s"]) if p else "n/a")
+                for c in base_cols:
+                    b = runs.get((op, layout, precision, base_impl[c], t))
+                    row.append(fmt_ratio(b["time_s"] / e["time_s"]) if b else "n/a")
+                lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def targets(version, runs, peer_runs, memory, threads_list):
+    """The issue's CPU targets, checked on this run: list of (text, met)."""
+    out = []
+    worst_roof, worst_peer = None, None
+    for layout in layouts_in(runs):
+        if layout not in LARGE:
+            continue
+        for precision in ("fp32", "bf16"):
+            for t in threads_list:
+                e = runs.get(("average", layout, precision, "emakit", t))
+                r = runs.get(("average", layout, precision, "roofline", t))
+                if not e or not r:
+                    continue
+                frac = r["time_s"] / e["time_s"]
+                if worst_roof is None or frac < worst_roof[0]:
+                    worst_roof = (frac, f"{layout} {precision} {t} thr")
+                peers = [peer_runs[k] for k in ((("average", layout, precision, p, t)) for p, _ in PEERS) if k in peer_runs]
+                if peers:
+                    best = min(p["time_s"] for p in peers)
+                    ratio = best / e["time_s"]
+                    if worst_peer is None or ratio < worst_peer[0]:
+                        worst_peer = (ratio, f"{layout} {precision} {t} thr")
+    if worst_roof:
+        out.append((f"large layouts ≥ 85% of the roofline: lowest {worst_roof[0]:.0%} ({worst_roof[1]})",
+                    worst_roof[0] >= 0.85))
+    if worst_peer:
+        out.append((f"large layouts never slower than the fastest peer: lowest fastest-peer/emakit "
+                    f"{worst_peer[0]:.2f}× ({worst_peer[1]})", worst_peer[0] >= 1.0))
+    worst_small = None
+    for precision in ("fp32", "bf16"):
+        for t in threads_list:
+            e = runs.get(("average", "many_small", precision, "emakit", t))
+            peers = [peer_runs[k] for k in (("average", "many_small", precision, p, t) for p, _ in PEERS) if k in peer_runs]
+            if e and peers:
+                ratio = min(p["time_s"] for p in peers) / e["time_s"]
+                if worst_small is None or ratio < worst_small[0]:
+                    worst_small = (ratio, f"{precision} {t} thr")
+    if worst_small:
+        out.append((f"many small tensors ≤ 1/3 of the fastest peer's time: lowest fastest-peer/emakit "
+                    f"{worst_small[0]:.1f}× ({worst_small[1]})", worst_small[0] >= 3.0))
+    if memory:
+        worst = max(memory.items(), key=lambda kv: kv[1])
+        out.append((f"bf16 model, fp32 EMA: one update adds < 1% resident memory: at most "
+                    f"{worst[1]:.3%} of model + EMA ({worst[0][0]})", worst[1] < 0.01))
+    return out
+
+
+def cuda_targets(runs, peer_runs):
+    """The issue's CUDA targets, checked on this run: list of (text, met)."""
+    out = []
+    t = max((k[4] for k in runs if k[0] == "average"), default=0)
+    e = runs.get(("average", "llm1b", "fp32", "emakit", t))
+    r = runs.get(("average", "llm1b", "fp32", "roofline", t))
+    if e and r:
+        frac = r["time_s"] / e["time_s"]
+        out.append((f"1B-parameter fp32 layout ≥ 80% of the device-to-device copy bandwidth: {frac:.0%} "
+                    f"({gbps(e):.0f} of {gbps(r):.0f} GB/s)", frac >= 0.8))
+    worst = None
+    for (op, layout, precision, impl, th), e in runs.items():
+        if op != "average" or impl != "emakit":
+            continue
+        for peer, label in PEERS:
+            p = peer_runs.get((op, layout, precision, peer, th))
+            if p and (worst is None or p["time_s"] / e["time_s"] < worst[0]):
+                worst = (p["time_s"] / e["time_s"], f"{label}, {layout} {precision}")
+    if worst:
+        out.append((f"faster than each Python peer on the same GPU: lowest peer/emakit {worst[0]:.2f}× ({worst[1]})",
+                    worst[0] > 1.0))
+    steps = {k[1]: r["time_s"] for k, r in runs.items() if k[0] == "step"}
+    if "ema_inline" in steps and "ema_side_stream" in steps:
+        saving = steps["ema_inline"] - steps["ema_side_stream"]
+        out.append((f"the side stream saves step time: {saving * 1e3:.3f} ms of {steps['ema_inline'] * 1e3:.3f} ms "
+                    f"({saving / steps['ema_inline']:.1%})", saving > 0))
+    return out
+
+
+def memory_table(cpp_memory, peer_memory):
+    layouts = sorted({l for (l, _) in cpp_memory} | {l for (l, _) in peer_memory},
+                     key=lambda l: ["many_small", "large_16m", "resnet50", "large_64m", "vit_b16", "large_256m"].index(l)
+                     if l in ["many_small", "large_16m", "resnet50", "large_64m", "vit_b16", "large_256m"] else 99)
+    cols = [("emakit", "emakit")] + PEERS
+    lines = ["**Resident memory one update adds (bf16 model, fp32 EMA), as a fraction of model + EMA**", "",
+             "| layout | " + " | ".join(label for _, label in cols) + " |", "|---|" + "---:|" * len(cols)]
+    for l in layouts:
+        row = [l]
+        for key, _ in cols:
+            v = cpp_memory.get((l, key)) if key == "emakit" else peer_memory.get((l, key))
+            row.append("n/a" if v is None else f"{v:.2%}")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def plot(path, versions, peer_runs, threads_list, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(threads_list), figsize=(6 * len(threads_list), 8.5), squeeze=False, sharex=True)
+    for row, precision in enumerate(("fp32", "bf16")):
+        for col, t in enumerate(threads_list):
+            ax = axes[row][col]
+            series = []
+            for k, (version, runs) in enumerate(versions):
+                series.append((f"emakit (LibTorch {version})", runs, "emakit", dict(marker="o", lw=2.2)))
+                if k == 0:
+                    series.append(("fused-loop roofline", runs, "roofline", dict(ls="--", color="black", lw=1.2)))
+            for peer, label in PEERS:
+                series.append((label, peer_runs, peer, dict(marker="s", lw=1, alpha=0.85)))
+            for label, runs, impl, style in series:
+                pts = sorted((r["params"], gbps(r)) for (op, l, p, i, th), r in runs.items()
+                             if op == "average" and p == precision and i == impl and th == t and "bytes" in r)
+                if pts:
+                    ax.plot([x for x, _ in pts], [y for _, y in pts], label=label, **style)
+            ax.set_xscale("log")
+            ax.set_title(f"{'fp32' if precision == 'fp32' else 'bf16'} model → fp32 EMA, {t} thread{'s' * (t > 1)}")
+            ax.set_ylabel("GB/s (bytes moved per update / time)")
+            ax.grid(True, which="both", alpha=0.3)
+            if row == 1:
+                ax.set_xlabel("model size (parameters)")
+    axes[0][0].legend(fontsize=8, loc="lower right")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpp", nargs="+", required=True)
+    ap.add_argument("--peers", nargs="+", required=True)
+    ap.add_argument("--out-md", required=True)
+    ap.add_argument("--out-png")
+    ap.add_argument("--machine", default="")
+    args = ap.parse_args()
+
+    peer_ctx, peer_runs, peer_memory, unsupported = load_peers(args.peers)
+    versions, md = [], []
+    cpp_memory = {}
+    threads_list = None
+    devices = []
+    # One group of files per LibTorch build (each file is one round of the run).
+    groups = {}
+    for path in args.cpp:
+        version = json.load(open(path)).get("context", {}).get("libtorch", "?")
+        groups.setdefault(version, []).append(path)
+    for paths in groups.values():
+        version, ctx, runs, memory = load_cpp(paths)
+        versions.append((version, runs))
+        devices.append(ctx.get("emakit_device", "cpu"))
+        cpp_memory.update(memory)
+        if threads_list is None:
+            threads_list = sorted({k[4] for k in runs if k[0] in ("average", "copy")})
+    v = peer_ctx["versions"]
+    rounds = max(len(p) for p in groups.values())
+    md.append(f"Machine: {args.machine or 'not named'}. Python peers: torch {v.get('torch')}, ema-pytorch "
+              f"{v.get('ema_pytorch')}, timm {v.get('timm')}. Each time is the median of {rounds} round(s) of "
+              "the run (each round runs the peers and every LibTorch build once, one after the other); every "
+              "ratio compares results of this one run.")
+    md.append("")
+    for version, runs in versions:
+        md.append(table(version, runs, peer_runs, "average", threads_list))
+        md.append("")
+    for version, runs in versions:
+        md.append(table(version, runs, peer_runs, "copy", threads_list))
+        md.append("")
+    if cpp_memory or peer_memory:
+        md.append(memory_table(cpp_memory, peer_memory))
+        md.append("")
+    if unsupported:
+        combos = sorted({(u["peer"], u["precision"]) for u in unsupported})
+        md.append("Not supported by a peer (no result): " + ", ".join(f"{p} with a {pr} model" for p, pr in combos) + ".")
+        md.append("")
+    md.append("**Targets**")
+    md.append("")
+    for (version, runs), device in zip(versions, devices):
+        checks = cuda_targets(runs, peer_runs) if device == "cuda" else targets(version, runs, peer_runs, cpp_memory, threads_list)
+        for text, met in checks:
+            md.append(f"- LibTorch {version} ({device}): {text}: **{'met' if met else 'not met'}**")
+    md.append("")
+    steps = {}
+    for version, runs in versions:
+        for k, r in runs.items():
+            if k[0] == "step":
+                steps[(version, k[1])] = r["time_s"]
+    if steps:
+        md.append("**Synthetic training step (CUDA, 8 × Linear(4096, 4096), batch 1024, SGD)**")
+        md.append("")
+        md.append("| LibTorch | no EMA | EMA inline | EMA on a side stream | saving of the side stream |")
+        md.append("|---|---:|---:|---:|---:|")
+        for version, _ in versions:
+            a, b, c = (steps.get((version, m)) for m in ("no_ema", "ema_inline", "ema_side_stream"))
+            if a and b and c:
+                md.append(f"| {version} | {fmt_time(a)} | {fmt_time(b)} | {fmt_time(c)} | {(b - c) / b:.1%} of the step |")
+        md.append("")
+    open(args.out_md, "w").write("\n".join(md))
+    if args.out_png:
+        plot(args.out_png, versions, peer_runs, threads_list,
+             "EMA update throughput vs model size" + (f" — {args.machine}" if args.machine else ""))
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Run emakit's update benchmarks against their roofline and the Python peers, in one run, and
+# write a Markdown table and a plot:
+#   build/bench-torch1.13, build/bench-torch2   emakit_bench_ema_update against each LibTorch
+#   $EMAKIT_BENCH_OUT (default build/bench)     torch1.13-<round>.json, torch2-<round>.json (Google
+#                                               Benchmark), peers-<round>.json, layouts.json,
+#                                               results.md, results.png
+# Installs what is missing first (Debian packages, the venv with scripts/requirements.txt).
+#
+#   ./scripts/bench.sh
+#   EMAKIT_BENCH_LAYOUTS=many_small,resnet50 EMAKIT_BENCH_ROUNDS=1 ./scripts/bench.sh
+#
+# Knobs: EMAKIT_BENCH_OUT, EMAKIT_BENCH_VARIANTS ("torch1.13 torch2"), EMAKIT_BENCH_LAYOUTS
+# (many_small,large_16m,resnet50,large_64m,vit_b16,large_256m), EMAKIT_BENCH_THREADS (1,all),
+# EMAKIT_BENCH_ROUNDS (3), EMAKIT_BENCH_REPETITIONS (per round, 1), EMAKIT_BENCH_MIN_TIME (seconds
+# per repetition, 0.2),
+# EMAKIT_BENCH_MACHINE (the machine's description in the report; default from lscpu),
+# EMAKIT_BENCH_PUBLISH=1 (copy the table and plot to benchmarks/results/cpu.{md,png}).
+# The numbers are only as quiet as the machine: run it when nothing else does (see `uptime`).
+set -euo pipefail
+# shellcheck source=scripts/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+cd "$EMAKIT_ROOT"
+
+out="${EMAKIT_BENCH_OUT:-build/bench}"
+read -r -a variants <<<"${EMAKIT_BENCH_VARIANTS:-torch1.13 torch2}"
+layouts="${EMAKIT_BENCH_LAYOUTS:-many_small,large_16m,resnet50,large_64m,vit_b16,large_256m}"
+threads="${EMAKIT_BENCH_THREADS:-1,all}"
+rounds="${EMAKIT_BENCH_ROUNDS:-3}"
+repetitions="${EMAKIT_BENCH_REPETITIONS:-1}"
+min_time="${EMAKIT_BENCH_MIN_TIME:-0.2}"
+
+emakit_apt_ensure "${EMAKIT_DEB_PACKAGES[@]}"
+venv_rc=0
+emakit_venv_ensure || venv_rc=$?
+((venv_rc == 0)) || emakit_die "the Python peers need the venv: $EMAKIT_PYTHON_STATUS"
+python="$EMAKIT_VENV/bin/python"
+mkdir -p "$out"
+
+machine="${EMAKIT_BENCH_MACHINE:-}"
+if [[ -z "$machine" ]]; then
+  model="$(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -n1)"
+  machine="$model, $(nproc) CPUs, $(free -g | awk '/^Mem:/ {print $2}') GiB RAM"
+fi
+
+# build VARIANT -> prints the benchmark binary's path
+build() {
+  local name="$1" dir="build/bench-$1" args=()
+  case "$name" in
+    torch1.13) mapfile -t args < <(emakit_debian_torch_args) ;;
+    torch2)
+      local wheel_args
+      wheel_args="$(emakit_wheel_torch_args)" || emakit_die "the torch wheel cannot be used: run ./scripts/test.sh for the reason"
+      mapfile -t args <<<"$wheel_args" ;;
+    *) emakit_die "unknown variant '$name' (known: torch1.13 torch2)" ;;
+  esac
+  emakit_say "[$name] configure and build $dir" >&2
+  cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release -DEMAKIT_BUILD_BENCHMARKS=ON -DEMAKIT_BUILD_TESTS=OFF \
+    -DEMAKIT_INSTALL=OFF "${args[@]}" >"$out/configure-$name.log" 2>&1 \
+    || emakit_die "configure failed (see $out/configure-$name.log)"
+  cmake --build "$dir" --target emakit_bench_ema_update -j "$EMAKIT_JOBS" >"$out/build-$name.log" 2>&1 \
+    || emakit_die "build failed (see $out/build-$name.log)"
+  [[ -x "$dir/benchmarks/emakit_bench_ema_update" ]] \
+    || emakit_die "no benchmark binary in $dir: is Google Benchmark (libbenchmark-dev) installed?"
+  printf '%s\n' "$dir/benchmarks/emakit_bench_ema_update"
+}
+
+declare -A binary=()
+for v in "${variants[@]}"; do binary[$v]="$(build "$v")"; done
+
+emakit_say "load before the run: $(uptime | sed 's/.*load average/load average/')"
+"${binary[${variants[0]}]}" --emakit_dump_layouts="$out/layouts.json"
+
+# Rounds: each runs the peers and every LibTorch build once, one after the other, so that a
+# burst of load from elsewhere hits every implementation alike; report.py takes the medians.
+peers_json=()
+cpp_json=()
+for ((round = 1; round <= rounds; ++round)); do
+  emakit_say "round $round of $rounds: Python peers (torch $("$python" -c 'import torch; print(torch.__version__)'))"
+  "$python" benchmarks/peers.py --layouts "$out/layouts.json" --out "$out/peers-$round.json" --names "$layouts" \
+    --threads "$threads" --min-time "$min_time" --repetitions "$repetitions"
+  peers_json+=("$out/peers-$round.json")
+  for v in "${variants[@]}"; do
+    emakit_say "round $round of $rounds: [$v] emakit_bench_ema_update"
+    "${binary[$v]}" --emakit_layouts="$layouts" --emakit_threads="$threads" \
+      --benchmark_repetitions="$repetitions" --benchmark_min_time="$min_time" \
+      --benchmark_out="$out/$v-$round.json" --benchmark_out_format=json
+    cpp_json+=("$out/$v-$round.json")
+  done
+done
+emakit_say "load after the run: $(uptime | sed 's/.*load average/load average/')"
+
+"$python" benchmarks/report.py --cpp "${cpp_json[@]}" --peers "${peers_json[@]}" \
+  --out-md "$out/results.md" --out-png "$out/results.png" --machine "$machine"
+emakit_say "wrote $out/results.md and $out/results.png"
+# EMAKIT_BENCH_PUBLISH=1: also copy them to benchmarks/results/ (what the README shows).
+if [[ "${EMAKIT_BENCH_PUBLISH:-0}" == 1 ]]; then
+  mkdir -p benchmarks/results
+  cp "$out/results.md" benchmarks/results/cpu.md
+  cp "$out/results.png" benchmarks/results/cpu.png
+  emakit_say "published to benchmarks/results/cpu.md and cpu.png"
+fi
