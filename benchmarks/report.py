@@ -121,6 +121,35 @@ def table(version, runs, peer_runs, op, threads_list):
     return "\n".join(lines)
 
 
+def summary(versions, peer_runs, threads_list):
+    """One row per layout, precision and thread count; a column pair per LibTorch build."""
+    names = " / ".join(v for v, _ in versions)
+    head = ["layout", "model → EMA", "threads", f"emakit time ({names})", f"of roofline ({names})",
+            f"fastest peer / emakit ({names})", f"C++ lerp_ / emakit ({names})"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---|" + "---:|" * (len(head) - 3)]
+    layouts = []
+    for _, runs in versions:
+        layouts += [l for l in layouts_in(runs) if l not in layouts]
+    for layout in layouts:
+        for precision in ("fp32", "bf16"):
+            for t in threads_list:
+                cells = {"time": [], "roof": [], "peer": [], "lerp": []}
+                for _, runs in versions:
+                    e = runs.get(("average", layout, precision, "emakit", t))
+                    r = runs.get(("average", layout, precision, "roofline", t))
+                    b = runs.get(("average", layout, precision, "aten_lerp", t))
+                    peers = [peer_runs[k] for k in (("average", layout, precision, p, t) for p, _ in PEERS) if k in peer_runs]
+                    cells["time"].append(fmt_time(e["time_s"]) if e else "n/a")
+                    cells["roof"].append(f"{r['time_s'] / e['time_s']:.0%}" if e and r else "n/a")
+                    cells["peer"].append(f"{min(p['time_s'] for p in peers) / e['time_s']:.2f}×" if e and peers else "n/a")
+                    cells["lerp"].append(f"{b['time_s'] / e['time_s']:.2f}×" if e and b else "n/a")
+                if all(c == "n/a" for c in cells["time"]):
+                    continue
+                pr = "fp32 → fp32" if precision == "fp32" else "bf16 → fp32"
+                lines.append("| " + " | ".join([layout, pr, str(t)] + [" / ".join(cells[k]) for k in ("time", "roof", "peer", "lerp")]) + " |")
+    return "\n".join(lines)
+
+
 def targets(version, runs, peer_runs, memory, threads_list):
     """The issue's CPU targets, checked on this run: list of (text, met)."""
     out = []
@@ -278,6 +307,10 @@ def main():
               f"{v.get('ema_pytorch')}, timm {v.get('timm')}. Each time is the median of {rounds} round(s) of "
               "the run (each round runs the peers and every LibTorch build once, one after the other); every "
               "ratio compares results of this one run.")
+    md.append("")
+    md.append("**Summary: averaging** (fastest peer: the fastest of the four Python peers for that row)")
+    md.append("")
+    md.append(summary(versions, peer_runs, threads_list))
     md.append("")
     for version, runs in versions:
         md.append(table(version, runs, peer_runs, "average", threads_list))
