@@ -31,6 +31,16 @@ TEST_CASE("The README's migration table compiles and makes the EMA it says", "[p
   e.update({.vetoed = true});
   // luxonis-train ModelEma(model, decay=0.9999, decay_tau=2000)
   auto f = emakit::luxonis_model_ema(*model, {.decay = 0.9999, .decay_tau = 2000});
+  // nvalchemi EMAHook registered with a trainer: lazy creation, pending state, config check
+  emakit::EmaHook hook;
+  hook.add(*model, emakit::ema_hook_recipe({.decay = 0.999, .start_step = 100}),
+           {.creation = emakit::Creation::at_first_eligible_step});
+  hook.after_optimizer_step({.vetoed = true});
+  // luxonis-train EMACallback(decay=0.5, decay_tau=2000), accumulate_grad_batches=4
+  TinyNet other;
+  emakit::EmaHook callback;
+  callback.add(*other, emakit::luxonis_ema_callback_recipe({.decay = 0.5, .decay_tau = 2000, .accumulate = 4}));
+  callback.setup();
 
   CHECK(a.decay_policy() == emakit::InversePowerWarmup(0.9999).update_after_step(100).single_precision(true));
   CHECK(a.schedule() == emakit::StepSchedule()
@@ -44,6 +54,9 @@ TEST_CASE("The README's migration table compiles and makes the EMA it says", "[p
   CHECK(e.schedule().start_step() == 100);
   CHECK(e.step() == 0);  // the vetoed step completed nothing
   CHECK(f.decay_policy() == emakit::ExponentialRamp(0.9999, 2000));
+  CHECK_FALSE(hook.created("model"));  // nothing eligible yet: no EMA, no memory
+  CHECK(callback.ema<emakit::RampEma>("model").decay_policy() == emakit::ExponentialRamp(0.5, 2000));
+  CHECK(callback.ema<emakit::RampEma>("model").schedule().accumulate() == 4);
 }
 
 TEST_CASE("ema-pytorch preset: integers untouched, ignored names follow copies only", "[presets]") {

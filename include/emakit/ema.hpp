@@ -26,6 +26,7 @@
 #include <emakit/decay.hpp>
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/kernel.hpp>
+#include <emakit/fwd.hpp>
 #include <emakit/options.hpp>
 #include <emakit/schedule.hpp>
 #include <emakit/storage.hpp>
@@ -64,7 +65,7 @@ struct SourceTensor {
 // What the caller tells update(): `step` when the trainer counts steps itself (timm passes its
 // optimizer step), `vetoed` when the optimizer skipped this step (gradient-scaler overflow).
 struct StepInfo {
-  std::optional<std::int64_t> step;
+  std::optional<std::int64_t> step = std::nullopt;
   bool vetoed = false;
 };
 
@@ -389,58 +390,42 @@ class Ema {
   // load leaves the EMA exactly as it was.
   LoadReport load_state_dict(const StateDict& state, LoadMode mode = LoadMode::strict) {
     ensure_bound("load_state_dict");
-    check_format(state);
-    check_config(state, "decay", decay_);
-    check_config(state, "schedule", schedule_);
-    const Counters counters = read_counters(state);
-
-    LoadReport report;
-    std::vector<std::pair<std::size_t, const at::Tensor*>> loads;
-    for (std::size_t i = 0; i < kernel_.slots().size(); ++i) {
-      const auto& s = kernel_.slots()[i];
-      const std::string key = "average." + s.name;
-      const at::Tensor* t = state.find(key);
-      if (t == nullptr) {
-        report.missing.push_back(key);
-      } else if (!t->sizes().equals(s.average.sizes())) {
-        report.mismatched.push_back(fmt::format("{}: shape {} in the state, {} in this EMA", key,
-                                                detail::shape_string(t->sizes()),
-                                                detail::shape_string(s.average.sizes())));
-      } else if (t->scalar_type() != s.average.scalar_type()) {
-        report.mismatched.push_back(fmt::format("{}: dtype {} in the state, {} in this EMA", key,
-                                                c10::toString(t->scalar_type()),
-                                                c10::toString(s.average.scalar_type())));
-      } else {
-        loads.emplace_back(i, t);
-      }
-    }
-    for (const auto& item : state) {
-      const auto& key = item.key();
-      if (key.rfind("average.", 0) == 0) {
-        const std::string name = key.substr(8);
-        bool ours = false;
-        for (const auto& s : kernel_.slots()) ours = ours || s.name == name;
-        if (!ours) report.unexpected.push_back(key);
-      } else if (!known_key(key)) {
-        report.unexpected.push_back(key);
-      }
-    }
-    if (mode == LoadMode::strict && !report.clean()) detail::fail("load_state_dict (strict): {}", describe(report));
+    LoadPlan plan = plan_load(state, mode);
     if (mode == LoadMode::lenient) {
-      for (const auto& k : report.missing) TORCH_WARN("emakit: load_state_dict: missing key '", k, "', kept the current value");
-      for (const auto& k : report.unexpected) TORCH_WARN("emakit: load_state_dict: unexpected key '", k, "', ignored");
-      for (const auto& k : report.mismatched) TORCH_WARN("emakit: load_state_dict: ", k, "; kept the current value");
+      for (const auto& k : plan.report.missing) TORCH_WARN("emakit: load_state_dict: missing key '", k, "', kept the current value");
+      for (const auto& k : plan.report.unexpected) TORCH_WARN("emakit: load_state_dict: unexpected key '", k, "', ignored");
+      for (const auto& k : plan.report.mismatched) TORCH_WARN("emakit: load_state_dict: ", k, "; kept the current value");
     }
     {
       c10::NoGradGuard no_grad;
-      for (const auto& [i, t] : loads) kernel_.slots()[i].average.copy_(*t);
+      for (const auto& [i, t] : plan.loads) kernel_.slots()[i].average.copy_(*t);
     }
-    calls_ = counters.calls;
-    step_ = counters.step;
-    num_updates_ = counters.num_updates;
-    last_update_step_ = counters.last_update_step;
-    last_decay_ = counters.last_decay;
-    return report;
+    calls_ = plan.counters.calls;
+    step_ = plan.counters.step;
+    num_updates_ = plan.counters.num_updates;
+    last_update_step_ = plan.counters.last_update_step;
+    last_decay_ = plan.counters.last_decay;
+    return plan.report;
+  }
+
+  // Every check of load_state_dict() and nothing written: throws where it would throw, returns
+  // the report it would return. Lets a caller that loads several things check them all first.
+  LoadReport check_state_dict(const StateDict& state, LoadMode mode = LoadMode::strict) const {
+    ensure_bound("check_state_dict");
+    return plan_load(state, mode).report;
+  }
+
+  // For an EMA made after its trainer had already run (a hook that creates it lazily): counts
+  // `calls` update() calls and `step` completed steps as already seen, so that update_every,
+  // start_step and accumulation windows continue where the trainer is. Only before any update.
+  void advance(std::int64_t calls, std::int64_t step) {
+    ensure_bound("advance");
+    if (calls_ != 0 || num_updates_ != 0)
+      detail::fail("advance() on an EMA that has already seen {} update() calls; it is only for a new EMA", calls_);
+    detail::check_non_negative_int(calls, "advance() calls");
+    detail::check_non_negative_int(step, "advance() step");
+    calls_ = calls;
+    step_ = step;
   }
 
   // Archive operators (torch::save(ema, path) / torch::load(ema, path)) live below the class.
@@ -468,6 +453,51 @@ class Ema {
     std::int64_t calls, step, num_updates, last_update_step;
     double last_decay;
   };
+
+  struct LoadPlan {
+    LoadReport report;
+    std::vector<std::pair<std::size_t, const at::Tensor*>> loads;  // slot index, tensor to copy in
+    Counters counters;
+  };
+
+  LoadPlan plan_load(const StateDict& state, LoadMode mode) const {
+    check_format(state);
+    check_config(state, "decay", decay_);
+    check_config(state, "schedule", schedule_);
+    LoadPlan plan{{}, {}, read_counters(state)};
+    LoadReport& report = plan.report;
+    for (std::size_t i = 0; i < kernel_.slots().size(); ++i) {
+      const auto& s = kernel_.slots()[i];
+      const std::string key = "average." + s.name;
+      const at::Tensor* t = state.find(key);
+      if (t == nullptr) {
+        report.missing.push_back(key);
+      } else if (!t->sizes().equals(s.average.sizes())) {
+        report.mismatched.push_back(fmt::format("{}: shape {} in the state, {} in this EMA", key,
+                                                detail::shape_string(t->sizes()),
+                                                detail::shape_string(s.average.sizes())));
+      } else if (t->scalar_type() != s.average.scalar_type()) {
+        report.mismatched.push_back(fmt::format("{}: dtype {} in the state, {} in this EMA", key,
+                                                c10::toString(t->scalar_type()),
+                                                c10::toString(s.average.scalar_type())));
+      } else {
+        plan.loads.emplace_back(i, t);
+      }
+    }
+    for (const auto& item : state) {
+      const auto& key = item.key();
+      if (key.rfind("average.", 0) == 0) {
+        const std::string name = key.substr(8);
+        bool ours = false;
+        for (const auto& s : kernel_.slots()) ours = ours || s.name == name;
+        if (!ours) report.unexpected.push_back(key);
+      } else if (!known_key(key)) {
+        report.unexpected.push_back(key);
+      }
+    }
+    if (mode == LoadMode::strict && !report.clean()) detail::fail("load_state_dict (strict): {}", describe(report));
+    return plan;
+  }
 
   Ema(const torch::nn::Module* model, std::vector<SourceTensor> tensors, Decay decay, Schedule schedule,
       EmaOptions options, Storage storage)
@@ -656,6 +686,23 @@ class Ema {
   std::int64_t last_update_step_ = 0;
   double last_decay_ = std::nan("");
   detail::BoundFlag bound_;
+};
+
+// The policies and options of an Ema before it exists: what a trainer hook (hooks.hpp) keeps
+// until it makes the EMA, and what it asks the schedule before then.
+template <DecayPolicy D, SchedulePolicy S, StoragePolicy St>
+struct Recipe {
+  using ema_type = Ema<D, S, St>;
+
+  explicit Recipe(D d = D(), S s = S(), EmaOptions o = EmaOptions(), St st = St())
+      : decay(std::move(d)), schedule(std::move(s)), options(std::move(o)), storage(std::move(st)) {}
+
+  ema_type make(const torch::nn::Module& model) const { return ema_type(model, decay, schedule, options, storage); }
+
+  D decay;
+  S schedule;
+  EmaOptions options;
+  St storage;
 };
 
 // torch::save(ema, path) and torch::load(ema, path).

@@ -12,5 +12,6 @@
 #include <emakit/ema.hpp>
 #include <emakit/aliases.hpp>
 #include <emakit/presets.hpp>
+#include <emakit/hooks.hpp>
 #include <emakit/posthoc.hpp>
 #include <emakit/format.hpp>

@@ -18,6 +18,9 @@
 //     FlatStorage         an ordered name -> tensor dictionary, no module needed
 //     ModuleStorage<M>    a module of type M you can call forward() on (Cloneable M, or a factory)
 //
+//   Trainer hooks (hooks.hpp): EmaHook, called at setup, after each optimizer step, around
+//     validation and test, at train end and at checkpoints, for one or several models by key
+//
 //   Aliases (aliases.hpp): FixedEma, WarmupEma, RampEma, PowerEma, SwaAverage, ModuleEma<M>, ...
 #pragma once
 
@@ -49,5 +52,11 @@ class PostHocEma;  // post-hoc EMA: several PowerFunction Emas, snapshots, synth
 template <DecayPolicy Decay = Fixed, SchedulePolicy Schedule = StepSchedule,
           StoragePolicy Storage = FlatStorage>
 class Ema;
+
+// An Ema's policies and options before it exists (ema.hpp), and the trainer hook that makes
+// EMAs from them at setup or at the first eligible step (hooks.hpp).
+template <DecayPolicy Decay, SchedulePolicy Schedule = StepSchedule, StoragePolicy Storage = FlatStorage>
+struct Recipe;
+class EmaHook;
 
 }  // namespace emakit

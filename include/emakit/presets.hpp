@@ -10,7 +10,9 @@
 // | AveragedModel(model) (SWA)                                | emakit::averaged_model_swa(*model, {...})     |
 // | nvalchemi EMAHook(decay=..., start_step=..., ...)          | emakit::ema_hook(*model, {...})               |
 // |   hook(ctx, AFTER_OPTIMIZER_STEP, will_skip=s)             |   ema.update({.vetoed = s})                   |
+// |   (as a hook, lazily made)                                 | hook.add(*model, emakit::ema_hook_recipe({...})) |
 // | luxonis-train ModelEma(model, decay=..., decay_tau=...)    | emakit::luxonis_model_ema(*model, {...})      |
+// | luxonis-train EMACallback(decay=..., decay_tau=...)        | hook.add(*model, emakit::luxonis_ema_callback_recipe({...})) |
 //
 // Every preset keeps the average in the model's dtype, as its peer does; emakit's own default
 // (an fp32 average of a bf16/fp16 model) differs on purpose. Set `.dtype` to get it back.
@@ -193,6 +195,12 @@ Ema<Fixed, StepSchedule, Storage> ema_hook(const torch::nn::Module& model, const
 inline Ema<Fixed> ema_hook(std::vector<SourceTensor> tensors, const EmaHookOptions& o = {}) {
   return Ema<Fixed>(std::move(tensors), Fixed(o.decay), ema_hook_schedule(o), averaged_model_options(o.use_buffers));
 }
+// For emakit::EmaHook (hooks.hpp), which makes the EMA at setup or at the first eligible step:
+//   hook.add("model", *model, emakit::ema_hook_recipe({.decay = 0.999, .start_step = 100}),
+//            {.creation = emakit::Creation::at_first_eligible_step});
+inline Recipe<Fixed> ema_hook_recipe(const EmaHookOptions& o = {}) {
+  return Recipe<Fixed>(Fixed(o.decay), ema_hook_schedule(o), averaged_model_options(o.use_buffers));
+}
 
 // ---- luxonis-train ModelEma -----------------------------------------------------------------
 
@@ -214,6 +222,22 @@ Ema<ExponentialRamp, StepSchedule, Storage> luxonis_model_ema(const torch::nn::M
 inline Ema<ExponentialRamp> luxonis_model_ema(std::vector<SourceTensor> tensors, const LuxonisModelEmaOptions& o = {}) {
   return Ema<ExponentialRamp>(std::move(tensors), ExponentialRamp(o.decay, o.decay_tau), StepSchedule(),
                               EmaOptions().keep_model_dtype(true));
+}
+
+// luxonis-train EMACallback(decay=0.5, decay_tau=2000), for emakit::EmaHook: made at setup (fit
+// start), one update per accumulation window at the window's first micro-batch
+// (batch_idx % accumulate == 0), the EMA weights swapped in for validation and test and kept at
+// train end, checkpoints holding the EMA weights: the defaults of HookOptions.
+struct LuxonisEmaCallbackOptions {
+  double decay = 0.5;
+  double decay_tau = 2000.0;
+  std::int64_t accumulate = 1;  // the trainer's accumulate_grad_batches
+};
+
+inline Recipe<ExponentialRamp> luxonis_ema_callback_recipe(const LuxonisEmaCallbackOptions& o = {}) {
+  return Recipe<ExponentialRamp>(ExponentialRamp(o.decay, o.decay_tau),
+                                 StepSchedule().accumulate(o.accumulate).window_edge(WindowEdge::start),
+                                 EmaOptions().keep_model_dtype(true));
 }
 
 }  // namespace emakit

@@ -1,0 +1,668 @@
+// Trainer hooks: EMAs for a hand-written C++ training loop, driven by the points every trainer
+// already has. What nvalchemi's EMAHook and luxonis-train's EMACallback do for Python trainers.
+//
+//   emakit::EmaHook hook;
+//   hook.add(*model, emakit::Recipe(emakit::Fixed(0.999)));       // key "model"; or add("gen", ...)
+//   hook.setup();                                                  // makes the EMA (or later, see Creation)
+//   for (...) {
+//     optimizer.step();
+//     hook.after_optimizer_step({.vetoed = scaler_skipped_the_step});
+//     if (validate_now) {
+//       auto scope = hook.validation();                            // the model holds the EMA weights ...
+//       evaluate(model);
+//     }                                                            // ... and its own again, also on a throw
+//     if (save_now) hook.save_checkpoint("last.pt");              // or into your own archive
+//   }
+//   hook.train_end();                                              // the model keeps the EMA weights
+//
+// Checkpoints. save_checkpoint(archive) writes, for each model key K:
+//   K                    the model's weights in Module::save's layout: the EMA weights when
+//                        HookOptions::checkpoint_ema_weights (the default, as luxonis-train), so
+//                        emakit::load_weights(model, path) or a plain Module::load of that
+//                        sub-archive gives a deployable model; the online weights otherwise
+//   emakit_hook/K        the EMA's state (config, counters, averages), the hook's own counters,
+//                        and the online weights (when K holds the EMA's), so that a run resumed
+//                        from the checkpoint continues bitwise as if it had never stopped
+// load_checkpoint() checks every model first and writes nothing unless all of them fit.
+#pragma once
+
+#include <emakit/concepts.hpp>
+#include <emakit/detail/atomic_file.hpp>
+#include <emakit/detail/check.hpp>
+#include <emakit/ema.hpp>
+#include <emakit/options.hpp>
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <type_traits>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace emakit {
+
+// When the hook makes a model's EMA.
+enum class Creation : std::uint8_t {
+  at_setup = 0,                // setup() makes it (or the first step, if setup() was never called)
+  at_first_eligible_step = 1,  // the first after_optimizer_step() that the schedule would copy or
+                               // average on: no memory is used before start_step (nvalchemi EMAHook)
+};
+
+// What the hook does with one model at each stage.
+struct HookOptions {
+  Creation creation = Creation::at_setup;
+  bool validate_with_ema = true;       // validation runs with the EMA weights, restored afterwards
+  bool test_with_ema = true;           // the same for test
+  bool keep_ema_at_train_end = true;   // train_end() leaves the EMA weights in the model
+  bool checkpoint_ema_weights = true;  // a checkpoint's model weights are the EMA's
+};
+
+// The hook's state layout version, stored as emakit_hook/format.
+inline constexpr std::int64_t hook_format_version = 1;
+
+namespace detail {
+
+using TensorMap = std::unordered_map<std::string, at::Tensor>;
+
+inline void check_hook_key(const std::string& key) {
+  bool ok = !key.empty() && !(key[0] >= '0' && key[0] <= '9') && key != "emakit_hook";
+  for (char c : key) ok = ok && ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_');
+  if (!ok)
+    fail("model key '{}' is not usable: a key is letters, digits and '_', does not start with a digit and is "
+         "not 'emakit_hook' (it names a part of the checkpoint)",
+         key);
+}
+
+// Writes `model`'s tensors in Module::save's layout (one nested archive per child module), each
+// tensor taken from `replace` where it has one, converted to the model tensor's dtype and
+// device. Every tensor is copied: the archive does not change when training goes on.
+inline void write_module(const torch::nn::Module& model, torch::serialize::OutputArchive& archive,
+                         const std::string& prefix, const TensorMap& replace) {
+  auto pick = [&](const std::string& name, const at::Tensor& own) {
+    auto it = replace.find(prefix + name);
+    if (it == replace.end()) return own.detach().clone();
+    return it->second.detach().to(own.options(), /*non_blocking=*/false, /*copy=*/true);
+  };
+  for (const auto& p : model.named_parameters(/*recurse=*/false)) archive.write(p.key(), pick(p.key(), p.value()));
+  for (const auto& b : model.named_buffers(/*recurse=*/false))
+    archive.write(b.key(), pick(b.key(), b.value()), /*is_buffer=*/true);
+  for (const auto& child : model.named_children()) {
+    if (!child.value()->is_serializable()) continue;
+    torch::serialize::OutputArchive nested(archive.compilation_unit());
+    write_module(*child.value(), nested, prefix + child.key() + ".", replace);
+    archive.write(child.key(), nested);
+  }
+}
+
+// Reads the tensors of `model`'s names from an archive in Module::save's layout into `out`
+// (by full name); names the archive lacks are left out. Nothing is written into the model.
+inline void read_module(const torch::nn::Module& model, torch::serialize::InputArchive& archive,
+                        const std::string& prefix, TensorMap& out) {
+  for (const auto& p : model.named_parameters(/*recurse=*/false)) {
+    at::Tensor t;
+    if (archive.try_read(p.key(), t)) out.emplace(prefix + p.key(), t);
+  }
+  for (const auto& b : model.named_buffers(/*recurse=*/false)) {
+    at::Tensor t;
+    if (archive.try_read(b.key(), t, /*is_buffer=*/true)) out.emplace(prefix + b.key(), t);
+  }
+  for (const auto& child : model.named_children()) {
+    if (!child.value()->is_serializable()) continue;
+    torch::serialize::InputArchive nested;
+    if (archive.try_read(child.key(), nested)) read_module(*child.value(), nested, prefix + child.key() + ".", out);
+  }
+}
+
+inline c10::IValue tensor_dict(const std::vector<std::pair<std::string, at::Tensor>>& items) {
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
+  for (const auto& [k, t] : items) dict.insert(k, t.detach().clone());
+  return c10::IValue(dict);
+}
+
+inline std::optional<std::vector<std::pair<std::string, at::Tensor>>> read_tensor_dict(
+    torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
+  c10::IValue value;
+  if (!archive.try_read(key, value)) return std::nullopt;
+  if (!value.isGenericDict()) fail("{}: '{}' is not a dictionary of tensors; the checkpoint is damaged", where, key);
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& entry : value.toGenericDict()) {
+    if (!entry.key().isString() || !entry.value().isTensor())
+      fail("{}: '{}' holds a non-tensor entry; the checkpoint is damaged", where, key);
+    out.emplace_back(entry.key().toStringRef(), entry.value().toTensor());
+  }
+  return out;
+}
+
+// The weights of `model` found in a checkpoint, checked against the model: every tensor there,
+// with the model's shape. Returns (model tensor, checkpoint tensor) pairs to copy.
+inline std::vector<std::pair<at::Tensor, at::Tensor>> plan_weights(const torch::nn::Module& model,
+                                                                   const TensorMap& found, bool exhaustive,
+                                                                   LoadMode mode, const std::string& where) {
+  std::vector<std::string> problems;
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;
+  std::unordered_map<std::string, bool> ours;
+  for (auto& t : collect(model)) {
+    ours.emplace(t.name, true);
+    auto it = found.find(t.name);
+    if (it == found.end()) {
+      problems.push_back(fmt::format("the checkpoint has no tensor '{}'", t.name));
+    } else if (!it->second.sizes().equals(t.tensor.sizes())) {
+      problems.push_back(fmt::format("tensor '{}' has shape {} in the checkpoint, {} in the model", t.name,
+                                     shape_string(it->second.sizes()), shape_string(t.tensor.sizes())));
+    } else {
+      copies.emplace_back(t.tensor, it->second);
+    }
+  }
+  if (exhaustive)
+    for (const auto& [name, t] : found)
+      if (!ours.count(name)) problems.push_back(fmt::format("the checkpoint has a tensor '{}' that the model lacks", name));
+  if (!problems.empty()) {
+    if (mode == LoadMode::strict)
+      fail("{}: the checkpoint is not of this model: {}{}; nothing was loaded", where, problems.front(),
+           problems.size() > 1 ? fmt::format(" (and {} more: {})", problems.size() - 1,
+                                             fmt::join(problems.begin() + 1, problems.end(), "; "))
+                               : std::string());
+    for (const auto& p : problems) TORCH_WARN("emakit: ", where, ": ", p, "; kept the model's value");
+  }
+  return copies;
+}
+
+// One model of a hook, whatever its EMA's policies.
+class HookEntryBase {
+ public:
+  HookEntryBase(std::string key, torch::nn::Module& model, HookOptions options)
+      : key_(std::move(key)), model_(&model), options_(options) {}
+  virtual ~HookEntryBase() = default;
+  HookEntryBase(const HookEntryBase&) = delete;
+  HookEntryBase& operator=(const HookEntryBase&) = delete;
+
+  const std::string& key() const noexcept { return key_; }
+  const torch::nn::Module* model() const noexcept { return model_; }
+  const HookOptions& options() const noexcept { return options_; }
+  bool swapped() const noexcept { return swap_.has_value(); }
+
+  virtual bool created() const noexcept = 0;
+  virtual bool pending() const noexcept = 0;
+  virtual void create() = 0;
+  virtual UpdateResult step(const StepInfo& info) = 0;
+  virtual void swap_in() = 0;
+  void swap_out() noexcept { swap_.reset(); }
+  virtual void keep() = 0;
+  virtual void save(torch::serialize::OutputArchive& archive, torch::serialize::OutputArchive& hook) = 0;
+  // Checks what load would do and returns the function that does it (it does not throw).
+  virtual std::function<void()> plan_load(torch::serialize::InputArchive& archive,
+                                          torch::serialize::InputArchive& hook, LoadMode mode) = 0;
+
+ protected:
+  std::string key_;
+  torch::nn::Module* model_;
+  HookOptions options_;
+  std::optional<SwapGuard> swap_;
+  std::int64_t calls_ = 0;  // update() calls and completed steps seen before the EMA was made
+  std::int64_t step_ = 0;
+};
+
+template <DecayPolicy D, SchedulePolicy S, StoragePolicy St>
+class HookEntry final : public HookEntryBase {
+ public:
+  using ema_type = Ema<D, S, St>;
+  using publish_type = std::function<void(const ema_type&)>;
+
+  HookEntry(std::string key, torch::nn::Module& model, Recipe<D, S, St> recipe, HookOptions options,
+            publish_type publish)
+      : HookEntryBase(std::move(key), model, options), recipe_(std::move(recipe)), publish_(std::move(publish)) {}
+
+  ema_type* ema() noexcept { return ema_ ? &*ema_ : nullptr; }
+
+  bool created() const noexcept override { return ema_.has_value(); }
+  bool pending() const noexcept override { return pending_.has_value(); }
+
+  void create() override {
+    if (ema_) return;
+    ema_type made = recipe_.make(*model_);
+    if (calls_ > 0 || step_ > 0) made.advance(calls_, step_);
+    if (pending_) made.load_state_dict(aligned(*pending_, made), pending_mode_);  // throws: nothing changed
+    ema_.emplace(std::move(made));
+    pending_.reset();
+  }
+
+  UpdateResult step(const StepInfo& info) override {
+    if (!ema_) {
+      if (!pending_ && options_.creation == Creation::at_first_eligible_step) {
+        const Decision d = recipe_.schedule.decide(ScheduleInput{calls_ + 1, info.step, step_, 0, info.vetoed});
+        if (d.action == Action::skipped) {
+          calls_ += 1;
+          step_ = d.step;
+          return {Action::skipped, d.step, std::nan("")};
+        }
+      }
+      create();
+    }
+    const UpdateResult r = ema_->update(info);
+    if (r.action != Action::skipped && publish_) publish_(*ema_);
+    return r;
+  }
+
+  void swap_in() override {
+    if (!ema_ && pending_) create();
+    if (ema_) swap_.emplace(ema_->swap_into());
+  }
+
+  void keep() override {
+    if (ema_ && options_.keep_ema_at_train_end) ema_->copy_to(*model_);
+  }
+
+  void save(torch::serialize::OutputArchive& archive, torch::serialize::OutputArchive& hook) override {
+    // While the model holds the EMA weights (a checkpoint during validation) its own weights are
+    // in the swap guard: put them back for the save and the EMA's in again after.
+    const bool was_swapped = swap_.has_value();
+    swap_.reset();
+    struct Reswap {
+      HookEntry* self;
+      bool on;
+      ~Reswap() {
+        if (on) self->swap_.emplace(self->ema_->swap_into());
+      }
+    } reswap{this, was_swapped && ema_.has_value()};
+
+    torch::serialize::OutputArchive mine(hook.compilation_unit());
+    const bool ema_weights = ema_ && options_.checkpoint_ema_weights;
+    mine.write("meta", at::tensor(std::vector<std::int64_t>{ema_ ? 1 : 0, pending_ ? 1 : 0, calls_, step_, ema_weights ? 1 : 0}));
+    const StateDict* state = nullptr;
+    StateDict ema_state;
+    if (ema_) {
+      ema_state = ema_->state_dict();
+      state = &ema_state;
+    } else if (pending_) {
+      state = &*pending_;
+    }
+    if (state != nullptr) {
+      std::vector<std::pair<std::string, at::Tensor>> items;
+      for (const auto& item : *state) items.emplace_back(item.key(), item.value());
+      mine.write("state", tensor_dict(items));
+    }
+    TensorMap replace;
+    if (ema_weights) {
+      for (const auto& item : ema_->averages()) replace.emplace(item.key(), item.value());
+      std::vector<std::pair<std::string, at::Tensor>> online;
+      for (auto& t : collect(*model_)) online.emplace_back(t.name, t.tensor);
+      mine.write("online", tensor_dict(online));
+    }
+    torch::serialize::OutputArchive weights(archive.compilation_unit());
+    write_module(*model_, weights, "", replace);
+    archive.write(key_, weights);
+    hook.write(key_, mine);
+  }
+
+  std::function<void()> plan_load(torch::serialize::InputArchive& archive, torch::serialize::InputArchive& hook,
+                                  LoadMode mode) override {
+    const std::string where = fmt::format("load_checkpoint, model '{}'", key_);
+    if (swap_) fail("{}: the model holds the EMA weights (validation or test); end that stage first", where);
+    torch::serialize::InputArchive mine;
+    if (!hook.try_read(key_, mine) && mode == LoadMode::lenient) {
+      TORCH_WARN("emakit: ", where, ": the checkpoint has nothing for this model; it keeps its weights and EMA");
+      return [] {};
+    }
+    if (!hook.try_read(key_, mine))
+      fail("{}: the checkpoint has no hook state for this model; it was saved by a hook without the key '{}'", where,
+           key_);
+    c10::IValue meta_value;
+    if (!mine.try_read("meta", meta_value) || !meta_value.isTensor())
+      fail("{}: the hook state has no 'meta' tensor; the checkpoint is damaged", where);
+    const at::Tensor meta = meta_value.toTensor();
+    if (meta.dim() != 1 || meta.numel() != 5 || meta.scalar_type() != at::kLong)
+      fail("{}: 'meta' must be 5 int64 values, got a {} tensor of shape {}", where, c10::toString(meta.scalar_type()),
+           shape_string(meta.sizes()));
+    const bool was_created = meta[0].item<std::int64_t>() != 0;
+    const bool was_pending = meta[1].item<std::int64_t>() != 0;
+    const std::int64_t calls = meta[2].item<std::int64_t>();
+    const std::int64_t step = meta[3].item<std::int64_t>();
+    const bool has_online = meta[4].item<std::int64_t>() != 0;
+    if (calls < 0 || step < 0) fail("{}: counters must be >= 0, got calls {} and step {}", where, calls, step);
+
+    // The online weights: beside the EMA's in the hook state, or the model weights themselves.
+    TensorMap found;
+    bool exhaustive = false;
+    if (has_online) {
+      auto online = read_tensor_dict(mine, "online", where);
+      if (!online) fail("{}: the hook state says it holds the online weights but has none; the checkpoint is damaged", where);
+      for (auto& [k, t] : *online) found.emplace(k, t);
+      exhaustive = true;
+    } else {
+      torch::serialize::InputArchive weights;
+      if (!archive.try_read(key_, weights)) fail("{}: the checkpoint has no weights under '{}'", where, key_);
+      read_module(*model_, weights, "", found);
+    }
+    auto copies = plan_weights(*model_, found, exhaustive, mode, where);
+
+    std::optional<StateDict> state;
+    if (auto items = read_tensor_dict(mine, "state", where)) {
+      state.emplace();
+      for (auto& [k, t] : *items) state->insert(k, t);
+    }
+    if ((was_created || was_pending) && !state) fail("{}: the hook state has no EMA state; the checkpoint is damaged", where);
+
+    if (was_created && ema_) {
+      auto state_aligned = std::make_shared<StateDict>(aligned(*state, *ema_));
+      ema_->check_state_dict(*state_aligned, mode);
+      return [this, copies = std::move(copies), state_aligned, mode] {
+        write_weights(copies);
+        ema_->load_state_dict(*state_aligned, mode);
+        pending_.reset();
+      };
+    }
+    // No EMA here yet (it is made at creation, with this state applied), or none in the run that
+    // saved the checkpoint: this model goes back to "not made yet" with that run's counters.
+    return [this, copies = std::move(copies), state = std::move(state), calls, step, mode]() mutable {
+      write_weights(copies);
+      ema_.reset();
+      pending_ = std::move(state);
+      pending_mode_ = mode;
+      calls_ = calls;
+      step_ = step;
+    };
+  }
+
+ private:
+  static void write_weights(const std::vector<std::pair<at::Tensor, at::Tensor>>& copies) {
+    c10::NoGradGuard no_grad;
+    for (const auto& [model_tensor, saved] : copies) model_tensor.copy_(saved);
+  }
+
+  // The state's averaged tensors moved to the device and floating dtype of this EMA's tensors
+  // (a checkpoint written on another device or in another precision).
+  static StateDict aligned(const StateDict& state, const ema_type& ema) {
+    const StateDict ours = ema.averages();
+    StateDict out;
+    for (const auto& item : state) {
+      at::Tensor t = item.value();
+      const std::string& key = item.key();
+      if (key.rfind("average.", 0) == 0) {
+        if (const at::Tensor* mine = ours.find(key.substr(8)); mine != nullptr) {
+          const bool both_floating = c10::isFloatingType(t.scalar_type()) && c10::isFloatingType(mine->scalar_type());
+          if (both_floating && (t.scalar_type() != mine->scalar_type() || t.device() != mine->device()))
+            t = t.to(mine->options());
+          else if (t.device() != mine->device())
+            t = t.to(mine->device());
+        }
+      }
+      out.insert(key, t);
+    }
+    return out;
+  }
+
+  Recipe<D, S, St> recipe_;
+  publish_type publish_;
+  std::optional<ema_type> ema_;
+  std::optional<StateDict> pending_;  // a checkpoint's EMA state loaded before the EMA was made
+  LoadMode pending_mode_ = LoadMode::strict;
+};
+
+}  // namespace detail
+
+class EmaHook;
+
+// Ends a validation or test stage when it goes out of scope, also by an exception: the models
+// get their own weights back. Made by EmaHook::validation() and EmaHook::test().
+class StageScope {
+ public:
+  StageScope(const StageScope&) = delete;
+  StageScope& operator=(const StageScope&) = delete;
+  StageScope(StageScope&& other) noexcept : hook_(std::exchange(other.hook_, nullptr)) {}
+  StageScope& operator=(StageScope&&) = delete;
+  inline ~StageScope();
+  // Ends the stage now (the destructor then does nothing).
+  inline void end() noexcept;
+
+ private:
+  friend class EmaHook;
+  explicit StageScope(EmaHook* hook) : hook_(hook) {}
+  EmaHook* hook_;
+};
+
+// EMAs of one or several models (by key, each with its own policies), driven by a trainer's
+// stages. See the top of this file.
+class EmaHook {
+ public:
+  EmaHook() = default;
+  EmaHook(const EmaHook&) = delete;
+  EmaHook& operator=(const EmaHook&) = delete;
+  ~EmaHook() { end_stage(); }
+
+  // Adds a model under `key` (letters, digits, '_'). The model must outlive the hook. `publish`,
+  // if given, is called with the EMA after each update that changed it (e.g. to hand the EMA
+  // module to an inference thread).
+  template <DecayPolicy D, SchedulePolicy S, StoragePolicy St>
+  EmaHook& add(std::string key, torch::nn::Module& model, Recipe<D, S, St> recipe, HookOptions options = {},
+               std::type_identity_t<std::function<void(const Ema<D, S, St>&)>> publish = {}) {
+    detail::check_hook_key(key);
+    if (stage_ != Stage::training) detail::fail("add('{}') during {}; add models before setup()", key, stage_name());
+    for (const auto& e : entries_) {
+      if (e->key() == key) detail::fail("model key '{}' is already in this hook", key);
+      const bool both_swap = (e->options().validate_with_ema && options.validate_with_ema) ||
+                             (e->options().test_with_ema && options.test_with_ema);
+      if (e->model() == &model && both_swap)
+        detail::fail("model '{}' is the same module as model '{}' and both would swap their EMA weights into it for "
+                     "validation or test; set validate_with_ema / test_with_ema to false for one of them",
+                     key, e->key());
+    }
+    entries_.push_back(std::make_unique<detail::HookEntry<D, S, St>>(std::move(key), model, std::move(recipe), options,
+                                                                     std::move(publish)));
+    return *this;
+  }
+  // The same under the key "model".
+  template <DecayPolicy D, SchedulePolicy S, StoragePolicy St>
+  EmaHook& add(torch::nn::Module& model, Recipe<D, S, St> recipe, HookOptions options = {},
+               std::type_identity_t<std::function<void(const Ema<D, S, St>&)>> publish = {}) {
+    return add(std::string("model"), model, std::move(recipe), options, std::move(publish));
+  }
+
+  // ---- stages ------------------------------------------------------------------------------
+
+  // Makes the EMAs created at setup (and those with a checkpoint loaded before).
+  void setup() {
+    require_training("setup");
+    for (auto& e : entries_)
+      if (e->options().creation == Creation::at_setup || e->pending()) e->create();
+  }
+
+  // After each optimizer step (each micro-batch with an accumulation window); `vetoed` when the
+  // optimizer skipped the step. Returns what each model's EMA did, in the order of add().
+  std::vector<UpdateResult> after_optimizer_step(StepInfo info = {}) {
+    require_training("after_optimizer_step");
+    std::vector<UpdateResult> out;
+    out.reserve(entries_.size());
+    for (auto& e : entries_) out.push_back(e->step(info));
+    return out;
+  }
+
+  void validation_start() { start(Stage::validation); }
+  void validation_end() { finish(Stage::validation); }
+  void test_start() { start(Stage::test); }
+  void test_end() { finish(Stage::test); }
+  // validation_start() now and validation_end() when the scope ends, also by an exception.
+  [[nodiscard]] StageScope validation() {
+    validation_start();
+    return StageScope(this);
+  }
+  [[nodiscard]] StageScope test() {
+    test_start();
+    return StageScope(this);
+  }
+
+  // The models keep their EMA weights (HookOptions::keep_ema_at_train_end).
+  void train_end() {
+    require_training("train_end");
+    for (auto& e : entries_) e->keep();
+  }
+
+  // ---- checkpoints -------------------------------------------------------------------------
+
+  // Writes every model's weights and the hook's state into `archive` (add the optimizer's and
+  // your own beside them). Tensors are copied: the archive does not change as training goes on.
+  void save_checkpoint(torch::serialize::OutputArchive& archive) {
+    torch::serialize::OutputArchive hook(archive.compilation_unit());
+    hook.write("format", at::scalar_tensor(hook_format_version, at::kLong));
+    for (auto& e : entries_) e->save(archive, hook);
+    archive.write("emakit_hook", hook);
+  }
+  // The same into a file, atomically: a crash mid-write leaves the previous file readable.
+  void save_checkpoint(const std::filesystem::path& path) {
+    torch::serialize::OutputArchive archive;
+    save_checkpoint(archive);
+    std::ostringstream bytes;
+    archive.save_to(bytes);
+    const std::string data = bytes.str();
+    detail::write_file_atomically(path, std::span<const char>(data.data(), data.size()));
+  }
+
+  // Restores every model's online weights and EMA state from a checkpoint of save_checkpoint().
+  // A model whose EMA is not made yet keeps the state and applies it when the EMA is made.
+  // Strict: another model's checkpoint (a missing, extra or differently shaped tensor), another
+  // config, or a model key the checkpoint lacks is an error naming the first mismatch, and
+  // nothing is loaded. Lenient: such tensors are warned about and keep their current values.
+  void load_checkpoint(torch::serialize::InputArchive& archive, LoadMode mode = LoadMode::strict) {
+    require_training("load_checkpoint");
+    torch::serialize::InputArchive hook;
+    if (!archive.try_read("emakit_hook", hook))
+      detail::fail("load_checkpoint: the archive holds no 'emakit_hook' state; was it written by "
+                   "EmaHook::save_checkpoint()?");
+    c10::IValue format;
+    if (!hook.try_read("format", format) || !format.isTensor() || format.toTensor().numel() != 1)
+      detail::fail("load_checkpoint: the hook state has no format number; the checkpoint is damaged");
+    if (const auto f = format.toTensor().item<std::int64_t>(); f != hook_format_version)
+      detail::fail("load_checkpoint: the checkpoint's hook format is {}, this emakit ({}) reads format {}", f,
+                   version_string, hook_format_version);
+    for (const auto& k : hook.keys()) {
+      if (k == "format") continue;
+      bool ours = false;
+      for (const auto& e : entries_) ours = ours || e->key() == k;
+      if (ours) continue;
+      if (mode == LoadMode::strict)
+        detail::fail("load_checkpoint: the checkpoint holds model '{}', which this hook does not have; nothing was "
+                     "loaded",
+                     k);
+      TORCH_WARN("emakit: load_checkpoint: the checkpoint holds model '", k, "', which this hook does not have; ignored");
+    }
+    std::vector<std::function<void()>> commits;
+    for (auto& e : entries_) commits.push_back(e->plan_load(archive, hook, mode));
+    for (auto& commit : commits) commit();
+  }
+  void load_checkpoint(const std::filesystem::path& path, LoadMode mode = LoadMode::strict) {
+    if (!std::filesystem::exists(path)) detail::fail("load_checkpoint: no file '{}'", path.string());
+    torch::serialize::InputArchive archive;
+    archive.load_from(path.string());
+    load_checkpoint(archive, mode);
+  }
+
+  // ---- access ------------------------------------------------------------------------------
+
+  std::vector<std::string> keys() const {
+    std::vector<std::string> out;
+    for (const auto& e : entries_) out.push_back(e->key());
+    return out;
+  }
+  bool created(const std::string& key) const { return entry(key).created(); }
+
+  // The EMA of model `key`, e.g. hook.ema<emakit::FixedEma>("model"). It must have been made.
+  template <class E>
+  E& ema(const std::string& key) {
+    auto* typed = dynamic_cast<detail::HookEntry<typename E::decay_type, typename E::schedule_type,
+                                                 typename E::storage_type>*>(&entry(key));
+    if (typed == nullptr) detail::fail("model '{}' has an EMA of another type than the one asked for", key);
+    if (typed->ema() == nullptr)
+      detail::fail("model '{}' has no EMA yet: it is made at {}", key,
+                   typed->options().creation == Creation::at_setup ? "setup()" : "its first eligible step");
+    return *typed->ema();
+  }
+
+ private:
+  friend class StageScope;
+  enum class Stage : std::uint8_t { training, validation, test };
+
+  const char* stage_name() const noexcept {
+    return stage_ == Stage::validation ? "validation" : stage_ == Stage::test ? "test" : "training";
+  }
+  void require_training(const char* what) const {
+    if (stage_ != Stage::training)
+      detail::fail("{}() during {}: the models hold their EMA weights; call {}_end() (or let the scope of {}() end) "
+                   "first",
+                   what, stage_name(), stage_name(), stage_name());
+  }
+
+  detail::HookEntryBase& entry(const std::string& key) const {
+    for (const auto& e : entries_)
+      if (e->key() == key) return *e;
+    detail::fail("the hook has no model '{}'{}", key, entries_.empty() ? "; add() it first" : "");
+  }
+
+  void start(Stage stage) {
+    require_training(stage == Stage::validation ? "validation_start" : "test_start");
+    std::vector<detail::HookEntryBase*> done;
+    try {
+      for (auto& e : entries_) {
+        const bool wanted = stage == Stage::validation ? e->options().validate_with_ema : e->options().test_with_ema;
+        if (!wanted) continue;
+        e->swap_in();
+        done.push_back(e.get());
+      }
+    } catch (...) {
+      for (auto it = done.rbegin(); it != done.rend(); ++it) (*it)->swap_out();
+      throw;
+    }
+    stage_ = stage;
+  }
+
+  void finish(Stage stage) {
+    if (stage_ != stage)
+      detail::fail("{}_end() without {}_start() (the hook is in {})", stage == Stage::validation ? "validation" : "test",
+                   stage == Stage::validation ? "validation" : "test", stage_name());
+    end_stage();
+  }
+
+  void end_stage() noexcept {
+    for (auto it = entries_.rbegin(); it != entries_.rend(); ++it) (*it)->swap_out();
+    stage_ = Stage::training;
+  }
+
+  std::vector<std::unique_ptr<detail::HookEntryBase>> entries_;
+  Stage stage_ = Stage::training;
+};
+
+StageScope::~StageScope() { end(); }
+void StageScope::end() noexcept {
+  if (hook_ != nullptr) std::exchange(hook_, nullptr)->end_stage();
+}
+
+// Loads the model weights of `key` from a file of EmaHook::save_checkpoint() into `model` (the
+// EMA weights, with the default HookOptions): what an inference program does. Checks every
+// tensor first; a checkpoint of another model is an error naming the first mismatch.
+inline void load_weights(torch::nn::Module& model, const std::filesystem::path& path, const std::string& key = "model") {
+  if (!std::filesystem::exists(path)) detail::fail("load_weights: no file '{}'", path.string());
+  torch::serialize::InputArchive archive;
+  archive.load_from(path.string());
+  torch::serialize::InputArchive weights;
+  if (!archive.try_read(key, weights)) detail::fail("load_weights: '{}' has no model '{}'", path.string(), key);
+  detail::TensorMap found;
+  detail::read_module(model, weights, "", found);
+  const auto copies =
+      detail::plan_weights(model, found, false, LoadMode::strict, fmt::format("load_weights '{}'", path.string()));
+  c10::NoGradGuard no_grad;
+  for (const auto& [model_tensor, saved] : copies) model_tensor.copy_(saved);
+}
+
+}  // namespace emakit
