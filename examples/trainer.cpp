@@ -1,10 +1,12 @@
-// A small C++ trainer with two EMAs: noisy SGD on a synthetic regression task, printing the test
-// loss of the online weights and of each EMA as training goes.
+// A hand-written C++ training loop with emakit::EmaHook: noisy SGD on a synthetic regression
+// task, validation with the EMA weights, a checkpoint every fifth of the run, and resuming.
 //
-//   emakit_example_trainer [steps] [seed]
+//   emakit_example_trainer [steps] [seed] [checkpoint]
 //
-// The noise in the labels and the large learning rate make the online weights jitter around the
-// optimum; an EMA of them averages the jitter out and gets a lower test loss.
+// With a checkpoint path, the run saves to it as it goes and, when the file is already there,
+// resumes from it: model, optimizer, EMA and step counter, so that an interrupted run ends with
+// the same weights as an uninterrupted one. The noise in the labels and the large learning rate
+// make the online weights jitter around the optimum; the EMA averages the jitter out.
 #include <emakit/emakit.hpp>
 
 #include <torch/nn/cloneable.h>
@@ -12,10 +14,12 @@
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
+#include <torch/serialize.h>
 
 #include <fmt/core.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 
 namespace {
@@ -46,8 +50,9 @@ double test_loss(Mlp& model, const torch::Tensor& x, const torch::Tensor& y) {
 int main(int argc, char** argv) {
   const long steps = argc > 1 ? std::strtol(argv[1], nullptr, 10) : 3000;
   const long seed = argc > 2 ? std::strtol(argv[2], nullptr, 10) : 0;
-  if (steps <= 0) {
-    fmt::print(stderr, "usage: {} [steps > 0] [seed]\n", argv[0]);
+  const std::string checkpoint = argc > 3 ? argv[3] : "";
+  if (steps <= 0 || argc > 4) {
+    fmt::print(stderr, "usage: {} [steps > 0] [seed] [checkpoint file]\n", argv[0]);
     return 2;
   }
   torch::manual_seed(seed);
@@ -57,38 +62,56 @@ int main(int argc, char** argv) {
 
   Mlp model;
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.2));
-  emakit::FixedEma fixed(*model, emakit::Fixed(0.995));
-  emakit::WarmupEma warmup(*model, emakit::InversePowerWarmup(0.999).power(0.75));
+  emakit::EmaHook hook;
+  hook.add(*model, emakit::Recipe(emakit::InversePowerWarmup(0.999).power(0.75)));
+  hook.setup();
 
-  fmt::print("{}\n{}\n\n", fixed, warmup);
-  fmt::print("{:>6}  {:>12}  {:>12}  {:>12}\n", "step", "online", "fixed EMA", "warmup EMA");
-  auto row = [&](long step) {
-    const double online = test_loss(model, x_test, y_test);
-    double with_fixed, with_warmup;
-    {
-      auto swapped = fixed.swap_into();
-      with_fixed = test_loss(model, x_test, y_test);
-    }
-    {
-      auto swapped = warmup.swap_into();
-      with_warmup = test_loss(model, x_test, y_test);
-    }
-    fmt::print("{:>6}  {:>12.6f}  {:>12.6f}  {:>12.6f}\n", step, online, with_fixed, with_warmup);
-    return std::array<double, 3>{online, with_fixed, with_warmup};
-  };
+  long first = 1;
+  if (!checkpoint.empty() && std::filesystem::exists(checkpoint)) {
+    torch::serialize::InputArchive in;
+    in.load_from(checkpoint);
+    hook.load_checkpoint(in);  // the online weights and the EMA; checked before anything is written
+    torch::serialize::InputArchive opt;
+    in.read("optimizer", opt);
+    optimizer.load(opt);
+    torch::Tensor step;
+    in.read("step", step);
+    first = step.item<long>() + 1;
+    fmt::print("resumed from {} after step {}\n", checkpoint, first - 1);
+  }
+  fmt::print("{}\n\n{:>6}  {:>12}  {:>12}\n", hook.ema<emakit::WarmupEma>("model"), "step", "online", "EMA");
 
-  std::array<double, 3> last{};
-  for (long step = 1; step <= steps; ++step) {
+  const long every = steps / 10 > 0 ? steps / 10 : 1;
+  double online = 0, with_ema = 0;
+  for (long step = first; step <= steps; ++step) {
+    torch::manual_seed(seed * 1000003 + step);  // the batch of a step depends on the step only
     const auto x = torch::randn({32, 16});
     const auto y = task.target(x) + 0.5 * torch::randn({32, 1});  // noisy labels
     optimizer.zero_grad();
     torch::mse_loss(model->forward(x), y).backward();
     optimizer.step();
-    fixed.update();
-    warmup.update();
-    if (step % (steps / 10 > 0 ? steps / 10 : 1) == 0 || step == steps) last = row(step);
+    hook.after_optimizer_step();
+    if (step % every == 0 || step == steps) {
+      online = test_loss(model, x_test, y_test);
+      {
+        auto scope = hook.validation();  // the EMA weights in the model, the online ones back after
+        with_ema = test_loss(model, x_test, y_test);
+      }
+      fmt::print("{:>6}  {:>12.6f}  {:>12.6f}\n", step, online, with_ema);
+    }
+    if (!checkpoint.empty() && (step % (2 * every) == 0 || step == steps)) {
+      torch::serialize::OutputArchive out;
+      hook.save_checkpoint(out);  // the EMA weights as "model", plus what resuming needs
+      torch::serialize::OutputArchive opt;
+      optimizer.save(opt);
+      out.write("optimizer", opt);
+      out.write("step", torch::tensor(static_cast<std::int64_t>(step)));
+      out.save_to(checkpoint + ".tmp");  // then renamed: a crash mid-write keeps the previous file
+      std::filesystem::rename(checkpoint + ".tmp", checkpoint);
+    }
   }
-  fmt::print("\ntest loss at the end: online {:.6f}, fixed EMA {:.6f} ({:+.1f}%), warmup EMA {:.6f} ({:+.1f}%)\n",
-             last[0], last[1], 100.0 * (last[1] / last[0] - 1.0), last[2], 100.0 * (last[2] / last[0] - 1.0));
+  hook.train_end();  // the model keeps the EMA weights
+  fmt::print("\ntest loss at the end: online {:.6f}, EMA {:.6f} ({:+.1f}%); the model now holds the EMA weights: {:.6f}\n",
+             online, with_ema, 100.0 * (with_ema / online - 1.0), test_loss(model, x_test, y_test));
   return 0;
 }
