@@ -13,5 +13,6 @@
 #include <emakit/aliases.hpp>
 #include <emakit/presets.hpp>
 #include <emakit/hooks.hpp>
+#include <emakit/teacher.hpp>
 #include <emakit/posthoc.hpp>
 #include <emakit/format.hpp>

@@ -1,0 +1,329 @@
+// Teacher outputs for self-supervised learning (BYOL, DINO, data2vec, I-JEPA, mean teacher): the
+// outputs of named sub-modules of the EMA model (the teacher) reach named sub-modules of the
+// online model (the student) as an extra input. What ema-pytorch's EMAModuleWrapper does with
+// forward hooks, which LibTorch's C++ modules do not have; here a sub-module that takes part says
+// so in its own forward, and everything else stays ordinary LibTorch code:
+//
+//   struct EncoderImpl : torch::nn::Cloneable<EncoderImpl> {
+//     torch::Tensor forward(torch::Tensor x) {
+//       auto y = body->forward(x);
+//       emakit::record_teacher_output(*this, y);      // kept when this module runs as the teacher
+//       return y;
+//     }
+//   };
+//   struct HeadImpl : torch::nn::Cloneable<HeadImpl> {
+//     torch::Tensor forward(torch::Tensor x) {
+//       if (auto t = emakit::teacher_input(*this))    // the teacher's output, when run as the student
+//         loss_target = *t;
+//       return fc->forward(x);
+//     }
+//   };
+//
+//   emakit::TeacherStudent wrapper(*model, std::move(ema), emakit::TeacherRoutes::paths({"head"}));
+//   auto out = wrapper.forward(x);                    // teacher pass (no grad, eval), then student
+//   auto out = wrapper.forward_views(std::forward_as_tuple(view_a), std::forward_as_tuple(view_b));
+//
+// Modules that do not take part cost nothing; the two calls above cost one thread-local read
+// when no wrapper is running. One wrapper per thread may run at a time on each thread.
+#pragma once
+
+#include <emakit/detail/check.hpp>
+#include <emakit/ema.hpp>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace emakit {
+
+inline constexpr std::string_view default_teacher_input = "ema_output";
+
+// One route: the output of `teacher` (a path in the EMA model) reaches `receiver` (a path in the
+// online model) under `name`, through `transform` if given. "" is the model itself.
+struct TeacherRoute {
+  std::string receiver;
+  std::string teacher;
+  std::string name = std::string(default_teacher_input);
+  std::function<at::Tensor(const at::Tensor&)> transform = {};
+  std::string transform_name = {};  // for error messages, e.g. "l2_normalize"
+};
+
+// The mapping formats of ema-pytorch's EMAModuleWrapper.
+class TeacherRoutes {
+ public:
+  TeacherRoutes() = default;
+
+  // ["encoder", "head"]: the same path on both sides, name "ema_output".
+  static TeacherRoutes paths(const std::vector<std::string>& paths) {
+    TeacherRoutes r;
+    for (const auto& p : paths) r.add({p, p});
+    return r;
+  }
+  // {receiver: value}: a value that is a module path of the model is the teacher path (name
+  // "ema_output"); any other value is the name, with the receiver's own path as the teacher's.
+  // The same rule as the reference; use add() to say it explicitly.
+  static TeacherRoutes map(const std::vector<std::pair<std::string, std::string>>& pairs) {
+    TeacherRoutes r;
+    for (const auto& [receiver, value] : pairs) r.pending_.push_back({receiver, value});
+    return r;
+  }
+  // receiver -> (teacher path, name, transform): the full form.
+  TeacherRoutes& add(TeacherRoute route) {
+    routes_.push_back(std::move(route));
+    return *this;
+  }
+
+  // The routes with every map() entry decided against the model's module paths.
+  std::vector<TeacherRoute> resolve(const std::vector<std::string>& model_paths) const {
+    std::vector<TeacherRoute> out = routes_;
+    for (const auto& [receiver, value] : pending_) {
+      const bool is_path = std::find(model_paths.begin(), model_paths.end(), value) != model_paths.end();
+      out.push_back(is_path ? TeacherRoute{receiver, value} : TeacherRoute{receiver, receiver, value});
+    }
+    return out;
+  }
+  bool empty() const noexcept { return routes_.empty() && pending_.empty(); }
+
+ private:
+  std::vector<TeacherRoute> routes_;
+  std::vector<std::pair<std::string, std::string>> pending_;
+};
+
+namespace detail {
+
+// The pass a TeacherStudent is running on this thread.
+struct TeacherPass {
+  enum class Mode : std::uint8_t { teacher, student };
+  Mode mode = Mode::teacher;
+  const std::vector<TeacherRoute>* routes = nullptr;
+  std::unordered_map<const torch::nn::Module*, std::string> teacher_paths;      // recording modules
+  std::unordered_map<const torch::nn::Module*, std::vector<std::size_t>> receivers;  // route indices
+  std::unordered_map<std::string, at::Tensor> recorded;                          // by teacher path
+  std::vector<char> asked;                                                       // per route
+};
+
+inline TeacherPass*& active_teacher_pass() noexcept {
+  thread_local TeacherPass* pass = nullptr;
+  return pass;
+}
+
+inline std::size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diag = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// "", then every sub-module path of `model`, with the module each names.
+inline std::vector<std::pair<std::string, const torch::nn::Module*>> module_paths(const torch::nn::Module& model) {
+  std::vector<std::pair<std::string, const torch::nn::Module*>> out{{"", &model}};
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) out.emplace_back(item.key(), item.value().get());
+  return out;
+}
+
+inline const torch::nn::Module* find_path(const std::vector<std::pair<std::string, const torch::nn::Module*>>& paths,
+                                          const std::string& path, const char* side) {
+  for (const auto& [p, m] : paths)
+    if (p == path) return m;
+  std::vector<std::pair<std::size_t, std::string>> near;
+  for (const auto& [p, m] : paths) near.emplace_back(edit_distance(path, p), p.empty() ? "\"\" (the model)" : "'" + p + "'");
+  std::sort(near.begin(), near.end());
+  std::vector<std::string> best;
+  for (std::size_t i = 0; i < near.size() && i < 3; ++i) best.push_back(near[i].second);
+  fail("teacher route: the {} has no sub-module '{}'; nearest valid paths: {}", side, path, fmt::join(best, ", "));
+}
+
+}  // namespace detail
+
+// In a sub-module's forward: keeps `output` when this module runs as a routed teacher
+// sub-module. Does nothing otherwise.
+inline void record_teacher_output(const torch::nn::Module& self, const at::Tensor& output) {
+  detail::TeacherPass* pass = detail::active_teacher_pass();
+  if (pass == nullptr || pass->mode != detail::TeacherPass::Mode::teacher) return;
+  auto it = pass->teacher_paths.find(&self);
+  if (it != pass->teacher_paths.end()) pass->recorded[it->second] = output.detach();
+}
+
+// In a sub-module's forward: the teacher's output routed to this module under `name` (after the
+// route's transform) when it runs as the student; nullopt otherwise (no wrapper running, the
+// teacher pass, a module without such a route). With `like`, the value must have like's shape.
+inline std::optional<at::Tensor> teacher_input(const torch::nn::Module& self,
+                                               std::string_view name = default_teacher_input,
+                                               const at::Tensor* like = nullptr) {
+  detail::TeacherPass* pass = detail::active_teacher_pass();
+  if (pass == nullptr || pass->mode != detail::TeacherPass::Mode::student) return std::nullopt;
+  auto it = pass->receivers.find(&self);
+  if (it == pass->receivers.end()) return std::nullopt;
+  for (std::size_t i : it->second) {
+    const TeacherRoute& route = (*pass->routes)[i];
+    if (route.name != name) continue;
+    pass->asked[i] = 1;
+    at::Tensor value = pass->recorded.at(route.teacher);
+    if (route.transform) value = route.transform(value);
+    if (like != nullptr && !value.sizes().equals(like->sizes()))
+      detail::fail("teacher input '{}' of '{}' from '{}' has shape {} after transform {}, expected {}", name,
+                   route.receiver, route.teacher, detail::shape_string(value.sizes()),
+                   route.transform ? (route.transform_name.empty() ? std::string("(unnamed)") : route.transform_name)
+                                   : std::string("(none)"),
+                   detail::shape_string(like->sizes()));
+    return value;
+  }
+  return std::nullopt;
+}
+inline std::optional<at::Tensor> teacher_input(const torch::nn::Module& self, std::string_view name,
+                                               const at::Tensor& like) {
+  return teacher_input(self, name, &like);
+}
+
+// A model, its EMA (module storage: the EMA is a module of the model's type) and the routes
+// between them. forward() runs the EMA model without grad in eval mode (its mode restored
+// after), records the routed outputs, runs the online model whose receivers get them, and
+// clears what it recorded, also on an exception.
+template <class EmaT>
+class TeacherStudent {
+ public:
+  using module_type = typename std::remove_cvref_t<decltype(*std::declval<const EmaT&>().module())>;
+
+  // Borrows `ema` (it must outlive the wrapper).
+  TeacherStudent(module_type& model, EmaT& ema, TeacherRoutes routes) : model_(&model), ema_(&ema) {
+    init(std::move(routes));
+  }
+  // Owns `ema`.
+  TeacherStudent(module_type& model, EmaT&& ema, TeacherRoutes routes)
+      : model_(&model), owned_(std::make_unique<EmaT>(std::move(ema))), ema_(owned_.get()) {
+    init(std::move(routes));
+  }
+
+  EmaT& ema() noexcept { return *ema_; }
+  module_type& teacher() const { return *ema_->module(); }
+  const std::vector<TeacherRoute>& routes() const noexcept { return routes_; }
+
+  // The EMA's update, after the optimizer step.
+  UpdateResult update(StepInfo info = {}) { return ema_->update(info); }
+
+  // One input for both passes.
+  template <class... Args>
+  decltype(auto) forward(Args&&... args) {
+    return run([&](module_type& t) { t.forward(args...); },
+               [&](module_type& s) -> decltype(auto) { return s.forward(std::forward<Args>(args)...); });
+  }
+  // Multi-view: the teacher sees one view, the student another (tuples of forward arguments).
+  template <class... T, class... S>
+  decltype(auto) forward_views(std::tuple<T...> teacher_args, std::tuple<S...> student_args) {
+    return run([&](module_type& t) { std::apply([&](auto&&... a) { t.forward(a...); }, teacher_args); },
+               [&](module_type& s) -> decltype(auto) {
+                 return std::apply([&](auto&&... a) -> decltype(auto) { return s.forward(a...); }, student_args);
+               });
+  }
+  // The general form: `teacher_pass(teacher module)` then `student_pass(model)`, whose result is
+  // returned.
+  template <class TeacherPass, class StudentPass>
+  decltype(auto) run(TeacherPass&& teacher_pass, StudentPass&& student_pass) {
+    detail::TeacherPass*& slot = detail::active_teacher_pass();
+    if (slot != nullptr) detail::fail("TeacherStudent: a wrapper is already running on this thread (nested forward)");
+    pass_.recorded.clear();
+    std::fill(pass_.asked.begin(), pass_.asked.end(), 0);
+    struct Clear {  // ends the pass and drops what it recorded, also on an exception
+      detail::TeacherPass*& slot;
+      detail::TeacherPass& pass;
+      ~Clear() {
+        slot = nullptr;
+        pass.recorded.clear();
+      }
+    } clear{slot, pass_};
+    slot = &pass_;
+
+    {
+      pass_.mode = detail::TeacherPass::Mode::teacher;
+      module_type& t = teacher();
+      struct Mode {  // the teacher's mode as it was, also on an exception
+        module_type& m;
+        bool training;
+        ~Mode() { m.train(training); }
+      } mode{t, t.is_training()};
+      c10::NoGradGuard no_grad;
+      t.eval();
+      teacher_pass(t);
+    }
+    for (const auto& route : routes_)
+      if (!pass_.recorded.count(route.teacher))
+        detail::fail("TeacherStudent: teacher sub-module '{}' did not record its output during the teacher pass; call "
+                     "emakit::record_teacher_output(*this, output) in its forward",
+                     route.teacher);
+
+    pass_.mode = detail::TeacherPass::Mode::student;
+    auto finish = [&] {
+      for (std::size_t i = 0; i < routes_.size(); ++i)
+        if (!pass_.asked[i] && !warned_[i]) {
+          warned_[i] = 1;
+          TORCH_WARN("emakit: TeacherStudent: '", routes_[i].receiver, "' never asked for its teacher input '",
+                     routes_[i].name, "' (emakit::teacher_input(*this, \"", routes_[i].name,
+                     "\") in its forward); warned once");
+        }
+    };
+    if constexpr (std::is_void_v<decltype(student_pass(*model_))>) {
+      student_pass(*model_);
+      finish();
+    } else {
+      decltype(auto) out = student_pass(*model_);
+      finish();
+      return out;
+    }
+  }
+
+ private:
+  void init(TeacherRoutes routes) {
+    if (!ema_->module()) detail::fail("TeacherStudent: the EMA has no module; use an Ema with ModuleStorage");
+    if (routes.empty()) detail::fail("TeacherStudent: no routes; give at least one teacher path");
+    const auto student_paths = detail::module_paths(*model_);
+    const auto teacher_paths = detail::module_paths(teacher());
+    std::vector<std::string> names;
+    for (const auto& [p, m] : student_paths) names.push_back(p);
+    routes_ = routes.resolve(names);
+    for (std::size_t i = 0; i < routes_.size(); ++i) {
+      const auto& r = routes_[i];
+      const torch::nn::Module* receiver = detail::find_path(student_paths, r.receiver, "model");
+      const torch::nn::Module* source = detail::find_path(teacher_paths, r.teacher, "EMA (teacher) model");
+      for (std::size_t j = 0; j < i; ++j)
+        if (routes_[j].receiver == r.receiver && routes_[j].name == r.name)
+          detail::fail("teacher route: '{}' receives '{}' twice (from '{}' and '{}')", r.receiver, r.name,
+                       routes_[j].teacher, r.teacher);
+      pass_.teacher_paths.emplace(source, r.teacher);
+      pass_.receivers[receiver].push_back(i);
+    }
+    pass_.routes = &routes_;
+    pass_.asked.assign(routes_.size(), 0);
+    warned_.assign(routes_.size(), 0);
+  }
+
+  module_type* model_;
+  std::unique_ptr<EmaT> owned_;
+  EmaT* ema_;
+  std::vector<TeacherRoute> routes_;
+  detail::TeacherPass pass_;
+  std::vector<char> warned_;
+};
+
+}  // namespace emakit
