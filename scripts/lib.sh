@@ -15,9 +15,17 @@ EMAKIT_BUILD_TYPE="${EMAKIT_BUILD_TYPE:-Release}"
 EMAKIT_REQUIREMENTS="$EMAKIT_ROOT/scripts/requirements.txt"
 
 # Debian packages the build needs (compiler, CMake, LibTorch 1.13, fmt, Catch2 v2, Google
-# Benchmark, ccache, python3-venv for the reference packages, CLI11 for the examples).
+# Benchmark, ccache, python3-venv for the reference packages, CLI11 for the examples), and the
+# Fashion-MNIST demo's data and plotting (dataset-fashion-mnist, gnuplot-nox).
 EMAKIT_DEB_PACKAGES=(g++ make cmake ccache libtorch-dev libfmt-dev catch2 libbenchmark-dev
-                     python3-venv libcli11-dev)
+                     python3-venv libcli11-dev dataset-fashion-mnist gnuplot-nox)
+
+# Where dataset-fashion-mnist installs its gzip'd IDX files, and where the demo (and its ctest,
+# examples/CMakeLists.txt) reads them uncompressed.
+EMAKIT_FASHION_MNIST_SOURCE=/usr/share/datasets/fashion-mnist
+EMAKIT_FASHION_MNIST_DIR="$EMAKIT_ROOT/build/data/fashion-mnist"
+EMAKIT_FASHION_MNIST_FILES=(train-images-idx3-ubyte train-labels-idx1-ubyte
+                            t10k-images-idx3-ubyte t10k-labels-idx1-ubyte)
 
 emakit_say() { printf '==> %s\n' "$*"; }
 emakit_warn() { printf '==> WARNING: %s\n' "$*" >&2; }
@@ -46,6 +54,26 @@ emakit_apt_ensure() {
   "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -q
   "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
     "${missing[@]}"
+}
+
+# emakit_fashion_mnist_ensure: install dataset-fashion-mnist if missing and decompress its four
+# files into $EMAKIT_FASHION_MNIST_DIR, each only when absent or older than its .gz (written to
+# a temporary name first, so an interrupted run leaves no truncated file).
+emakit_fashion_mnist_ensure() {
+  local name src dst
+  emakit_apt_ensure dataset-fashion-mnist
+  mkdir -p "$EMAKIT_FASHION_MNIST_DIR"
+  for name in "${EMAKIT_FASHION_MNIST_FILES[@]}"; do
+    src="$EMAKIT_FASHION_MNIST_SOURCE/$name.gz"
+    dst="$EMAKIT_FASHION_MNIST_DIR/$name"
+    [[ -f "$src" ]] || emakit_die "$src is missing although dataset-fashion-mnist is installed"
+    [[ -f "$dst" && ! "$dst" -ot "$src" ]] && continue
+    emakit_say "decompressing $src -> $dst"
+    if ! { gzip -dc "$src" >"$dst.tmp.$$" && mv -f "$dst.tmp.$$" "$dst"; }; then
+      rm -f "$dst.tmp.$$"
+      emakit_die "cannot decompress $src into $dst"
+    fi
+  done
 }
 
 # emakit_venv_ensure: create $EMAKIT_VENV and install scripts/requirements.txt into it, unless

@@ -19,6 +19,8 @@ read -r -a variants <<<"${EMAKIT_VARIANTS:-torch1.13 torch2}"
 read -r -a ctest_extra <<<"${EMAKIT_CTEST_ARGS:-}"
 
 emakit_apt_ensure "${EMAKIT_DEB_PACKAGES[@]}"
+# The data of the demo test (demo.fashion_mnist_short, built with the examples).
+emakit_fashion_mnist_ensure
 
 # The venv serves both runs: the conformance tests compare against the Python packages
 # (EMAKIT_PYTHON), and the torch2 run links the wheel's LibTorch.
@@ -44,7 +46,7 @@ run_variant() {
   local dir="build/$name" log
   emakit_say "[$name] configure ($what)"
   if ! cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE="$EMAKIT_BUILD_TYPE" \
-         -DEMAKIT_BUILD_TESTS=ON -DEMAKIT_PYTHON="${EMAKIT_PYTHON:-}" "$@"; then
+         -DEMAKIT_BUILD_TESTS=ON -DEMAKIT_BUILD_EXAMPLES=ON -DEMAKIT_PYTHON="${EMAKIT_PYTHON:-}" "$@"; then
     result[$name]="FAILED: configure ($what)"
     return 1
   fi
