@@ -17,6 +17,11 @@
 #include <cmath>
 #include <cstdlib>
 #include <new>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include <sys/utsname.h>
 
 namespace {
 
@@ -324,4 +329,51 @@ TEST_CASE("The AVX2 copies of the segment loops round exactly like the baseline 
 #else
   WARN("no AVX2 copies in this build (not x86-64, or the baseline already has AVX2)");
 #endif
+}
+
+namespace {
+// AnonHugePages (kB) of the mapping that holds `address`, from /proc/self/smaps; -1 if unknown.
+long huge_kib_at(const void* address) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool inside = false;
+  const auto a = reinterpret_cast<std::uintptr_t>(address);
+  while (std::getline(smaps, line)) {
+    unsigned long lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find(':') > line.find('-')) {
+      inside = a >= lo && a < hi;
+    } else if (inside && line.rfind("AnonHugePages:", 0) == 0) {
+      return std::stol(line.substr(14));
+    }
+  }
+  return -1;
+}
+
+std::string thp_mode() {
+  std::ifstream in("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string mode;
+  std::getline(in, mode);
+  return mode;
+}
+}  // namespace
+
+TEST_CASE("Large CPU averages are backed by huge pages where Linux allows it", "[kernel][memory]") {
+  const std::string mode = thp_mode();
+  utsname u{};
+  uname(&u);
+  int major = 0, minor = 0;
+  std::sscanf(u.release, "%d.%d", &major, &minor);
+  const bool collapse = major > 6 || (major == 6 && minor >= 1);  // MADV_COLLAPSE
+  if (mode.empty() || mode.find("[never]") != std::string::npos || !collapse) {
+    WARN("transparent huge pages off or kernel " << u.release << " without MADV_COLLAPSE: not checked");
+    return;
+  }
+  std::vector<emakit::SourceTensor> sources{{"big", torch::randn({std::int64_t{1} << 22}), false},
+                                            {"small", torch::randn({1000}), false}};
+  emakit::FixedEma ema(sources, emakit::Fixed(0.5));
+  const auto& big = ema.average("big");  // its 2 MiB-aligned interior is a mapping of its own now
+  CHECK(huge_kib_at(static_cast<const char*>(big.data_ptr()) + big.nbytes() / 2) > 0);
+  sources[0].tensor.add_(2.0);
+  ema.update();
+  CHECK(torch::allclose(ema.average("big"), sources[0].tensor - 1.0, 1e-6, 1e-6));
 }
