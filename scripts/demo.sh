@@ -11,6 +11,8 @@
 #
 #   ./scripts/demo.sh                        the default run (6 epochs, seed 0)
 #   ./scripts/demo.sh --epochs 2 --seed 1    arguments go to the program (--help lists them)
+#   ./scripts/demo.sh ssl [args]             instead: self-supervised learning with an EMA teacher
+#                                            (examples/ssl_byol.cpp, emakit::TeacherStudent)
 #   EMAKIT_DEMO_BUILD_DIR=build/other ./scripts/demo.sh
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
@@ -20,14 +22,22 @@ cd "$EMAKIT_ROOT"
 emakit_apt_ensure "${EMAKIT_DEB_PACKAGES[@]}"
 emakit_fashion_mnist_ensure
 
+example=fashion_mnist
+defaults=(--data "$EMAKIT_FASHION_MNIST_DIR" --out build/demo-out)
+if [[ "${1:-}" == ssl ]]; then
+  shift
+  example=ssl_byol
+  defaults=(--data "$EMAKIT_FASHION_MNIST_DIR")
+fi
+
 mapfile -t torch_args < <(emakit_debian_torch_args)
 dir="${EMAKIT_DEMO_BUILD_DIR:-build/demo}"
 emakit_say "configure $dir (Debian LibTorch 1.13, $EMAKIT_BUILD_TYPE)"
 cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE="$EMAKIT_BUILD_TYPE" \
   -DEMAKIT_BUILD_TESTS=OFF -DEMAKIT_BUILD_EXAMPLES=ON "${torch_args[@]}" >/dev/null
-emakit_say "build emakit_example_fashion_mnist (-j$EMAKIT_JOBS)"
-cmake --build "$dir" -j "$EMAKIT_JOBS" --target emakit_example_fashion_mnist
-program="$dir/examples/emakit_example_fashion_mnist"
-args=(--data "$EMAKIT_FASHION_MNIST_DIR" --out build/demo-out "$@")
+emakit_say "build emakit_example_$example (-j$EMAKIT_JOBS)"
+cmake --build "$dir" -j "$EMAKIT_JOBS" --target "emakit_example_$example"
+program="$dir/examples/emakit_example_$example"
+args=("${defaults[@]}" "$@")
 emakit_say "run $program ${args[*]}"
 exec "$program" "${args[@]}"
