@@ -450,7 +450,8 @@ class EmaHook {
   EmaHook& add(std::string key, torch::nn::Module& model, Recipe<D, S, St> recipe, HookOptions options = {},
                std::type_identity_t<std::function<void(const Ema<D, S, St>&)>> publish = {}) {
     detail::check_hook_key(key);
-    if (stage_ != Stage::training) detail::fail("add('{}') during {}; add models before setup()", key, stage_name());
+    if (stage_ != Stage::training)
+      detail::fail("add('{}') during {}: add models while no validation or test stage is running", key, stage_name());
     for (const auto& e : entries_) {
       if (e->key() == key) detail::fail("model key '{}' is already in this hook", key);
       const bool both_swap = (e->options().validate_with_ema && options.validate_with_ema) ||

@@ -216,6 +216,12 @@ class TeacherStudent {
     init(std::move(routes));
   }
 
+  // The wrapper refers to its own routes while it runs: it stays where it was made.
+  TeacherStudent(const TeacherStudent&) = delete;
+  TeacherStudent& operator=(const TeacherStudent&) = delete;
+  TeacherStudent(TeacherStudent&&) = delete;
+  TeacherStudent& operator=(TeacherStudent&&) = delete;
+
   EmaT& ema() noexcept { return *ema_; }
   module_type& teacher() const { return *ema_->module(); }
   const std::vector<TeacherRoute>& routes() const noexcept { return routes_; }
