@@ -70,10 +70,13 @@ struct StepInfo {
 };
 
 // What update() did, the step it completed, and the decay it used (0 for a copy, NaN for a skip).
+// With EmaOptions::skip_non_finite, `non_finite` names the first source tensor that held a NaN or
+// an infinity; the update was then skipped.
 struct UpdateResult {
   Action action = Action::skipped;
   std::int64_t step = 0;
   double decay = std::nan("");
+  std::string non_finite = {};
 };
 
 enum class LoadMode : std::uint8_t {
@@ -238,7 +241,26 @@ class Ema {
                    "itself; end the guard's scope (or call restore()) first");
     const ScheduleInput in{calls_ + 1, info.step, step_, num_updates_, info.vetoed};
     const Decision decision = schedule_.decide(in);
-    UpdateResult result{decision.action, decision.step, std::nan("")};
+    UpdateResult result{decision.action, decision.step, std::nan(""), {}};
+    if (decision.action != Action::skipped && options_.skip_non_finite()) {
+      for (const auto& s : kernel_.slots()) {
+        const bool read = decision.action == Action::copied || s.averaged || s.follows_averages;
+        if (read && !detail::all_finite(s.source)) {
+          result.non_finite = s.name;
+          break;
+        }
+      }
+      if (!result.non_finite.empty()) {
+        TORCH_WARN("emakit: update at step ", decision.step, " skipped: '", result.non_finite,
+                   "' holds a NaN or an infinity (EmaOptions::skip_non_finite); the average is unchanged");
+        calls_ += 1;
+        step_ = decision.step;
+        non_finite_updates_ += 1;
+        last_non_finite_ = result.non_finite;
+        result.action = Action::skipped;
+        return result;
+      }
+    }
     if (decision.action == Action::copied) {
       kernel_.check_sources();
       kernel_.copy();
@@ -279,6 +301,10 @@ class Ema {
   std::int64_t num_updates() const noexcept { return num_updates_; }    // copies + averages applied
   std::int64_t last_update_step() const noexcept { return last_update_step_; }
   double decay() const noexcept { return last_decay_; }                 // d of the last applied update
+  // Updates skipped because the model held a NaN or an infinity (EmaOptions::skip_non_finite),
+  // and the tensor named by the last of them.
+  std::int64_t non_finite_updates() const noexcept { return non_finite_updates_; }
+  const std::string& last_non_finite() const noexcept { return last_non_finite_; }
 
   const Decay& decay_policy() const noexcept { return decay_; }
   const Schedule& schedule() const noexcept { return schedule_; }
@@ -381,6 +407,7 @@ class Ema {
     out.insert("counters.num_updates", at::scalar_tensor(num_updates_, at::kLong));
     out.insert("counters.last_update_step", at::scalar_tensor(last_update_step_, at::kLong));
     out.insert("counters.last_decay", at::scalar_tensor(last_decay_, at::kDouble));
+    out.insert("counters.non_finite_updates", at::scalar_tensor(non_finite_updates_, at::kLong));
     for (const auto& s : kernel_.slots()) out.insert("average." + s.name, s.average);
     return out;
   }
@@ -405,6 +432,7 @@ class Ema {
     num_updates_ = plan.counters.num_updates;
     last_update_step_ = plan.counters.last_update_step;
     last_decay_ = plan.counters.last_decay;
+    non_finite_updates_ = plan.counters.non_finite_updates;
     return plan.report;
   }
 
@@ -452,6 +480,7 @@ class Ema {
   struct Counters {
     std::int64_t calls, step, num_updates, last_update_step;
     double last_decay;
+    std::int64_t non_finite_updates = 0;
   };
 
   struct LoadPlan {
@@ -598,7 +627,8 @@ class Ema {
 
   static bool known_key(const std::string& key) {
     static const char* const fixed[] = {"emakit.format",        "counters.calls",           "counters.step",
-                                        "counters.num_updates", "counters.last_update_step", "counters.last_decay"};
+                                        "counters.num_updates", "counters.last_update_step", "counters.last_decay",
+                                        "counters.non_finite_updates"};
     for (const char* k : fixed)
       if (key == k) return true;
     // check_config() has checked every key under these two already.
@@ -656,7 +686,9 @@ class Ema {
       return v;
     };
     Counters c{integer("counters.calls"), integer("counters.step"), integer("counters.num_updates"),
-               integer("counters.last_update_step"), 0.0};
+               integer("counters.last_update_step"), 0.0,
+               // absent in states written before the non-finite guard existed
+               state.find("counters.non_finite_updates") != nullptr ? integer("counters.non_finite_updates") : 0};
     const at::Tensor* d = state.find("counters.last_decay");
     if (d == nullptr) detail::fail("the state has no 'counters.last_decay'");
     if (d->numel() != 1) detail::fail("'counters.last_decay' must be one number, got shape {}", detail::shape_string(d->sizes()));
@@ -685,6 +717,8 @@ class Ema {
   std::int64_t num_updates_ = 0;
   std::int64_t last_update_step_ = 0;
   double last_decay_ = std::nan("");
+  std::int64_t non_finite_updates_ = 0;
+  std::string last_non_finite_;
   detail::BoundFlag bound_;
 };
 

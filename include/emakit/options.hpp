@@ -67,6 +67,15 @@ class EmaOptions {
     side_stream_ = value;
     return *this;
   }
+  // Off by default, as in the Python peers (a NaN in the model then reaches the average). On: an
+  // update whose source tensors hold a NaN or an infinity changes nothing, is counted
+  // (Ema::non_finite_updates()) and names the first such tensor (UpdateResult::non_finite,
+  // Ema::last_non_finite(), and a warning). It costs one read of the model per update.
+  bool skip_non_finite() const noexcept { return skip_non_finite_; }
+  EmaOptions& skip_non_finite(bool value) {
+    skip_non_finite_ = value;
+    return *this;
+  }
   const std::vector<std::string>& copy_only() const noexcept { return copy_only_; }
   EmaOptions& copy_only(std::vector<std::string> names) {
     copy_only_ = std::move(names);
@@ -174,6 +183,7 @@ class EmaOptions {
   std::vector<std::string> ignore_prefixes_;
   BufferMode buffers_ = BufferMode::average;
   bool side_stream_ = false;
+  bool skip_non_finite_ = false;
   BufferMode non_floating_ = BufferMode::copy;
   bool ignored_follow_copies_ = false;
   std::int64_t switch_every_ = 0;

@@ -1,0 +1,144 @@
+// Reliability: the non-finite guard (off by default, as the Python peers), and misuse that would
+// corrupt the average being refused.
+#include <emakit/emakit.hpp>
+
+#include "helpers.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <limits>
+#include <map>
+#include <string>
+
+using Catch::Matchers::Contains;
+using emakit::Action;
+using emakit_test::bitwise_equal;
+using emakit_test::TinyNet;
+
+namespace {
+std::map<std::string, torch::Tensor> copy_of(const emakit::StateDict& averages) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& item : averages) out.emplace(item.key(), item.value().clone());
+  return out;
+}
+bool unchanged(const emakit::StateDict& now, const std::map<std::string, torch::Tensor>& before) {
+  for (const auto& item : now)
+    if (!bitwise_equal(item.value(), before.at(item.key()))) return false;
+  return true;
+}
+}  // namespace
+
+TEST_CASE("Non-finite guard off (the default, as the peers): a NaN in the model reaches the average", "[reliability]") {
+  TinyNet model;
+  emakit::FixedEma ema(*model, emakit::Fixed(0.5));
+  model->fc->weight.data()[0][0] = std::numeric_limits<float>::quiet_NaN();
+  const auto r = ema.update();
+  CHECK(r.action == Action::averaged);
+  CHECK(r.non_finite.empty());
+  CHECK(std::isnan(ema.average("fc.weight")[0][0].item<float>()));
+  CHECK(ema.non_finite_updates() == 0);
+}
+
+TEST_CASE("Non-finite guard on: the update changes nothing, is counted and names the tensor", "[reliability]") {
+  torch::manual_seed(1);
+  TinyNet model;
+  emakit::FixedEma ema(*model, emakit::Fixed(0.5), {}, emakit::EmaOptions().skip_non_finite(true));
+  emakit_test::perturb(*model);
+  REQUIRE(ema.update().action == Action::averaged);
+  const auto before = copy_of(ema.averages());
+
+  model->bn->running_var.data()[2] = std::numeric_limits<float>::infinity();  // a buffer, averaged too
+  emakit_test::WarningCapture warnings;
+  const auto r = ema.update();
+  CHECK(r.action == Action::skipped);
+  CHECK(r.non_finite == "bn.running_var");
+  CHECK(r.step == 2);
+  CHECK(unchanged(ema.averages(), before));
+  CHECK(ema.non_finite_updates() == 1);
+  CHECK(ema.last_non_finite() == "bn.running_var");
+  CHECK(ema.num_updates() == 1);
+  CHECK(ema.step() == 2);  // the optimizer's step happened; only the average refused it
+  REQUIRE(warnings.messages.size() == 1);
+  CHECK_THAT(warnings.messages[0], Contains("bn.running_var") && Contains("step 2"));
+
+  // The first offending tensor in the model's order is named.
+  model->fc->weight.data()[1][1] = std::numeric_limits<float>::quiet_NaN();
+  CHECK(ema.update().non_finite == "fc.weight");
+  CHECK(ema.non_finite_updates() == 2);
+
+  // Finite again: averaging resumes, and the counter survives a state round trip.
+  {
+    torch::NoGradGuard no_grad;
+    model->fc->weight.data()[1][1] = 0.25f;
+    model->bn->running_var.fill_(1.0);
+  }
+  CHECK(ema.update().action == Action::averaged);
+  CHECK(ema.num_updates() == 2);
+  emakit::FixedEma other(*model, emakit::Fixed(0.5), {}, emakit::EmaOptions().skip_non_finite(true));
+  other.load_state_dict(ema.state_dict());
+  CHECK(other.non_finite_updates() == 2);
+  // A state written before the guard existed has no such counter: it loads as 0.
+  auto old_state = ema.state_dict();
+  old_state.erase("counters.non_finite_updates");
+  other.load_state_dict(old_state);
+  CHECK(other.non_finite_updates() == 0);
+}
+
+TEST_CASE("Non-finite guard on: copies are guarded too, and a bf16 model is scanned in place", "[reliability]") {
+  TinyNet model;
+  emakit_test::cast_floats(*model, torch::kBFloat16);
+  emakit::WarmupEma ema(*model, emakit::InversePowerWarmup(0.999), emakit::StepSchedule().warmup(emakit::Warmup::copy_before_start),
+                        emakit::EmaOptions().skip_non_finite(true));
+  const auto before = copy_of(ema.averages());
+  model->fc->bias.data()[0] = -std::numeric_limits<float>::infinity();
+  emakit_test::WarningCapture warnings;
+  const auto r = ema.update();  // would be the first update: a copy
+  CHECK(warnings.messages.size() == 1);
+  CHECK(r.non_finite == "fc.bias");
+  CHECK(unchanged(ema.averages(), before));
+  CHECK(ema.num_updates() == 0);
+}
+
+TEST_CASE("all_finite agrees with ATen's isfinite for every float type, contiguous or not", "[reliability]") {
+  torch::manual_seed(2);
+  for (auto type : {torch::kFloat, torch::kDouble, torch::kBFloat16, torch::kHalf}) {
+    for (int trial = 0; trial < 20; ++trial) {
+      auto t = torch::randn({37, 11}).to(type) * 100;
+      const int kind = trial % 4;  // 0: finite, 1: NaN, 2: +Inf, 3: -Inf
+      const auto at = torch::randint(0, t.numel(), {1}).item<std::int64_t>();
+      if (kind == 1) t.view(-1)[at] = std::numeric_limits<double>::quiet_NaN();
+      if (kind == 2) t.view(-1)[at] = std::numeric_limits<double>::infinity();
+      if (kind == 3) t.view(-1)[at] = -std::numeric_limits<double>::infinity();
+      INFO("dtype " << t.scalar_type() << ", kind " << kind);
+      CHECK(emakit::detail::all_finite(t) == torch::isfinite(t).all().item<bool>());
+      CHECK(emakit::detail::all_finite(t.t()) == torch::isfinite(t).all().item<bool>());  // non-contiguous
+      CHECK(emakit::detail::all_finite(t) == (kind == 0));
+    }
+  }
+  CHECK(emakit::detail::all_finite(torch::arange(10)));  // integers are always finite
+}
+
+TEST_CASE("Misuse that would corrupt the average is an error and changes nothing", "[reliability]") {
+  torch::manual_seed(3);
+  TinyNet model;
+  emakit::FixedEma ema(*model, emakit::Fixed(0.5));
+  emakit_test::perturb(*model);
+  ema.update();
+  const auto before = copy_of(ema.averages());
+  {
+    auto swapped = ema.swap_into();  // the model holds the EMA weights: averaging would average the EMA with itself
+    REQUIRE_THROWS_WITH(ema.update(), Contains("SwapGuard") && Contains("itself"));
+  }
+  CHECK(unchanged(ema.averages(), before));
+  CHECK(ema.num_updates() == 1);
+
+  {  // the model's tensor replaced by one of another shape (a rebuilt layer)
+    torch::NoGradGuard no_grad;
+    model->fc->weight.set_data(torch::randn({5, 3}));
+  }
+  REQUIRE_THROWS_WITH(ema.update(), Contains("'fc.weight' changed shape from [4, 3] to [5, 3]"));
+  CHECK(unchanged(ema.averages(), before));
+  CHECK(ema.num_updates() == 1);
+  CHECK(ema.calls() == 1);
+}
