@@ -23,12 +23,15 @@
 //   emakit_hook/K        the EMA's state (config, counters, averages), the hook's own counters,
 //                        and the online weights (when K holds the EMA's), so that a run resumed
 //                        from the checkpoint continues bitwise as if it had never stopped
+// Every tensor of a checkpoint has a CRC-32 in emakit_hook/K/checksums (LibTorch's archive reader
+// does not check the zip format's own), so a damaged file is an error, never different weights.
 // load_checkpoint() checks every model first and writes nothing unless all of them fit.
 #pragma once
 
 #include <emakit/concepts.hpp>
 #include <emakit/detail/atomic_file.hpp>
 #include <emakit/detail/check.hpp>
+#include <emakit/detail/crc32.hpp>
 #include <emakit/ema.hpp>
 #include <emakit/options.hpp>
 
@@ -46,6 +49,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <stdexcept>
 #include <type_traits>
 #include <sstream>
 #include <string>
@@ -78,6 +82,36 @@ namespace detail {
 
 using TensorMap = std::unordered_map<std::string, at::Tensor>;
 
+// The checksum of a tensor as saved: CRC-32 of its dtype, shape and bytes. The archive format's
+// own CRC-32s are not checked by LibTorch's reader, so the hook keeps one per tensor.
+inline std::int64_t tensor_checksum(const at::Tensor& t) {
+  const at::Tensor c = t.detach().cpu().contiguous();
+  std::uint32_t crc = 0;
+  const auto type = static_cast<std::int32_t>(c.scalar_type());
+  crc = crc32(&type, sizeof(type), crc);
+  for (const std::int64_t d : c.sizes()) crc = crc32(&d, sizeof(d), crc);
+  crc = crc32(c.data_ptr(), c.nbytes(), crc);
+  return static_cast<std::int64_t>(crc);
+}
+
+// Checksums by name ("state/<key>", "online/<name>", "weights/<name>", "meta") while saving, and
+// their check while loading.
+struct Checksums {
+  std::vector<std::pair<std::string, at::Tensor>> saved;
+  void add(const std::string& name, const at::Tensor& t) {
+    saved.emplace_back(name, at::scalar_tensor(tensor_checksum(t), at::kLong));
+  }
+  std::unordered_map<std::string, std::int64_t> read;
+  void check(const std::string& name, const at::Tensor& t, const std::string& where) const {
+    auto it = read.find(name);
+    if (it == read.end())
+      fail("{}: the checkpoint has no checksum for '{}'; it is damaged or was not written by EmaHook", where, name);
+    if (it->second != tensor_checksum(t))
+      fail("{}: '{}' does not match its checksum; the checkpoint is damaged", where, name);
+  }
+};
+
+
 inline void check_hook_key(const std::string& key) {
   bool ok = !key.empty() && !(key[0] >= '0' && key[0] <= '9') && key != "emakit_hook";
   for (char c : key) ok = ok && ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_');
@@ -91,11 +125,13 @@ inline void check_hook_key(const std::string& key) {
 // tensor taken from `replace` where it has one, converted to the model tensor's dtype and
 // device. Every tensor is copied: the archive does not change when training goes on.
 inline void write_module(const torch::nn::Module& model, torch::serialize::OutputArchive& archive,
-                         const std::string& prefix, const TensorMap& replace) {
+                         const std::string& prefix, const TensorMap& replace, Checksums* sums = nullptr) {
   auto pick = [&](const std::string& name, const at::Tensor& own) {
     auto it = replace.find(prefix + name);
-    if (it == replace.end()) return own.detach().clone();
-    return it->second.detach().to(own.options(), /*non_blocking=*/false, /*copy=*/true);
+    at::Tensor out = it == replace.end() ? own.detach().clone()
+                                         : it->second.detach().to(own.options(), /*non_blocking=*/false, /*copy=*/true);
+    if (sums != nullptr) sums->add("weights/" + prefix + name, out);
+    return out;
   };
   for (const auto& p : model.named_parameters(/*recurse=*/false)) archive.write(p.key(), pick(p.key(), p.value()));
   for (const auto& b : model.named_buffers(/*recurse=*/false))
@@ -103,7 +139,7 @@ inline void write_module(const torch::nn::Module& model, torch::serialize::Outpu
   for (const auto& child : model.named_children()) {
     if (!child.value()->is_serializable()) continue;
     torch::serialize::OutputArchive nested(archive.compilation_unit());
-    write_module(*child.value(), nested, prefix + child.key() + ".", replace);
+    write_module(*child.value(), nested, prefix + child.key() + ".", replace, sums);
     archive.write(child.key(), nested);
   }
 }
@@ -124,6 +160,18 @@ inline void read_module(const torch::nn::Module& model, torch::serialize::InputA
     if (!child.value()->is_serializable()) continue;
     torch::serialize::InputArchive nested;
     if (archive.try_read(child.key(), nested)) read_module(*child.value(), nested, prefix + child.key() + ".", out);
+  }
+}
+
+// Opens an archive file; a missing, truncated or damaged file is an error that names it.
+inline void read_archive(torch::serialize::InputArchive& archive, const std::filesystem::path& path, const char* what) {
+  if (!std::filesystem::exists(path)) fail("{}: no file '{}'", what, path.string());
+  try {
+    archive.load_from(path.string());
+  } catch (const std::exception& e) {
+    std::string reason = e.what();
+    if (const auto nl = reason.find('\n'); nl != std::string::npos) reason.resize(nl);  // c10's backtrace follows
+    fail("{}: '{}' is not a readable checkpoint (truncated or damaged?): {}", what, path.string(), reason);
   }
 }
 
@@ -280,8 +328,12 @@ class HookEntry final : public HookEntryBase {
     } reswap{this, was_swapped && ema_.has_value()};
 
     torch::serialize::OutputArchive mine(hook.compilation_unit());
+    Checksums sums;
     const bool ema_weights = ema_ && options_.checkpoint_ema_weights;
-    mine.write("meta", at::tensor(std::vector<std::int64_t>{ema_ ? 1 : 0, pending_ ? 1 : 0, calls_, step_, ema_weights ? 1 : 0}));
+    const at::Tensor meta =
+        at::tensor(std::vector<std::int64_t>{ema_ ? 1 : 0, pending_ ? 1 : 0, calls_, step_, ema_weights ? 1 : 0});
+    mine.write("meta", meta);
+    sums.add("meta", meta);
     const StateDict* state = nullptr;
     StateDict ema_state;
     if (ema_) {
@@ -292,19 +344,26 @@ class HookEntry final : public HookEntryBase {
     }
     if (state != nullptr) {
       std::vector<std::pair<std::string, at::Tensor>> items;
-      for (const auto& item : *state) items.emplace_back(item.key(), item.value());
+      for (const auto& item : *state) {
+        items.emplace_back(item.key(), item.value());
+        sums.add("state/" + item.key(), item.value());
+      }
       mine.write("state", tensor_dict(items));
     }
     TensorMap replace;
     if (ema_weights) {
       for (const auto& item : ema_->averages()) replace.emplace(item.key(), item.value());
       std::vector<std::pair<std::string, at::Tensor>> online;
-      for (auto& t : collect(*model_)) online.emplace_back(t.name, t.tensor);
+      for (auto& t : collect(*model_)) {
+        online.emplace_back(t.name, t.tensor);
+        sums.add("online/" + t.name, t.tensor);
+      }
       mine.write("online", tensor_dict(online));
     }
     torch::serialize::OutputArchive weights(archive.compilation_unit());
-    write_module(*model_, weights, "", replace);
+    write_module(*model_, weights, "", replace, &sums);
     archive.write(key_, weights);
+    mine.write("checksums", tensor_dict(sums.saved));
     hook.write(key_, mine);
   }
 
@@ -320,10 +379,21 @@ class HookEntry final : public HookEntryBase {
     if (!hook.try_read(key_, mine))
       fail("{}: the checkpoint has no hook state for this model; it was saved by a hook without the key '{}'", where,
            key_);
+    Checksums sums;
+    {
+      auto items = read_tensor_dict(mine, "checksums", where);
+      if (!items) fail("{}: the hook state has no checksums; the checkpoint is damaged", where);
+      for (const auto& [name, t] : *items) {
+        if (t.numel() != 1 || t.scalar_type() != at::kLong)
+          fail("{}: checksum '{}' is not one int64; the checkpoint is damaged", where, name);
+        sums.read.emplace(name, t.template item<std::int64_t>());
+      }
+    }
     c10::IValue meta_value;
     if (!mine.try_read("meta", meta_value) || !meta_value.isTensor())
       fail("{}: the hook state has no 'meta' tensor; the checkpoint is damaged", where);
     const at::Tensor meta = meta_value.toTensor();
+    sums.check("meta", meta, where);
     if (meta.dim() != 1 || meta.numel() != 5 || meta.scalar_type() != at::kLong)
       fail("{}: 'meta' must be 5 int64 values, got a {} tensor of shape {}", where, c10::toString(meta.scalar_type()),
            shape_string(meta.sizes()));
@@ -340,19 +410,26 @@ class HookEntry final : public HookEntryBase {
     if (has_online) {
       auto online = read_tensor_dict(mine, "online", where);
       if (!online) fail("{}: the hook state says it holds the online weights but has none; the checkpoint is damaged", where);
-      for (auto& [k, t] : *online) found.emplace(k, t);
+      for (auto& [k, t] : *online) {
+        sums.check("online/" + k, t, where);
+        found.emplace(k, t);
+      }
       exhaustive = true;
     } else {
       torch::serialize::InputArchive weights;
       if (!archive.try_read(key_, weights)) fail("{}: the checkpoint has no weights under '{}'", where, key_);
       read_module(*model_, weights, "", found);
+      for (const auto& [k, t] : found) sums.check("weights/" + k, t, where);
     }
     auto copies = plan_weights(*model_, found, exhaustive, mode, where);
 
     std::optional<StateDict> state;
     if (auto items = read_tensor_dict(mine, "state", where)) {
       state.emplace();
-      for (auto& [k, t] : *items) state->insert(k, t);
+      for (auto& [k, t] : *items) {
+        sums.check("state/" + k, t, where);
+        state->insert(k, t);
+      }
     }
     if ((was_created || was_pending) && !state) fail("{}: the hook state has no EMA state; the checkpoint is damaged", where);
 
@@ -563,11 +640,16 @@ class EmaHook {
     for (auto& e : entries_) commits.push_back(e->plan_load(archive, hook, mode));
     for (auto& commit : commits) commit();
   }
+  // A file that is not a readable archive (truncated, damaged: the archive's records carry CRC-32s,
+  // checked as they are read) is an error naming it, before anything is loaded.
   void load_checkpoint(const std::filesystem::path& path, LoadMode mode = LoadMode::strict) {
-    if (!std::filesystem::exists(path)) detail::fail("load_checkpoint: no file '{}'", path.string());
     torch::serialize::InputArchive archive;
-    archive.load_from(path.string());
-    load_checkpoint(archive, mode);
+    detail::read_archive(archive, path, "load_checkpoint");
+    try {
+      load_checkpoint(archive, mode);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(fmt::format("{} (file '{}')", e.what(), path.string()));
+    }
   }
 
   // ---- access ------------------------------------------------------------------------------
@@ -653,13 +735,23 @@ void StageScope::end() noexcept {
 // EMA weights, with the default HookOptions): what an inference program does. Checks every
 // tensor first; a checkpoint of another model is an error naming the first mismatch.
 inline void load_weights(torch::nn::Module& model, const std::filesystem::path& path, const std::string& key = "model") {
-  if (!std::filesystem::exists(path)) detail::fail("load_weights: no file '{}'", path.string());
   torch::serialize::InputArchive archive;
-  archive.load_from(path.string());
+  detail::read_archive(archive, path, "load_weights");
   torch::serialize::InputArchive weights;
   if (!archive.try_read(key, weights)) detail::fail("load_weights: '{}' has no model '{}'", path.string(), key);
   detail::TensorMap found;
   detail::read_module(model, weights, "", found);
+  // The hook's checksums of these weights (LibTorch's reader does not check the archive's own).
+  const std::string where = fmt::format("load_weights '{}', model '{}'", path.string(), key);
+  torch::serialize::InputArchive hook, mine;
+  if (!archive.try_read("emakit_hook", hook) || !hook.try_read(key, mine))
+    detail::fail("{}: the file has no emakit hook state; was it written by EmaHook::save_checkpoint()?", where);
+  detail::Checksums sums;
+  auto items = detail::read_tensor_dict(mine, "checksums", where);
+  if (!items) detail::fail("{}: the hook state has no checksums; the checkpoint is damaged", where);
+  for (const auto& [name, t] : *items)
+    if (t.numel() == 1 && t.scalar_type() == at::kLong) sums.read.emplace(name, t.item<std::int64_t>());
+  for (const auto& [name, t] : found) sums.check("weights/" + name, t, where);
   const auto copies =
       detail::plan_weights(model, found, false, LoadMode::strict, fmt::format("load_weights '{}'", path.string()));
   c10::NoGradGuard no_grad;
