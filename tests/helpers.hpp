@@ -5,10 +5,12 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/ordered_dict.h>
 
 #include <c10/util/Exception.h>
 #include <torch/version.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -66,6 +68,20 @@ inline void cast_floats(torch::nn::Module& m, torch::Dtype dtype) {
 
 inline bool bitwise_equal(const torch::Tensor& a, const torch::Tensor& b) {
   return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && torch::equal(a, b);
+}
+
+// A copy of an EMA's averages (Ema::averages()), and whether averages are bitwise those of a copy.
+inline std::map<std::string, torch::Tensor> snapshot(const torch::OrderedDict<std::string, torch::Tensor>& averages) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& item : averages) out.emplace(item.key(), item.value().clone());
+  return out;
+}
+inline bool same_averages(const torch::OrderedDict<std::string, torch::Tensor>& a,
+                          const std::map<std::string, torch::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (const auto& item : a)
+    if (!bitwise_equal(item.value(), b.at(item.key()))) return false;
+  return true;
 }
 
 // Captures c10 warnings (TORCH_WARN) while alive. The handler API changed in LibTorch 2.

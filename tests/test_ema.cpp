@@ -16,19 +16,8 @@ using emakit::Action;
 using emakit_test::TinyNet;
 using emakit_test::TinyNetImpl;
 
-namespace {
-std::map<std::string, torch::Tensor> snapshot(const emakit::StateDict& averages) {
-  std::map<std::string, torch::Tensor> out;
-  for (const auto& item : averages) out.emplace(item.key(), item.value().clone());
-  return out;
-}
-bool same_averages(const emakit::StateDict& a, const std::map<std::string, torch::Tensor>& b) {
-  if (a.size() != b.size()) return false;
-  for (const auto& item : a)
-    if (!emakit_test::bitwise_equal(item.value(), b.at(item.key()))) return false;
-  return true;
-}
-}  // namespace
+using emakit_test::same_averages;
+using emakit_test::snapshot;
 
 TEST_CASE("An update averages every floating tensor with ema = d*ema + (1-d)*x", "[ema]") {
   torch::manual_seed(0);

@@ -82,6 +82,24 @@ struct OtherNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(OtherNet);
 
+// A TinyNet with a Fixed(0.5) EMA in a hook, made at setup and trained for `steps` noisy steps.
+struct Trained {
+  TinyNet model;
+  EmaHook hook;
+  explicit Trained(int steps) {
+    hook.add(*model, Recipe(emakit::Fixed(0.5)));
+    hook.setup();
+    train(steps);
+  }
+  void train(int steps) {
+    for (int i = 0; i < steps; ++i) {
+      emakit_test::perturb(*model);
+      hook.after_optimizer_step();
+    }
+  }
+  emakit::FixedEma& ema() { return hook.ema<emakit::FixedEma>("model"); }
+};
+
 }  // namespace
 
 TEST_CASE("Hook: setup makes the EMA and each step updates it as a plain Ema would, vetoed steps too", "[hooks]") {
@@ -176,14 +194,9 @@ TEST_CASE("Hook: an accumulation window updates once per window, at its first mi
 TEST_CASE("Hook: validation and test run with the EMA weights and the model weights come back, also on an exception",
           "[hooks]") {
   torch::manual_seed(3);
-  TinyNet model;
-  EmaHook hook;
-  hook.add(*model, Recipe(emakit::Fixed(0.5)));
-  hook.setup();
-  for (int i = 0; i < 3; ++i) {
-    emakit_test::perturb(*model);
-    hook.after_optimizer_step();
-  }
+  Trained t(3);
+  TinyNet& model = t.model;
+  EmaHook& hook = t.hook;
   const Weights online = weights_of(*model);
   auto& ema = hook.ema<emakit::FixedEma>("model");
   REQUIRE_FALSE(model_holds(*model, ema.averages()));
@@ -379,18 +392,12 @@ TEST_CASE("Hook: an interrupted and resumed run gives bitwise the EMA of an unin
 TEST_CASE("Hook: a checkpoint holds the EMA weights as the model's, and the online ones for resuming", "[hooks]") {
   TempDir dir;
   torch::manual_seed(8);
-  TinyNet model;
-  EmaHook hook;
-  hook.add(*model, Recipe(emakit::Fixed(0.5)));
-  hook.setup();
-  for (int i = 0; i < 3; ++i) {
-    emakit_test::perturb(*model);
-    hook.after_optimizer_step();
-  }
+  Trained t(3);
+  TinyNet& model = t.model;
+  EmaHook& hook = t.hook;
   const auto file = dir.path / "hook.pt";
   hook.save_checkpoint(file);
   const Weights ema_weights = averages_of(hook.ema<emakit::FixedEma>("model").averages());
-  const Weights online = weights_of(*model);
   emakit_test::perturb(*model);  // training goes on: the file does not change
   hook.after_optimizer_step();
 
@@ -416,20 +423,14 @@ TEST_CASE("Hook: a checkpoint holds the EMA weights as the model's, and the onli
   TinyNet deployed2;
   emakit::load_weights(*deployed2, dir.path / "online.pt");
   CHECK(same(weights_of(*deployed2), weights_of(*model2)));
-  (void)online;
 }
 
 TEST_CASE("Hook: a checkpoint loaded before the EMA exists is kept and applied when it is made", "[hooks]") {
   TempDir dir;
   torch::manual_seed(9);
-  TinyNet model;
-  EmaHook hook;
-  hook.add(*model, Recipe(emakit::Fixed(0.5)));
-  hook.setup();
-  for (int i = 0; i < 4; ++i) {
-    emakit_test::perturb(*model);
-    hook.after_optimizer_step();
-  }
+  Trained t(4);
+  TinyNet& model = t.model;
+  EmaHook& hook = t.hook;
   hook.save_checkpoint(dir.path / "a.pt");
   const auto& saved = hook.ema<emakit::FixedEma>("model");
   const Weights saved_avg = averages_of(saved.averages());
@@ -459,12 +460,9 @@ TEST_CASE("Hook: loading a checkpoint of another model or config fails naming th
   other_hook.setup();
   other_hook.save_checkpoint(dir.path / "other.pt");
 
-  TinyNet model;
-  EmaHook hook;
-  hook.add(*model, Recipe(emakit::Fixed(0.5)));
-  hook.setup();
-  emakit_test::perturb(*model);
-  hook.after_optimizer_step();
+  Trained t(1);
+  TinyNet& model = t.model;
+  EmaHook& hook = t.hook;
   const Weights before = weights_of(*model);
   const Weights avg_before = averages_of(hook.ema<emakit::FixedEma>("model").averages());
   auto unchanged = [&] {
@@ -530,14 +528,9 @@ TEST_CASE("Hook: loading a checkpoint of another model or config fails naming th
 TEST_CASE("Hook: a loaded EMA state is aligned to the EMA's dtype", "[hooks]") {
   TempDir dir;
   torch::manual_seed(11);
-  TinyNet model;
-  EmaHook hook;
-  hook.add(*model, Recipe(emakit::Fixed(0.5)));
-  hook.setup();
-  emakit_test::perturb(*model);
-  hook.after_optimizer_step();
-  hook.save_checkpoint(dir.path / "f32.pt");
-  const Weights saved = averages_of(hook.ema<emakit::FixedEma>("model").averages());
+  Trained t(1);
+  t.hook.save_checkpoint(dir.path / "f32.pt");
+  const Weights saved = averages_of(t.ema().averages());
 
   TinyNet wide;
   emakit_test::cast_floats(*wide, torch::kDouble);
@@ -595,12 +588,9 @@ TEST_CASE("Hook: the README's example compiles and does what it says", "[hooks]"
 TEST_CASE("Hook: a truncated or bit-flipped checkpoint file is an error naming it, and nothing is loaded", "[hooks]") {
   TempDir dir;
   torch::manual_seed(13);
-  TinyNet model;
-  EmaHook hook;
-  hook.add(*model, Recipe(emakit::Fixed(0.5)));
-  hook.setup();
-  emakit_test::perturb(*model);
-  hook.after_optimizer_step();
+  Trained t(1);
+  TinyNet& model = t.model;
+  EmaHook& hook = t.hook;
   const auto good = dir.path / "good.pt";
   hook.save_checkpoint(good);
   const Weights model_good = weights_of(*model);

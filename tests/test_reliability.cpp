@@ -16,18 +16,6 @@ using emakit::Action;
 using emakit_test::bitwise_equal;
 using emakit_test::TinyNet;
 
-namespace {
-std::map<std::string, torch::Tensor> copy_of(const emakit::StateDict& averages) {
-  std::map<std::string, torch::Tensor> out;
-  for (const auto& item : averages) out.emplace(item.key(), item.value().clone());
-  return out;
-}
-bool unchanged(const emakit::StateDict& now, const std::map<std::string, torch::Tensor>& before) {
-  for (const auto& item : now)
-    if (!bitwise_equal(item.value(), before.at(item.key()))) return false;
-  return true;
-}
-}  // namespace
 
 TEST_CASE("Non-finite guard off (the default, as the peers): a NaN in the model reaches the average", "[reliability]") {
   TinyNet model;
@@ -46,7 +34,7 @@ TEST_CASE("Non-finite guard on: the update changes nothing, is counted and names
   emakit::FixedEma ema(*model, emakit::Fixed(0.5), {}, emakit::EmaOptions().skip_non_finite(true));
   emakit_test::perturb(*model);
   REQUIRE(ema.update().action == Action::averaged);
-  const auto before = copy_of(ema.averages());
+  const auto before = emakit_test::snapshot(ema.averages());
 
   model->bn->running_var.data()[2] = std::numeric_limits<float>::infinity();  // a buffer, averaged too
   emakit_test::WarningCapture warnings;
@@ -54,7 +42,7 @@ TEST_CASE("Non-finite guard on: the update changes nothing, is counted and names
   CHECK(r.action == Action::skipped);
   CHECK(r.non_finite == "bn.running_var");
   CHECK(r.step == 2);
-  CHECK(unchanged(ema.averages(), before));
+  CHECK(emakit_test::same_averages(ema.averages(), before));
   CHECK(ema.non_finite_updates() == 1);
   CHECK(ema.last_non_finite() == "bn.running_var");
   CHECK(ema.num_updates() == 1);
@@ -90,13 +78,13 @@ TEST_CASE("Non-finite guard on: copies are guarded too, and a bf16 model is scan
   emakit_test::cast_floats(*model, torch::kBFloat16);
   emakit::WarmupEma ema(*model, emakit::InversePowerWarmup(0.999), emakit::StepSchedule().warmup(emakit::Warmup::copy_before_start),
                         emakit::EmaOptions().skip_non_finite(true));
-  const auto before = copy_of(ema.averages());
+  const auto before = emakit_test::snapshot(ema.averages());
   model->fc->bias.data()[0] = -std::numeric_limits<float>::infinity();
   emakit_test::WarningCapture warnings;
   const auto r = ema.update();  // would be the first update: a copy
   CHECK(warnings.messages.size() == 1);
   CHECK(r.non_finite == "fc.bias");
-  CHECK(unchanged(ema.averages(), before));
+  CHECK(emakit_test::same_averages(ema.averages(), before));
   CHECK(ema.num_updates() == 0);
 }
 
@@ -125,12 +113,12 @@ TEST_CASE("Misuse that would corrupt the average is an error and changes nothing
   emakit::FixedEma ema(*model, emakit::Fixed(0.5));
   emakit_test::perturb(*model);
   ema.update();
-  const auto before = copy_of(ema.averages());
+  const auto before = emakit_test::snapshot(ema.averages());
   {
     auto swapped = ema.swap_into();  // the model holds the EMA weights: averaging would average the EMA with itself
     REQUIRE_THROWS_WITH(ema.update(), Contains("SwapGuard") && Contains("itself"));
   }
-  CHECK(unchanged(ema.averages(), before));
+  CHECK(emakit_test::same_averages(ema.averages(), before));
   CHECK(ema.num_updates() == 1);
 
   {  // the model's tensor replaced by one of another shape (a rebuilt layer)
@@ -138,7 +126,7 @@ TEST_CASE("Misuse that would corrupt the average is an error and changes nothing
     model->fc->weight.set_data(torch::randn({5, 3}));
   }
   REQUIRE_THROWS_WITH(ema.update(), Contains("'fc.weight' changed shape from [4, 3] to [5, 3]"));
-  CHECK(unchanged(ema.averages(), before));
+  CHECK(emakit_test::same_averages(ema.averages(), before));
   CHECK(ema.num_updates() == 1);
   CHECK(ema.calls() == 1);
 }
