@@ -1,12 +1,19 @@
-// Reliability: the non-finite guard (off by default, as the Python peers), and misuse that would
-// corrupt the average being refused.
+// Reliability: the non-finite guard (off by default, as the Python peers), misuse that would
+// corrupt the average refused, and damaged checkpoint files that fail instead of loading wrong values.
 #include <emakit/emakit.hpp>
 
 #include "helpers.hpp"
 
 #include <catch2/catch.hpp>
 
+#include <unistd.h>
+
+#include <torch/serialize.h>
+
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <string>
@@ -129,4 +136,48 @@ TEST_CASE("Misuse that would corrupt the average is an error and changes nothing
   CHECK(emakit_test::same_averages(ema.averages(), before));
   CHECK(ema.num_updates() == 1);
   CHECK(ema.calls() == 1);
+}
+
+TEST_CASE("torch::save(ema): a bit-flipped file is an error or loads exactly what was saved, never else", "[reliability]") {
+  torch::manual_seed(4);
+  TinyNet model;
+  emakit::FixedEma ema(*model, emakit::Fixed(0.5));
+  emakit_test::perturb(*model);
+  ema.update();
+  const auto dir = std::filesystem::temp_directory_path() / ("emakit_reliability_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const auto good = (dir / "ema.pt").string();
+  torch::save(ema, good);
+  const auto saved = emakit_test::snapshot(ema.averages());
+  std::string bytes;
+  {
+    std::ifstream in(good, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  emakit_test::perturb(*model);
+  ema.update();
+  auto current = emakit_test::snapshot(ema.averages());
+  int failed = 0, tried = 0;
+  for (std::size_t at = 64; at < bytes.size(); at += bytes.size() / 40) {
+    std::string flipped = bytes;
+    flipped[at] = static_cast<char>(flipped[at] ^ 0x5A);
+    const auto file = (dir / ("flipped_" + std::to_string(at) + ".pt")).string();
+    {
+      std::ofstream out(file, std::ios::binary);
+      out.write(flipped.data(), static_cast<std::streamsize>(flipped.size()));
+    }
+    ++tried;
+    INFO("byte " << at << " of " << bytes.size());
+    try {
+      torch::load(ema, file);
+      CHECK(emakit_test::same_averages(ema.averages(), saved));  // loaded: exactly the saved values
+      current = saved;
+    } catch (const std::exception&) {
+      ++failed;
+      CHECK(emakit_test::same_averages(ema.averages(), current));  // failed: nothing changed
+    }
+  }
+  std::filesystem::remove_all(dir);
+  CHECK(tried >= 40);
+  CHECK(failed >= tried / 4);
 }

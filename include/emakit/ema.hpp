@@ -25,6 +25,7 @@
 #include <emakit/concepts.hpp>
 #include <emakit/decay.hpp>
 #include <emakit/detail/check.hpp>
+#include <emakit/detail/crc32.hpp>
 #include <emakit/detail/kernel.hpp>
 #include <emakit/fwd.hpp>
 #include <emakit/options.hpp>
@@ -175,6 +176,18 @@ inline at::Tensor string_tensor(std::string_view s) {
 }
 
 // true while an Ema is bound; a move leaves false behind, so a moved-from Ema is detected.
+// The checksum of a tensor as saved: CRC-32 of its dtype, shape and bytes. LibTorch's archive
+// reader does not check the zip format's own CRC-32s, so emakit's checkpoints keep one per tensor.
+inline std::int64_t tensor_checksum(const at::Tensor& t) {
+  const at::Tensor c = t.detach().cpu().contiguous();
+  std::uint32_t crc = 0;
+  const auto type = static_cast<std::int32_t>(c.scalar_type());
+  crc = crc32(&type, sizeof(type), crc);
+  for (const std::int64_t d : c.sizes()) crc = crc32(&d, sizeof(d), crc);
+  crc = crc32(c.data_ptr(), c.nbytes(), crc);
+  return static_cast<std::int64_t>(crc);
+}
+
 struct BoundFlag {
   bool value = false;
   BoundFlag() = default;
@@ -457,22 +470,44 @@ class Ema {
   }
 
   // Archive operators (torch::save(ema, path) / torch::load(ema, path)) live below the class.
+  // The archive holds the state dict and a CRC-32 per tensor ("emakit_checksums"), checked by
+  // load(): a damaged file is an error, never a different average.
   void save(torch::serialize::OutputArchive& archive) const {
     c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
-    for (const auto& item : state_dict()) dict.insert(item.key(), item.value());
+    c10::impl::GenericDict sums(c10::StringType::get(), c10::TensorType::get());
+    for (const auto& item : state_dict()) {
+      dict.insert(item.key(), item.value());
+      sums.insert(item.key(), at::scalar_tensor(detail::tensor_checksum(item.value()), at::kLong));
+    }
     archive.write("emakit_state", c10::IValue(dict));
+    archive.write("emakit_checksums", c10::IValue(sums));
   }
   void load(torch::serialize::InputArchive& archive, LoadMode mode = LoadMode::strict) {
     c10::IValue value;
     if (!archive.try_read("emakit_state", value) || !value.isGenericDict())
       detail::fail("the archive holds no emakit state (no 'emakit_state' dictionary); was it written by "
                    "torch::save(ema, ...)?");
+    c10::IValue sums_value;
+    if (!archive.try_read("emakit_checksums", sums_value) || !sums_value.isGenericDict())
+      detail::fail("the archive holds no 'emakit_checksums'; it is damaged, or was written before emakit kept them");
+    std::unordered_map<std::string, std::int64_t> sums;
+    for (const auto& entry : sums_value.toGenericDict()) {
+      if (!entry.key().isString() || !entry.value().isTensor() || entry.value().toTensor().numel() != 1)
+        detail::fail("the archive's emakit checksums hold a malformed entry; the checkpoint is damaged");
+      sums.emplace(entry.key().toStringRef(), entry.value().toTensor().item<std::int64_t>());
+    }
     StateDict state;
     for (const auto& entry : value.toGenericDict()) {
       if (!entry.key().isString() || !entry.value().isTensor())
         detail::fail("the archive's emakit state holds a non-tensor entry; it is not an emakit checkpoint");
-      state.insert(entry.key().toStringRef(), entry.value().toTensor());
+      const std::string& key = entry.key().toStringRef();
+      auto it = sums.find(key);
+      if (it == sums.end() || it->second != detail::tensor_checksum(entry.value().toTensor()))
+        detail::fail("the archive's '{}' does not match its checksum; the checkpoint is damaged", key);
+      state.insert(key, entry.value().toTensor());
     }
+    if (state.size() != sums.size())
+      detail::fail("the archive holds {} checksums for {} tensors; the checkpoint is damaged", sums.size(), state.size());
     load_state_dict(state, mode);
   }
 

@@ -31,7 +31,6 @@
 #include <emakit/concepts.hpp>
 #include <emakit/detail/atomic_file.hpp>
 #include <emakit/detail/check.hpp>
-#include <emakit/detail/crc32.hpp>
 #include <emakit/ema.hpp>
 #include <emakit/options.hpp>
 
@@ -81,18 +80,6 @@ inline constexpr std::int64_t hook_format_version = 1;
 namespace detail {
 
 using TensorMap = std::unordered_map<std::string, at::Tensor>;
-
-// The checksum of a tensor as saved: CRC-32 of its dtype, shape and bytes. The archive format's
-// own CRC-32s are not checked by LibTorch's reader, so the hook keeps one per tensor.
-inline std::int64_t tensor_checksum(const at::Tensor& t) {
-  const at::Tensor c = t.detach().cpu().contiguous();
-  std::uint32_t crc = 0;
-  const auto type = static_cast<std::int32_t>(c.scalar_type());
-  crc = crc32(&type, sizeof(type), crc);
-  for (const std::int64_t d : c.sizes()) crc = crc32(&d, sizeof(d), crc);
-  crc = crc32(c.data_ptr(), c.nbytes(), crc);
-  return static_cast<std::int64_t>(crc);
-}
 
 // Checksums by name ("state/<key>", "online/<name>", "weights/<name>", "meta") while saving, and
 // their check while loading.
