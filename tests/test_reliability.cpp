@@ -10,7 +10,9 @@
 
 #include <torch/serialize.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -180,4 +182,40 @@ TEST_CASE("torch::save(ema): a bit-flipped file is an error or loads exactly wha
   std::filesystem::remove_all(dir);
   CHECK(tried >= 40);
   CHECK(failed >= tried / 4);
+}
+
+namespace {
+std::int64_t resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  std::int64_t size = 0, resident = 0;
+  statm >> size >> resident;
+  return resident * static_cast<std::int64_t>(::sysconf(_SC_PAGESIZE));
+}
+}  // namespace
+
+// Soak: many updates with flat resident memory, exact counters, and an fp32 average of constant
+// weights that stays bit-identical. 20000 updates here; the long version:
+//   EMAKIT_SOAK_UPDATES=1000000 build/torch1.13/tests/emakit_tests "[soak]"
+TEST_CASE("Soak: many updates keep memory flat, counters exact and a constant average bit-identical",
+          "[reliability][soak]") {
+  const char* env = std::getenv("EMAKIT_SOAK_UPDATES");
+  const std::int64_t updates = env != nullptr ? std::max<std::int64_t>(1, std::atoll(env)) : 20000;
+  TinyNet model;
+  emakit_test::fill_floats(*model, 0.3);  // constant weights: lerp(x, x, w) must stay x exactly
+  emakit::FixedEma ema(*model, emakit::Fixed(0.999), emakit::StepSchedule().update_every(3));
+  for (int i = 0; i < 1000; ++i) ema.update();  // warm up allocator caches and the kernel's plan
+  const auto rss_before = resident_bytes();
+  for (std::int64_t i = 0; i < updates; ++i) ema.update();
+  const auto rss_after = resident_bytes();
+  INFO("resident memory " << rss_before << " -> " << rss_after << " bytes over " << updates << " updates");
+  CHECK(rss_after - rss_before < 256 * 1024);
+  CHECK(ema.calls() == 1000 + updates);
+  CHECK(ema.step() == 1000 + updates);
+  CHECK(ema.num_updates() == (1000 + updates) / 3);
+  CHECK(ema.last_update_step() == (1000 + updates) / 3 * 3);
+  for (const auto& item : ema.averages()) {
+    INFO(item.key());
+    if (item.value().is_floating_point())
+      CHECK(bitwise_equal(item.value(), torch::full_like(item.value(), 0.3)));
+  }
 }
