@@ -10,8 +10,14 @@
 #include <c10/util/Exception.h>
 #include <torch/version.h>
 
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace emakit_test {
@@ -68,6 +74,44 @@ inline void cast_floats(torch::nn::Module& m, torch::Dtype dtype) {
 
 inline bool bitwise_equal(const torch::Tensor& a, const torch::Tensor& b) {
   return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && torch::equal(a, b);
+}
+
+// A fresh folder under the system's temporary folder, removed with everything in it at scope end.
+struct TempDir {
+  std::filesystem::path path;
+  TempDir() {
+    static int counter = 0;
+    path = std::filesystem::temp_directory_path() /
+           ("emakit_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+    std::filesystem::create_directories(path);
+  }
+  ~TempDir() { std::filesystem::remove_all(path); }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+};
+
+inline std::string read_bytes(const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+inline void write_bytes(const std::filesystem::path& file, const std::string& bytes) {
+  std::ofstream out(file, std::ios::binary);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// Copies of `file` in `dir`, each with one byte flipped (xor 0x5A), at about 40 places spread
+// over the file from byte 64 on: (copy, offset of the flipped byte).
+inline std::vector<std::pair<std::filesystem::path, std::size_t>> flipped_copies(const std::filesystem::path& file,
+                                                                                const std::filesystem::path& dir) {
+  const std::string bytes = read_bytes(file);
+  std::vector<std::pair<std::filesystem::path, std::size_t>> out;
+  for (std::size_t at = 64; at < bytes.size(); at += bytes.size() / 40) {
+    std::string flipped = bytes;
+    flipped[at] = static_cast<char>(flipped[at] ^ 0x5A);
+    out.emplace_back(dir / ("flipped_" + std::to_string(at) + file.extension().string()), at);
+    write_bytes(out.back().first, flipped);
+  }
+  return out;
 }
 
 // A copy of an EMA's averages (Ema::averages()), and whether averages are bitwise those of a copy.

@@ -27,6 +27,7 @@ using emakit::EmaHook;
 using emakit::HookOptions;
 using emakit::Recipe;
 using emakit_test::bitwise_equal;
+using emakit_test::TempDir;
 using emakit_test::TinyNet;
 
 namespace {
@@ -57,20 +58,6 @@ bool model_holds(const torch::nn::Module& m, const emakit::StateDict& averages) 
     if (!bitwise_equal(w.at(item.key()), item.value().to(w.at(item.key()).scalar_type()))) return false;
   return true;
 }
-
-struct TempDir {
-  std::filesystem::path path;
-  TempDir() {
-    path = std::filesystem::temp_directory_path() /
-           ("emakit_hooks_" + std::to_string(::getpid()) + "_" + std::to_string(counter()++));
-    std::filesystem::create_directories(path);
-  }
-  ~TempDir() { std::filesystem::remove_all(path); }
-  static int& counter() {
-    static int n = 0;
-    return n;
-  }
-};
 
 // A different architecture, for "a checkpoint of another model".
 struct OtherNetImpl : torch::nn::Module {
@@ -595,25 +582,17 @@ TEST_CASE("Hook: a truncated or bit-flipped checkpoint file is an error naming i
   hook.save_checkpoint(good);
   const Weights model_good = weights_of(*model);
   const Weights avg_good = averages_of(hook.ema<emakit::FixedEma>("model").averages());
-  std::string bytes;
-  {
-    std::ifstream in(good, std::ios::binary);
-    bytes.assign(std::istreambuf_iterator<char>(in), {});
-  }
   emakit_test::perturb(*model);
   hook.after_optimizer_step();
   Weights model_now = weights_of(*model);
   Weights avg_now = averages_of(hook.ema<emakit::FixedEma>("model").averages());
-  auto write = [&](const std::filesystem::path& p, const std::string& b) {
-    std::ofstream out(p, std::ios::binary);
-    out.write(b.data(), static_cast<std::streamsize>(b.size()));
-  };
   auto state_is = [&](const Weights& m, const Weights& a) {
     return same(weights_of(*model), m) && same(averages_of(hook.ema<emakit::FixedEma>("model").averages()), a);
   };
 
   const auto truncated = dir.path / "truncated.pt";
-  write(truncated, bytes.substr(0, bytes.size() / 2));
+  const std::string bytes = emakit_test::read_bytes(good);
+  emakit_test::write_bytes(truncated, bytes.substr(0, bytes.size() / 2));
   REQUIRE_THROWS_WITH(hook.load_checkpoint(truncated), Contains("truncated.pt") && Contains("not a readable checkpoint"));
   CHECK(state_is(model_now, avg_now));
 
@@ -621,11 +600,7 @@ TEST_CASE("Hook: a truncated or bit-flipped checkpoint file is an error naming i
   // or it succeeds and loads exactly the good file's values (the flip hit bytes no record reads).
   // Never a silently different model or EMA.
   int failed = 0, tried = 0;
-  for (std::size_t at = 64; at < bytes.size(); at += bytes.size() / 40) {
-    std::string flipped = bytes;
-    flipped[at] = static_cast<char>(flipped[at] ^ 0x5A);
-    const auto file = dir.path / ("flipped_" + std::to_string(at) + ".pt");
-    write(file, flipped);
+  for (const auto& [file, at] : emakit_test::flipped_copies(good, dir.path)) {
     ++tried;
     INFO("byte " << at << " of " << bytes.size());
     bool loaded = true;

@@ -188,6 +188,57 @@ inline std::int64_t tensor_checksum(const at::Tensor& t) {
   return static_cast<std::int64_t>(crc);
 }
 
+// A name -> tensor dictionary for an archive; `copy`: the archive keeps copies, unchanged when
+// training goes on (else it refers to the tensors themselves, fine for an immediate save).
+inline c10::IValue tensor_dict(const std::vector<std::pair<std::string, at::Tensor>>& items, bool copy = true) {
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
+  for (const auto& [k, t] : items) dict.insert(k, copy ? t.detach().clone() : t);
+  return c10::IValue(dict);
+}
+
+// The dictionary of tensor_dict() under `key`; nullopt when the archive has no such key.
+inline std::optional<std::vector<std::pair<std::string, at::Tensor>>> read_tensor_dict(
+    torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
+  c10::IValue value;
+  if (!archive.try_read(key, value)) return std::nullopt;
+  if (!value.isGenericDict()) fail("{}: '{}' is not a dictionary of tensors; the checkpoint is damaged", where, key);
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& entry : value.toGenericDict()) {
+    if (!entry.key().isString() || !entry.value().isTensor())
+      fail("{}: '{}' holds a non-tensor entry; the checkpoint is damaged", where, key);
+    out.emplace_back(entry.key().toStringRef(), entry.value().toTensor());
+  }
+  return out;
+}
+
+// Checksums by name: collected while saving (written with tensor_dict()), read back and checked
+// while loading, before anything is written.
+struct Checksums {
+  std::vector<std::pair<std::string, at::Tensor>> saved;
+  std::unordered_map<std::string, std::int64_t> read;
+
+  void add(const std::string& name, const at::Tensor& t) {
+    saved.emplace_back(name, at::scalar_tensor(tensor_checksum(t), at::kLong));
+  }
+  void load(torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
+    auto items = read_tensor_dict(archive, key, where);
+    if (!items)
+      fail("{}: the checkpoint has no '{}'; it is damaged, or was written before emakit kept checksums", where, key);
+    for (const auto& [name, t] : *items) {
+      if (t.numel() != 1 || t.scalar_type() != at::kLong)
+        fail("{}: checksum '{}' is not one int64; the checkpoint is damaged", where, name);
+      read.emplace(name, t.item<std::int64_t>());
+    }
+  }
+  void check(const std::string& name, const at::Tensor& t, const std::string& where) const {
+    auto it = read.find(name);
+    if (it == read.end())
+      fail("{}: the checkpoint has no checksum for '{}'; it is damaged or was not written by emakit", where, name);
+    if (it->second != tensor_checksum(t))
+      fail("{}: '{}' does not match its checksum; the checkpoint is damaged", where, name);
+  }
+};
+
 struct BoundFlag {
   bool value = false;
   BoundFlag() = default;
@@ -473,41 +524,31 @@ class Ema {
   // The archive holds the state dict and a CRC-32 per tensor ("emakit_checksums"), checked by
   // load(): a damaged file is an error, never a different average.
   void save(torch::serialize::OutputArchive& archive) const {
-    c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
-    c10::impl::GenericDict sums(c10::StringType::get(), c10::TensorType::get());
+    std::vector<std::pair<std::string, at::Tensor>> items;
+    detail::Checksums sums;
     for (const auto& item : state_dict()) {
-      dict.insert(item.key(), item.value());
-      sums.insert(item.key(), at::scalar_tensor(detail::tensor_checksum(item.value()), at::kLong));
+      items.emplace_back(item.key(), item.value());
+      sums.add(item.key(), item.value());
     }
-    archive.write("emakit_state", c10::IValue(dict));
-    archive.write("emakit_checksums", c10::IValue(sums));
+    archive.write("emakit_state", detail::tensor_dict(items, /*copy=*/false));
+    archive.write("emakit_checksums", detail::tensor_dict(sums.saved, /*copy=*/false));
   }
   void load(torch::serialize::InputArchive& archive, LoadMode mode = LoadMode::strict) {
-    c10::IValue value;
-    if (!archive.try_read("emakit_state", value) || !value.isGenericDict())
+    const std::string where = "torch::load(ema)";
+    auto items = detail::read_tensor_dict(archive, "emakit_state", where);
+    if (!items)
       detail::fail("the archive holds no emakit state (no 'emakit_state' dictionary); was it written by "
                    "torch::save(ema, ...)?");
-    c10::IValue sums_value;
-    if (!archive.try_read("emakit_checksums", sums_value) || !sums_value.isGenericDict())
-      detail::fail("the archive holds no 'emakit_checksums'; it is damaged, or was written before emakit kept them");
-    std::unordered_map<std::string, std::int64_t> sums;
-    for (const auto& entry : sums_value.toGenericDict()) {
-      if (!entry.key().isString() || !entry.value().isTensor() || entry.value().toTensor().numel() != 1)
-        detail::fail("the archive's emakit checksums hold a malformed entry; the checkpoint is damaged");
-      sums.emplace(entry.key().toStringRef(), entry.value().toTensor().item<std::int64_t>());
-    }
+    detail::Checksums sums;
+    sums.load(archive, "emakit_checksums", where);
     StateDict state;
-    for (const auto& entry : value.toGenericDict()) {
-      if (!entry.key().isString() || !entry.value().isTensor())
-        detail::fail("the archive's emakit state holds a non-tensor entry; it is not an emakit checkpoint");
-      const std::string& key = entry.key().toStringRef();
-      auto it = sums.find(key);
-      if (it == sums.end() || it->second != detail::tensor_checksum(entry.value().toTensor()))
-        detail::fail("the archive's '{}' does not match its checksum; the checkpoint is damaged", key);
-      state.insert(key, entry.value().toTensor());
+    for (const auto& [key, t] : *items) {
+      sums.check(key, t, where);
+      state.insert(key, t);
     }
-    if (state.size() != sums.size())
-      detail::fail("the archive holds {} checksums for {} tensors; the checkpoint is damaged", sums.size(), state.size());
+    if (state.size() != sums.read.size())
+      detail::fail("{}: the archive holds {} checksums for {} tensors; the checkpoint is damaged", where,
+                   sums.read.size(), state.size());
     load_state_dict(state, mode);
   }
 

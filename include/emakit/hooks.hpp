@@ -81,24 +81,6 @@ namespace detail {
 
 using TensorMap = std::unordered_map<std::string, at::Tensor>;
 
-// Checksums by name ("state/<key>", "online/<name>", "weights/<name>", "meta") while saving, and
-// their check while loading.
-struct Checksums {
-  std::vector<std::pair<std::string, at::Tensor>> saved;
-  void add(const std::string& name, const at::Tensor& t) {
-    saved.emplace_back(name, at::scalar_tensor(tensor_checksum(t), at::kLong));
-  }
-  std::unordered_map<std::string, std::int64_t> read;
-  void check(const std::string& name, const at::Tensor& t, const std::string& where) const {
-    auto it = read.find(name);
-    if (it == read.end())
-      fail("{}: the checkpoint has no checksum for '{}'; it is damaged or was not written by EmaHook", where, name);
-    if (it->second != tensor_checksum(t))
-      fail("{}: '{}' does not match its checksum; the checkpoint is damaged", where, name);
-  }
-};
-
-
 inline void check_hook_key(const std::string& key) {
   bool ok = !key.empty() && !(key[0] >= '0' && key[0] <= '9') && key != "emakit_hook";
   for (char c : key) ok = ok && ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_');
@@ -160,26 +142,6 @@ inline void read_archive(torch::serialize::InputArchive& archive, const std::fil
     if (const auto nl = reason.find('\n'); nl != std::string::npos) reason.resize(nl);  // c10's backtrace follows
     fail("{}: '{}' is not a readable checkpoint (truncated or damaged?): {}", what, path.string(), reason);
   }
-}
-
-inline c10::IValue tensor_dict(const std::vector<std::pair<std::string, at::Tensor>>& items) {
-  c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
-  for (const auto& [k, t] : items) dict.insert(k, t.detach().clone());
-  return c10::IValue(dict);
-}
-
-inline std::optional<std::vector<std::pair<std::string, at::Tensor>>> read_tensor_dict(
-    torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
-  c10::IValue value;
-  if (!archive.try_read(key, value)) return std::nullopt;
-  if (!value.isGenericDict()) fail("{}: '{}' is not a dictionary of tensors; the checkpoint is damaged", where, key);
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& entry : value.toGenericDict()) {
-    if (!entry.key().isString() || !entry.value().isTensor())
-      fail("{}: '{}' holds a non-tensor entry; the checkpoint is damaged", where, key);
-    out.emplace_back(entry.key().toStringRef(), entry.value().toTensor());
-  }
-  return out;
 }
 
 // The weights of `model` found in a checkpoint, checked against the model: every tensor there,
@@ -350,7 +312,7 @@ class HookEntry final : public HookEntryBase {
     torch::serialize::OutputArchive weights(archive.compilation_unit());
     write_module(*model_, weights, "", replace, &sums);
     archive.write(key_, weights);
-    mine.write("checksums", tensor_dict(sums.saved));
+    mine.write("checksums", tensor_dict(sums.saved, /*copy=*/false));
     hook.write(key_, mine);
   }
 
@@ -367,15 +329,7 @@ class HookEntry final : public HookEntryBase {
       fail("{}: the checkpoint has no hook state for this model; it was saved by a hook without the key '{}'", where,
            key_);
     Checksums sums;
-    {
-      auto items = read_tensor_dict(mine, "checksums", where);
-      if (!items) fail("{}: the hook state has no checksums; the checkpoint is damaged", where);
-      for (const auto& [name, t] : *items) {
-        if (t.numel() != 1 || t.scalar_type() != at::kLong)
-          fail("{}: checksum '{}' is not one int64; the checkpoint is damaged", where, name);
-        sums.read.emplace(name, t.template item<std::int64_t>());
-      }
-    }
+    sums.load(mine, "checksums", where);
     c10::IValue meta_value;
     if (!mine.try_read("meta", meta_value) || !meta_value.isTensor())
       fail("{}: the hook state has no 'meta' tensor; the checkpoint is damaged", where);
@@ -734,10 +688,7 @@ inline void load_weights(torch::nn::Module& model, const std::filesystem::path& 
   if (!archive.try_read("emakit_hook", hook) || !hook.try_read(key, mine))
     detail::fail("{}: the file has no emakit hook state; was it written by EmaHook::save_checkpoint()?", where);
   detail::Checksums sums;
-  auto items = detail::read_tensor_dict(mine, "checksums", where);
-  if (!items) detail::fail("{}: the hook state has no checksums; the checkpoint is damaged", where);
-  for (const auto& [name, t] : *items)
-    if (t.numel() == 1 && t.scalar_type() == at::kLong) sums.read.emplace(name, t.item<std::int64_t>());
+  sums.load(mine, "checksums", where);
   for (const auto& [name, t] : found) sums.check("weights/" + name, t, where);
   const auto copies =
       detail::plan_weights(model, found, false, LoadMode::strict, fmt::format("load_weights '{}'", path.string()));
