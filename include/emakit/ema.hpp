@@ -532,6 +532,7 @@ class Ema {
     }
     archive.write("emakit_state", detail::tensor_dict(items, /*copy=*/false));
     archive.write("emakit_checksums", detail::tensor_dict(sums.saved, /*copy=*/false));
+    archive.write("emakit_version", c10::IValue(std::string(version_string)));  // the writer's, for messages
   }
   void load(torch::serialize::InputArchive& archive, LoadMode mode = LoadMode::strict) {
     const std::string where = "torch::load(ema)";
@@ -549,7 +550,13 @@ class Ema {
     if (state.size() != sums.read.size())
       detail::fail("{}: the archive holds {} checksums for {} tensors; the checkpoint is damaged", where,
                    sums.read.size(), state.size());
-    load_state_dict(state, mode);
+    try {
+      load_state_dict(state, mode);
+    } catch (const std::invalid_argument& e) {
+      c10::IValue writer;
+      if (!archive.try_read("emakit_version", writer) || !writer.isString()) throw;
+      throw std::invalid_argument(fmt::format("{} (the file was written by emakit {})", e.what(), writer.toStringRef()));
+    }
   }
 
  private:

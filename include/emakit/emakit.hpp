@@ -10,6 +10,7 @@
 #include <emakit/storage.hpp>
 #include <emakit/options.hpp>
 #include <emakit/ema.hpp>
+#include <emakit/checkpoint.hpp>
 #include <emakit/aliases.hpp>
 #include <emakit/presets.hpp>
 #include <emakit/hooks.hpp>

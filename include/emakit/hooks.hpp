@@ -28,6 +28,7 @@
 // load_checkpoint() checks every model first and writes nothing unless all of them fit.
 #pragma once
 
+#include <emakit/checkpoint.hpp>
 #include <emakit/concepts.hpp>
 #include <emakit/detail/atomic_file.hpp>
 #include <emakit/detail/check.hpp>
@@ -133,16 +134,6 @@ inline void read_module(const torch::nn::Module& model, torch::serialize::InputA
 }
 
 // Opens an archive file; a missing, truncated or damaged file is an error that names it.
-inline void read_archive(torch::serialize::InputArchive& archive, const std::filesystem::path& path, const char* what) {
-  if (!std::filesystem::exists(path)) fail("{}: no file '{}'", what, path.string());
-  try {
-    archive.load_from(path.string());
-  } catch (const std::exception& e) {
-    std::string reason = e.what();
-    if (const auto nl = reason.find('\n'); nl != std::string::npos) reason.resize(nl);  // c10's backtrace follows
-    fail("{}: '{}' is not a readable checkpoint (truncated or damaged?): {}", what, path.string(), reason);
-  }
-}
 
 // The weights of `model` found in a checkpoint, checked against the model: every tensor there,
 // with the model's shape. Returns (model tensor, checkpoint tensor) pairs to copy.
@@ -536,6 +527,7 @@ class EmaHook {
   void save_checkpoint(torch::serialize::OutputArchive& archive) {
     torch::serialize::OutputArchive hook(archive.compilation_unit());
     hook.write("format", at::scalar_tensor(hook_format_version, at::kLong));
+    hook.write("emakit_version", c10::IValue(std::string(version_string)));  // the writer's, for messages
     for (auto& e : entries_) e->save(archive, hook);
     archive.write("emakit_hook", hook);
   }
@@ -543,10 +535,7 @@ class EmaHook {
   void save_checkpoint(const std::filesystem::path& path) {
     torch::serialize::OutputArchive archive;
     save_checkpoint(archive);
-    std::ostringstream bytes;
-    archive.save_to(bytes);
-    const std::string data = bytes.str();
-    detail::write_file_atomically(path, std::span<const char>(data.data(), data.size()));
+    detail::write_archive(archive, path);
   }
 
   // Restores every model's online weights and EMA state from a checkpoint of save_checkpoint().
@@ -563,11 +552,16 @@ class EmaHook {
     c10::IValue format;
     if (!hook.try_read("format", format) || !format.isTensor() || format.toTensor().numel() != 1)
       detail::fail("load_checkpoint: the hook state has no format number; the checkpoint is damaged");
-    if (const auto f = format.toTensor().item<std::int64_t>(); f != hook_format_version)
-      detail::fail("load_checkpoint: the checkpoint's hook format is {}, this emakit ({}) reads format {}", f,
+    if (const auto f = format.toTensor().item<std::int64_t>(); f != hook_format_version) {
+      c10::IValue writer;  // absent in checkpoints of emakit before 0.1.0's release
+      const std::string by = hook.try_read("emakit_version", writer) && writer.isString()
+                                 ? fmt::format(" (written by emakit {})", writer.toStringRef())
+                                 : std::string();
+      detail::fail("load_checkpoint: the checkpoint's hook format is {}{}, this emakit ({}) reads format {}", f, by,
                    version_string, hook_format_version);
+    }
     for (const auto& k : hook.keys()) {
-      if (k == "format") continue;
+      if (k == "format" || k == "emakit_version") continue;
       bool ours = false;
       for (const auto& e : entries_) ours = ours || e->key() == k;
       if (ours) continue;
@@ -581,8 +575,9 @@ class EmaHook {
     for (auto& e : entries_) commits.push_back(e->plan_load(archive, hook, mode));
     for (auto& commit : commits) commit();
   }
-  // A file that is not a readable archive (truncated, damaged: the archive's records carry CRC-32s,
-  // checked as they are read) is an error naming it, before anything is loaded.
+  // A file that is not a readable archive (truncated, damaged) or that holds anything but tensors
+  // and plain values (code, unknown records: see checkpoint.hpp) is an error naming it, before
+  // anything is loaded.
   void load_checkpoint(const std::filesystem::path& path, LoadMode mode = LoadMode::strict) {
     torch::serialize::InputArchive archive;
     detail::read_archive(archive, path, "load_checkpoint");

@@ -1,0 +1,581 @@
+// Checkpoint files under faults: processes killed with SIGKILL in the middle of large writes
+// (many times, a real child process), and crafted archives that carry code, unknown records,
+// foreign globals or tensors larger than their data (refused before LibTorch's loader runs).
+#include <emakit/emakit.hpp>
+
+#include "helpers.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <caffe2/serialize/inline_container.h>
+#include <torch/serialize.h>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+extern char** environ;
+
+using Catch::Matchers::Contains;
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// ---- archives taken apart and put together again ----------------------------------------
+
+using Records = std::vector<std::pair<std::string, std::string>>;
+
+// The records of a zip archive, without the archive's folder prefix and without the ones that
+// LibTorch's writer adds by itself (version, byteorder, serialization id).
+Records read_records(const fs::path& path) {
+  caffe2::serialize::PyTorchStreamReader reader(path.string());
+  Records out;
+  for (const auto& name : reader.getAllRecords()) {
+    if (name == "version" || name == ".data/version" || name == "byteorder" || name == ".data/serialization_id")
+      continue;
+    auto [data, size] = reader.getRecord(name);
+    out.emplace_back(name, std::string(static_cast<const char*>(data.get()), size));
+  }
+  return out;
+}
+
+std::string zip_bytes(const Records& records) {
+  std::string out;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, std::size_t n) {
+    out.append(static_cast<const char*>(data), n);
+    return n;
+  });
+  for (const auto& [name, bytes] : records) writer.writeRecord(name, bytes.data(), bytes.size());
+  writer.writeEndOfFile();
+  return out;
+}
+
+void write_records(const fs::path& path, const Records& records) { emakit_test::write_bytes(path, zip_bytes(records)); }
+
+std::string& record(Records& records, const std::string& name) {
+  for (auto& [n, bytes] : records)
+    if (n == name) return bytes;
+  FAIL("no record " << name);
+  throw;  // not reached
+}
+
+// A pickle by hand: opcodes and operands in protocol 2.
+struct Pickle {
+  std::string bytes = std::string("\x80\x02", 2);
+  Pickle& op(char c) { return bytes += c, *this; }
+  Pickle& global(const std::string& module, const std::string& name) { return bytes += "c" + module + "\n" + name + "\n", *this; }
+  Pickle& str(const std::string& s) {
+    bytes += 'X';
+    for (int i = 0; i < 4; ++i) bytes += static_cast<char>((s.size() >> (8 * i)) & 0xff);
+    return bytes += s, *this;
+  }
+  Pickle& int1(int v) { return bytes += 'K', bytes += static_cast<char>(v), *this; }
+  Pickle& mark() { return op('('); }
+  Pickle& tuple() { return op('t'); }
+};
+
+// A module archive with one float tensor 'w' of `sizes` (strides 1) over a storage of `numel`
+// elements whose record holds `data_bytes` bytes: what LibTorch's writer would make for a 1-d
+// tensor, with every number chosen by the test.
+std::string tensor_archive(int size, int storage_numel, std::size_t data_bytes, const std::string& code_extra = "") {
+  Pickle p;
+  p.global("__torch__", "Module").op(')').op('\x81').op('}').mark().str("w");
+  p.global("torch._utils", "_rebuild_tensor_v2").mark();
+  p.mark().str("storage").global("torch", "FloatStorage").str("0").str("cpu").int1(storage_numel).tuple().op('Q');
+  p.int1(0).mark().int1(size).tuple().mark().int1(1).tuple().op('\x89');
+  p.global("collections", "OrderedDict").op(')').op('R').tuple().op('R');
+  p.op('u').op('b').op('.');
+  const std::string code = "class Module(Module):\n  __parameters__ = [\"w\", ]\n  __buffers__ = []\n  w : Tensor\n" + code_extra;
+  std::string data(data_bytes, '\0');
+  return zip_bytes({{"data.pkl", p.bytes}, {"code/__torch__.py", code}, {"constants.pkl", std::string("\x80\x02).", 4)},
+                    {"data/0", data}});
+}
+
+// ---- a child process killed with SIGKILL --------------------------------------------------
+
+// The writer's model: 4 float parameters of megabytes / 4 MB each.
+struct Blob : torch::nn::Module {
+  explicit Blob(std::int64_t megabytes) {
+    for (int i = 0; i < 4; ++i)
+      register_parameter("w" + std::to_string(i), torch::zeros({std::max<std::int64_t>(1, megabytes << 16)}));
+  }
+};
+
+void fill(torch::nn::Module& m, double value) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : m.parameters()) p.fill_(value);
+}
+
+struct Child {
+  pid_t pid = -1;
+  int out = -1;  // the child's stdout
+  std::string pending;
+
+  // Runs this test program's hidden test case `test` with `env` added to the environment.
+  Child(const std::string& test, const std::vector<std::string>& env) {
+    char exe[4096] = {};
+    const auto n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    REQUIRE(n > 0);
+    std::vector<std::string> args = {exe, test};
+    std::vector<std::string> env_strings = env;
+    for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+    std::vector<char*> envp;
+    for (auto& e : env_strings) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    int fds[2];
+    REQUIRE(::pipe(fds) == 0);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+    posix_spawn_file_actions_addclose(&actions, fds[0]);
+    std::vector<char*> argv;
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    const int rc = ::posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&actions);
+    ::close(fds[1]);
+    out = fds[0];
+    REQUIRE(rc == 0);
+  }
+  Child(const Child&) = delete;
+  Child& operator=(const Child&) = delete;
+  ~Child() {
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+    if (out >= 0) ::close(out);
+  }
+
+  // The next line that starts with "sav" (the writer's; Catch2 prints its own too), or "" at
+  // the end of the output or after `timeout`.
+  std::string line(std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+    std::string l;
+    while (!(l = any_line(timeout)).empty() && l.rfind("sav", 0) != 0) {
+    }
+    return l;
+  }
+  std::string any_line(std::chrono::milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (true) {
+      if (const auto nl = pending.find('\n'); nl != std::string::npos) {
+        std::string l = pending.substr(0, nl);
+        pending.erase(0, nl + 1);
+        return l;
+      }
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return "";
+      pollfd p{out, POLLIN, 0};
+      if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) return "";
+      char buf[256];
+      const ::ssize_t n = ::read(out, buf, sizeof buf);
+      if (n <= 0) return "";
+      pending.append(buf, static_cast<std::size_t>(n));
+    }
+  }
+
+  // SIGKILL, reap, and the lines it printed before dying.
+  std::vector<std::string> kill() {
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    pid = -1;
+    CHECK(WIFSIGNALED(status));
+    std::vector<std::string> rest;
+    for (std::string l; !(l = line(std::chrono::milliseconds(500))).empty();) rest.push_back(l);
+    return rest;
+  }
+};
+
+std::int64_t number(const std::string& line, const char* word) {
+  if (line.rfind(word, 0) != 0) return -1;
+  return std::atoll(line.c_str() + std::string_view(word).size());
+}
+
+int rounds() {
+  const char* env = std::getenv("EMAKIT_KILL_ROUNDS");
+  return env != nullptr ? std::atoi(env) : 8;
+}
+
+
+// Every tensor equals one value; returns it (or -1 when they differ).
+double uniform_value(const std::vector<torch::Tensor>& tensors) {
+  const double v = tensors.front().flatten()[0].item<double>();
+  for (const auto& t : tensors)
+    if (!torch::equal(t, torch::full_like(t, v))) return -1;
+  return v;
+}
+
+// Kills the writer `rounds()` times at random points of its saves (after it has saved at least
+// once) and calls check(last_saved, interrupted) after each kill: `interrupted` is the save the
+// kill fell into (0 when it fell between saves).
+template <class Check>
+void kill_during_saves(const std::string& kind, const fs::path& target, int megabytes, const Check& check) {
+  std::mt19937 random(20261130);
+  int mid_write = 0;
+  const int n = rounds();
+  for (int round = 0; round < n; ++round) {
+    Child child("checkpoint kill-test writer", {"EMAKIT_WRITER_KIND=" + kind, "EMAKIT_WRITER_PATH=" + target.string(),
+                                                 "EMAKIT_WRITER_MB=" + std::to_string(megabytes)});
+    // The first save gives the previous checkpoint and times a save.
+    REQUIRE(child.line() == "saving 1");
+    const auto start = std::chrono::steady_clock::now();
+    REQUIRE(child.line() == "saved 1");
+    const auto save_time = std::chrono::steady_clock::now() - start;
+    REQUIRE(child.line() == "saving 2");
+    // Anywhere in the second save, and now and then just after it.
+    const auto delay = std::chrono::duration_cast<std::chrono::microseconds>(
+        save_time * std::uniform_real_distribution<double>(0.0, 1.2)(random));
+    std::this_thread::sleep_for(delay);
+    std::vector<std::string> lines = child.kill();
+    std::int64_t saved = 1, interrupted = 2;
+    for (const auto& l : lines) {
+      if (const auto k = number(l, "saved "); k > 0) saved = k, interrupted = 0;
+      if (const auto k = number(l, "saving "); k > 0) interrupted = k;
+    }
+    if (interrupted != 0) ++mid_write;
+    INFO(kind << " round " << round << ": killed " << delay.count() << " us into save 2 (a save takes "
+              << std::chrono::duration_cast<std::chrono::microseconds>(save_time).count() << " us); last saved "
+              << saved << ", interrupted " << interrupted);
+    check(saved, interrupted);
+  }
+  // Most kills must land inside a write, or the test tests little.
+  CHECK(mid_write * 2 >= n);
+  WARN(kind << ": " << n << " kills (EMAKIT_KILL_ROUNDS), " << mid_write << " inside a save; every file loaded whole");
+}
+
+}  // namespace
+
+// ---- kill -9 ------------------------------------------------------------------------------
+
+// The child of the kill -9 tests (hidden; runs only with EMAKIT_WRITER_KIND set): saves in a
+// loop until killed. Save k holds a model whose every weight is k and an EMA of decay 0 (so its
+// weights are k too); it prints "saving k" before and "saved k" after, each line flushed.
+TEST_CASE("checkpoint kill-test writer", "[.checkpoint-writer]") {
+  const char* kind = std::getenv("EMAKIT_WRITER_KIND");
+  if (kind == nullptr) return;
+  const fs::path path = std::getenv("EMAKIT_WRITER_PATH");
+  Blob model(std::atoll(std::getenv("EMAKIT_WRITER_MB")));
+  auto say = [](const char* what, std::int64_t k) {
+    std::printf("%s %lld\n", what, static_cast<long long>(k));
+    std::fflush(stdout);
+  };
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(300);  // no orphan runs for ever
+  if (std::string_view(kind) == "hook") {
+    emakit::EmaHook hook;
+    hook.add(model, emakit::Recipe(emakit::Fixed(0.0)));
+    hook.setup();
+    for (std::int64_t k = 1; std::chrono::steady_clock::now() < give_up; ++k) {
+      fill(model, static_cast<double>(k));
+      hook.after_optimizer_step({});
+      say("saving", k);
+      hook.save_checkpoint(path);
+      say("saved", k);
+    }
+  } else {
+    emakit::FixedEma ema(model, emakit::Fixed(0.0));
+    for (std::int64_t k = 1; std::chrono::steady_clock::now() < give_up; ++k) {
+      fill(model, static_cast<double>(k));
+      ema.update();
+      say("saving", k);
+      emakit::save(ema, path);
+      say("saved", k);
+    }
+  }
+}
+
+TEST_CASE("kill -9 during EmaHook::save_checkpoint leaves the previous checkpoint whole", "[reliability][kill]") {
+  emakit_test::TempDir dir;
+  const auto path = dir.path / "last.pt";
+  kill_during_saves("hook", path, 48, [&](std::int64_t saved, std::int64_t interrupted) {
+    Blob model(48);
+    emakit::EmaHook hook;
+    hook.add(model, emakit::Recipe(emakit::Fixed(0.0)));
+    hook.setup();
+    REQUIRE_NOTHROW(hook.load_checkpoint(path));
+    const double online = uniform_value(model.parameters());
+    const double ema = uniform_value(hook.ema<emakit::Ema<emakit::Fixed>>("model").averages().values());
+    // The file holds one whole save: the last one reported, or the interrupted one if the kill
+    // came after its rename.
+    CHECK(online == ema);
+    CHECK((online == static_cast<double>(saved) || (interrupted != 0 && online == static_cast<double>(interrupted))));
+    // At most the one temporary file of the interrupted write is left, named as such.
+    const auto stale = emakit::interrupted_writes(dir.path);
+    CHECK(stale.size() <= 1);
+    for (const auto& f : stale) fs::remove(f);
+  });
+}
+
+TEST_CASE("kill -9 during emakit::save(ema) leaves the previous file whole", "[reliability][kill]") {
+  emakit_test::TempDir dir;
+  const auto path = dir.path / "ema.pt";
+  kill_during_saves("ema", path, 64, [&](std::int64_t saved, std::int64_t interrupted) {
+    Blob model(64);
+    emakit::FixedEma ema(model, emakit::Fixed(0.0));
+    REQUIRE_NOTHROW(emakit::load(ema, path));
+    const double value = uniform_value(ema.averages().values());
+    CHECK((value == static_cast<double>(saved) || (interrupted != 0 && value == static_cast<double>(interrupted))));
+    CHECK(ema.num_updates() == static_cast<std::int64_t>(value));
+    const auto stale = emakit::interrupted_writes(dir.path);
+    CHECK(stale.size() <= 1);
+    for (const auto& f : stale) fs::remove(f);
+  });
+}
+
+// ---- untrusted archives -------------------------------------------------------------------
+
+TEST_CASE("emakit::save and emakit::load: the torch::save layout, written atomically, read after a check",
+          "[reliability][untrusted]") {
+  torch::manual_seed(11);
+  emakit_test::TinyNet model;
+  emakit::FixedEma ema(*model, emakit::Fixed(0.5));
+  emakit_test::perturb(*model);
+  ema.update();
+  emakit_test::TempDir dir;
+  emakit::save(ema, dir.path / "a.pt");
+  torch::save(ema, (dir.path / "b.pt").string());
+  CHECK(emakit::interrupted_writes(dir.path).empty());
+  const auto saved = emakit_test::snapshot(ema.averages());
+
+  for (const char* file : {"a.pt", "b.pt"}) {
+    emakit_test::perturb(*model);
+    ema.update();
+    emakit::load(ema, dir.path / file);
+    CHECK(emakit_test::same_averages(ema.averages(), saved));
+    CHECK(ema.num_updates() == 1);
+  }
+  emakit::FixedEma other(*model, emakit::Fixed(0.9));  // another config: strict load refuses, nothing changes
+  const auto before = emakit_test::snapshot(other.averages());
+  REQUIRE_THROWS_WITH(emakit::load(other, dir.path / "a.pt"), Contains("a.pt"));
+  CHECK(emakit_test::same_averages(other.averages(), before));
+  REQUIRE_THROWS_WITH(emakit::load(ema, dir.path / "missing.pt"), Contains("no file") && Contains("missing.pt"));
+}
+
+TEST_CASE("An archive that carries TorchScript code is refused before LibTorch compiles it", "[reliability][untrusted]") {
+  torch::manual_seed(12);
+  emakit_test::TinyNet model;
+  emakit::FixedEma ema(*model, emakit::Fixed(0.5));
+  emakit_test::TempDir dir;
+  emakit::save(ema, dir.path / "good.pt");
+  const auto before = emakit_test::snapshot(ema.averages());
+
+  auto records = read_records(dir.path / "good.pt");
+  const std::string declarations = record(records, "code/__torch__.py");
+  REQUIRE_THAT(declarations, Contains("emakit_state : Dict[str, Tensor]"));
+
+  // A method LibTorch compiles and accepts: the archive is a valid one that carries code.
+  record(records, "code/__torch__.py") = declarations + "  def forward(self) -> int:\n    return 1\n";
+  write_records(dir.path / "method.pt", records);
+  torch::serialize::InputArchive plain;
+  REQUIRE_NOTHROW(plain.load_from((dir.path / "method.pt").string()));
+  REQUIRE_THROWS_WITH(emakit::load(ema, dir.path / "method.pt"),
+                      Contains("refusing") && Contains("method.pt") && Contains("code/__torch__.py line") &&
+                          Contains("def forward") && Contains("no code"));
+
+  // A method that does not compile: LibTorch's loader fails inside its TorchScript compiler
+  // (it compiles the archive's code while loading); emakit refuses before, with its own reason.
+  record(records, "code/__torch__.py") = declarations + "  def forward(self) -> int:\n    return no_such_name\n";
+  write_records(dir.path / "broken.pt", records);
+  torch::serialize::InputArchive compiled;
+  REQUIRE_THROWS_WITH(compiled.load_from((dir.path / "broken.pt").string()), Contains("no_such_name"));
+  REQUIRE_THROWS_WITH(emakit::load(ema, dir.path / "broken.pt"),
+                      Contains("refusing") && Contains("def forward") && !Contains("undefined value"));
+
+  // Statements outside a class, a decorator, an import.
+  for (const std::string extra : {"import os\n", "  @torch.jit.export\n", "print(1)\n", "  x : Tensor = torch.ones(1)\n"}) {
+    record(records, "code/__torch__.py") = declarations + extra;
+    write_records(dir.path / "extra.pt", records);
+    INFO(extra);
+    REQUIRE_THROWS_WITH(emakit::load(ema, dir.path / "extra.pt"), Contains("refusing") && Contains("no code"));
+  }
+  CHECK(emakit_test::same_averages(ema.averages(), before));
+
+  // The hook's loaders check their files the same way.
+  emakit::EmaHook hook;
+  hook.add(*model, emakit::Recipe(emakit::Fixed(0.5)));
+  hook.setup();
+  hook.save_checkpoint(dir.path / "hook.pt");
+  auto hook_records = read_records(dir.path / "hook.pt");
+  record(hook_records, "code/__torch__.py") += "  def forward(self) -> int:\n    return 1\n";
+  write_records(dir.path / "hook_method.pt", hook_records);
+  REQUIRE_THROWS_WITH(hook.load_checkpoint(dir.path / "hook_method.pt"), Contains("refusing") && Contains("no code"));
+  REQUIRE_THROWS_WITH(emakit::load_weights(*model, dir.path / "hook_method.pt"), Contains("refusing"));
+  REQUIRE_NOTHROW(hook.load_checkpoint(dir.path / "hook.pt"));
+}
+
+TEST_CASE("Unknown records, foreign globals and tensors larger than their data are refused, naming them",
+          "[reliability][untrusted]") {
+  torch::manual_seed(13);
+  emakit_test::TinyNet model;
+  emakit::FixedEma ema(*model, emakit::Fixed(0.5));
+  emakit_test::TempDir dir;
+  emakit::save(ema, dir.path / "good.pt");
+  const auto before = emakit_test::snapshot(ema.averages());
+  const auto good = read_records(dir.path / "good.pt");
+
+  auto with = [&](const std::string& name, auto edit) {
+    auto records = good;
+    edit(records);
+    const auto path = dir.path / name;
+    write_records(path, records);
+    return path;
+  };
+  // An extra record.
+  const auto extra = with("extra.pt", [](Records& r) { r.emplace_back("extra/payload.bin", "x"); });
+  REQUIRE_THROWS_WITH(emakit::load(ema, extra), Contains("refusing") && Contains("'extra/payload.bin'"));
+  // A pickle that calls os.system.
+  const auto os_system = with("os_system.pt", [](Records& r) {
+    Pickle p;
+    p.global("os", "system").str("echo owned").op('\x85').op('R').op('.');
+    record(r, "data.pkl") = p.bytes;
+  });
+  REQUIRE_THROWS_WITH(emakit::load(ema, os_system), Contains("data.pkl") && Contains("the global 'os.system'"));
+  // An opcode outside the subset (INST, a class built from a name).
+  const auto inst = with("inst.pt", [](Records& r) { record(r, "data.pkl") = std::string("\x80\x02(ios\nsystem\n.", 15); });
+  REQUIRE_THROWS_WITH(emakit::load(ema, inst), Contains("opcode 0x69") && Contains("outside the accepted subset"));
+  // A tensor record cut short: the pickle claims more elements than the record holds.
+  const auto short_data = with("short.pt", [](Records& r) { record(r, "data/0").resize(1); });
+  REQUIRE_THROWS_WITH(emakit::load(ema, short_data), Contains("the record data/0 holds 1 bytes"));
+  // A storage naming a record that is not there.
+  const auto missing = with("missing.pt", [](Records& r) {
+    std::erase_if(r, [](const auto& rec) { return rec.first == "data/0"; });
+  });
+  REQUIRE_THROWS_WITH(emakit::load(ema, missing), Contains("data/0, which the archive lacks"));
+  // Not a zip at all, and an empty file.
+  emakit_test::write_bytes(dir.path / "text.pt", "hello");
+  REQUIRE_THROWS_WITH(emakit::load(ema, dir.path / "text.pt"), Contains("refusing") && Contains("not a readable zip"));
+  emakit_test::write_bytes(dir.path / "empty.pt", "");
+  REQUIRE_THROWS_WITH(emakit::load(ema, dir.path / "empty.pt"), Contains("refusing") && Contains("empty.pt"));
+  CHECK(emakit_test::same_averages(ema.averages(), before));
+}
+
+TEST_CASE("A tensor view that reaches past its storage is refused, the same view inside it is accepted",
+          "[reliability][untrusted]") {
+  // The hand-made archive is right: LibTorch reads its tensor, and the scan accepts it.
+  const std::string ok = tensor_archive(4, 4, 16);
+  REQUIRE_NOTHROW(emakit::detail::scan_archive_bytes(ok, "'ok'"));
+  torch::serialize::InputArchive archive;
+  archive.load_from(ok.data(), ok.size());
+  torch::Tensor w;
+  archive.read("w", w);
+  CHECK(w.sizes() == torch::IntArrayRef{4});
+
+  REQUIRE_THROWS_WITH(emakit::detail::scan_archive_bytes(tensor_archive(8, 4, 16), "'view'"),
+                      Contains("sizes [8], strides [1]") && Contains("past its storage of 4 elements"));
+  REQUIRE_THROWS_WITH(emakit::detail::scan_archive_bytes(tensor_archive(4, 8, 16), "'numel'"),
+                      Contains("claims 8 elements of 4 bytes") && Contains("holds 16 bytes"));
+  REQUIRE_THROWS_WITH(emakit::detail::scan_archive_bytes(ok.substr(0, ok.size() / 2), "'half'"),
+                      Contains("refusing 'half'"));
+}
+
+TEST_CASE("Every file emakit writes passes its own check", "[reliability][untrusted]") {
+  torch::manual_seed(14);
+  emakit_test::TinyNet model, second;
+  emakit::FixedEma ema(*model, emakit::Fixed(0.5));
+  emakit::EmaHook hook;
+  hook.add(*model, emakit::Recipe(emakit::Fixed(0.5)));
+  hook.add("second", *second, emakit::Recipe(emakit::Fixed(0.9)), {.checkpoint_ema_weights = false});
+  hook.setup();
+  emakit_test::TempDir dir;
+  emakit::save(ema, dir.path / "ema.pt");
+  torch::save(ema, (dir.path / "torch_save.pt").string());
+  hook.save_checkpoint(dir.path / "hook.pt");
+  for (const char* file : {"ema.pt", "torch_save.pt", "hook.pt"}) {
+    INFO(file);
+    CHECK_NOTHROW(emakit::detail::scan_archive_file(dir.path / file, "test"));
+  }
+}
+
+TEST_CASE("emakit::load of a bit-flipped file is an error or exactly what was saved", "[reliability][untrusted]") {
+  torch::manual_seed(15);
+  emakit_test::TinyNet model;
+  emakit::FixedEma ema(*model, emakit::Fixed(0.5));
+  emakit_test::perturb(*model);
+  ema.update();
+  emakit_test::TempDir dir;
+  const auto good = dir.path / "ema.pt";
+  emakit::save(ema, good);
+  const auto saved = emakit_test::snapshot(ema.averages());
+  emakit_test::perturb(*model);
+  ema.update();
+  auto current = emakit_test::snapshot(ema.averages());
+  int failed = 0, tried = 0;
+  for (const auto& [file, at] : emakit_test::flipped_copies(good, dir.path)) {
+    ++tried;
+    INFO("byte " << at);
+    try {
+      emakit::load(ema, file);
+      CHECK(emakit_test::same_averages(ema.averages(), saved));
+      current = saved;
+    } catch (const std::exception& e) {
+      ++failed;
+      CHECK_THAT(e.what(), Contains(file.filename().string()));  // every error names the file
+      CHECK(emakit_test::same_averages(ema.averages(), current));
+    }
+  }
+  CHECK(tried >= 40);
+  CHECK(failed >= tried / 4);
+}
+
+TEST_CASE("A checkpoint of another format version is an error naming both versions and the writer's emakit",
+          "[reliability]") {
+  torch::manual_seed(16);
+  emakit_test::TinyNet model;
+  emakit_test::TempDir dir;
+  {  // a hook checkpoint whose format is 99, written by "emakit 9.9.9"
+    torch::serialize::OutputArchive archive;
+    torch::serialize::OutputArchive hook(archive.compilation_unit());
+    hook.write("format", torch::scalar_tensor(99, torch::kLong));
+    hook.write("emakit_version", c10::IValue(std::string("9.9.9")));
+    archive.write("emakit_hook", hook);
+    archive.save_to((dir.path / "hook99.pt").string());
+  }
+  emakit::EmaHook hook;
+  hook.add(*model, emakit::Recipe(emakit::Fixed(0.5)));
+  hook.setup();
+  REQUIRE_THROWS_WITH(hook.load_checkpoint(dir.path / "hook99.pt"),
+                      Contains("hook format is 99 (written by emakit 9.9.9), this emakit (") &&
+                          Contains(std::string(emakit::version_string)) && Contains("hook99.pt"));
+
+  {  // an Ema file whose state says format 99
+    emakit::FixedEma ema(*model, emakit::Fixed(0.5));
+    auto state = ema.state_dict();
+    state["emakit.format"] = torch::scalar_tensor(99, torch::kLong);
+    std::vector<std::pair<std::string, torch::Tensor>> items;
+    emakit::detail::Checksums sums;
+    for (const auto& item : state) {
+      items.emplace_back(item.key(), item.value());
+      sums.add(item.key(), item.value());
+    }
+    torch::serialize::OutputArchive archive;
+    archive.write("emakit_state", emakit::detail::tensor_dict(items, false));
+    archive.write("emakit_checksums", emakit::detail::tensor_dict(sums.saved, false));
+    archive.write("emakit_version", c10::IValue(std::string("9.9.9")));
+    archive.save_to((dir.path / "ema99.pt").string());
+  }
+  emakit::FixedEma ema(*model, emakit::Fixed(0.5));
+  REQUIRE_THROWS_WITH(emakit::load(ema, dir.path / "ema99.pt"),
+                      Contains("99") && Contains("written by emakit 9.9.9") && Contains("ema99.pt"));
+  // The version is recorded by every writer.
+  emakit::save(ema, dir.path / "now.pt");
+  torch::serialize::InputArchive now;
+  now.load_from((dir.path / "now.pt").string());
+  c10::IValue writer;
+  REQUIRE(now.try_read("emakit_version", writer));
+  CHECK(writer.toStringRef() == emakit::version_string);
+}
