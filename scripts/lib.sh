@@ -15,10 +15,12 @@ EMAKIT_BUILD_TYPE="${EMAKIT_BUILD_TYPE:-Release}"
 EMAKIT_REQUIREMENTS="$EMAKIT_ROOT/scripts/requirements.txt"
 
 # Debian packages the build needs (compiler, CMake, LibTorch 1.13, fmt, Catch2 v2, Google
-# Benchmark, ccache, python3-venv for the reference packages, CLI11 for the examples), and the
-# Fashion-MNIST demo's data and plotting (dataset-fashion-mnist, gnuplot-nox).
+# Benchmark, ccache, python3-venv for the reference packages, CLI11 for the examples), the
+# Fashion-MNIST demo's data and plotting (dataset-fashion-mnist, gnuplot-nox), and clang with
+# its libFuzzer and sanitizer runtimes for scripts/fuzz.sh.
 EMAKIT_DEB_PACKAGES=(g++ make cmake ccache libtorch-dev libfmt-dev catch2 libbenchmark-dev
-                     python3-venv libcli11-dev dataset-fashion-mnist gnuplot-nox)
+                     python3-venv libcli11-dev dataset-fashion-mnist gnuplot-nox
+                     clang libclang-rt-dev)
 
 # Where dataset-fashion-mnist installs its gzip'd IDX files, and where the demo (and its ctest,
 # examples/CMakeLists.txt) reads them uncompressed.

@@ -8,6 +8,7 @@
 #   ./scripts/test.sh                       both variants
 #   EMAKIT_VARIANTS=torch1.13 ./scripts/test.sh
 #   EMAKIT_CTEST_ARGS="-L unit" ./scripts/test.sh
+#   EMAKIT_FUZZ_SECONDS=0 ./scripts/test.sh   without the fuzz run (scripts/fuzz.sh)
 #
 # Exit status: 0 when every variant that ran built and passed all its tests.
 set -euo pipefail
@@ -117,6 +118,20 @@ for variant in "${variants[@]}"; do
   esac
   printf '==> [%s] %s\n' "$variant" "${result[$variant]}"
 done
+
+# The checkpoint loader's fuzz target (libFuzzer, clang, ASan + UBSan), EMAKIT_FUZZ_SECONDS long
+# (default 60); EMAKIT_FUZZ_SECONDS=0 leaves it out.
+if [[ "${EMAKIT_FUZZ_SECONDS:-60}" != 0 ]]; then
+  ran+=(fuzz)
+  fuzz_log="build/fuzz.summary.log"
+  mkdir -p build
+  if "$EMAKIT_ROOT/scripts/fuzz.sh" 2>&1 | tee "$fuzz_log"; then
+    result[fuzz]="$(grep -E '^==> \[fuzz\] PASSED' "$fuzz_log" | tail -n1 | sed -E 's/^==> \[fuzz\] //')"
+  else
+    result[fuzz]="FAILED: $(grep -E '^==> \[fuzz\] FAILED' "$fuzz_log" | tail -n1 | sed -E 's/^==> \[fuzz\] FAILED:? ?//')"
+    status=1
+  fi
+fi
 
 printf '\n==> emakit test summary\n'
 for variant in "${ran[@]}"; do
