@@ -89,7 +89,9 @@ struct TensorSpec {
 
 // A storage policy creates the EMA's own tensors, one per spec and in the same order, each
 // initialised with a copy of its source. `model` is null when the EMA was bound to a flat list
-// of named tensors rather than a module.
+// of named tensors rather than a module. An undefined tensor in the result means "not held
+// here": the Ema then neither updates, saves nor loads that spec (ShardedStorage returns one
+// for each tensor another rank of its process group holds).
 template <class S>
 concept StoragePolicy =
     std::move_constructible<S> &&

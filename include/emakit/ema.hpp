@@ -650,6 +650,7 @@ class Ema {
     std::vector<detail::Slot> slots;
     slots.reserve(specs.size());
     for (std::size_t i = 0; i < specs.size(); ++i) {
+      if (!own[i].defined()) continue;  // held elsewhere (ShardedStorage: by another rank)
       detail::Slot slot;
       slot.name = specs[i].name;
       slot.average = own[i];
