@@ -20,7 +20,7 @@ EMAKIT_REQUIREMENTS="$EMAKIT_ROOT/scripts/requirements.txt"
 # its libFuzzer and sanitizer runtimes for scripts/fuzz.sh.
 EMAKIT_DEB_PACKAGES=(g++ make cmake ccache libtorch-dev libfmt-dev catch2 libbenchmark-dev
                      python3-venv libcli11-dev dataset-fashion-mnist gnuplot-nox
-                     clang libclang-rt-dev)
+                     clang libclang-rt-dev libgloo-dev)
 
 # Where dataset-fashion-mnist installs its gzip'd IDX files, and where the demo (and its ctest,
 # examples/CMakeLists.txt) reads them uncompressed.

@@ -17,6 +17,7 @@
 //   Storage policies (storage.hpp): where the average lives
 //     FlatStorage         an ordered name -> tensor dictionary, no module needed
 //     ModuleStorage<M>    a module of type M you can call forward() on (Cloneable M, or a factory)
+//     ShardedStorage      split across the ranks of a c10d process group (sharded.hpp, not in emakit.hpp)
 //
 //   Trainer hooks (hooks.hpp): EmaHook, called at setup, after each optimizer step, around
 //     validation and test, at train end and at checkpoints, for one or several models by key
@@ -42,6 +43,7 @@ class StepSchedule;
 class FlatStorage;
 template <class ModuleType>
 class ModuleStorage;
+class ShardedStorage;  // sharded.hpp
 
 // Options shared by every Ema (selection, precision, placement).
 class EmaOptions;
