@@ -742,6 +742,8 @@ void load_sharded(Ema<D, S, ShardedStorage>& ema, const std::filesystem::path& d
       ours.insert(e.name);
       const at::Tensor* shape = layout_of("shape", e.name);
       if (shape == nullptr) detail::fail("{}: the checkpoint has no tensor '{}' that this EMA holds", index_where, e.name);
+      if (shape->scalar_type() != at::kLong || shape->dim() != 1)
+        detail::fail("{}: the shape of '{}' is damaged", index_where, e.name);
       const std::vector<std::int64_t> saved(shape->data_ptr<std::int64_t>(),
                                             shape->data_ptr<std::int64_t>() + shape->numel());
       if (saved != e.full_shape)
@@ -792,8 +794,10 @@ void load_sharded(Ema<D, S, ShardedStorage>& ema, const std::filesystem::path& d
       at::Tensor local = at::empty(e.local.sizes(), at::TensorOptions().dtype(e.dtype));
       if (mine != nullptr) {
         at::Tensor flat = detail::byte_view(local);
-        const at::Tensor& saved_pieces = *layout_of("pieces", e.name);
-        if (saved_pieces.dim() != 2 || saved_pieces.size(1) != 3)
+        const at::Tensor* pieces_entry = layout_of("pieces", e.name);
+        if (pieces_entry == nullptr) detail::fail("{}: no pieces for '{}'; the index is damaged", index_where, e.name);
+        const at::Tensor& saved_pieces = *pieces_entry;
+        if (saved_pieces.dim() != 2 || saved_pieces.size(1) != 3 || saved_pieces.scalar_type() != at::kLong)
           detail::fail("{}: the pieces of '{}' are damaged", index_where, e.name);
         const auto* q = saved_pieces.data_ptr<std::int64_t>();
         std::int64_t covered = 0;

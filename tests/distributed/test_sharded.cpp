@@ -75,39 +75,35 @@ TEST_CASE("sharded checkpoint: saved by 4 ranks, loaded by 2 ranks and by 4 (res
 TEST_CASE("sharded checkpoint: a mixed, incomplete or damaged set is refused naming the file, the EMA unchanged",
           "[distributed]") {
   TempDir dir;
-  const auto ckpt = dir.path / "whole-ckpt";
+  const auto good = dir.path / "whole-ckpt";
   require_all_passed(launch("save", 4, dir.path, 60, "whole"));
-  // A second save elsewhere: another save id.
-  TempDir other;
+  TempDir other;  // a second save: another save id
   require_all_passed(launch("save", 4, other.path, 60, "whole"));
 
-  SECTION("a file of another save") {
-    std::filesystem::copy_file(other.path / "whole-ckpt" / "rank-1-of-4.pt", ckpt / "rank-1-of-4.pt",
+  // Each case: a copy of the good checkpoint, spoiled, loaded by 2 ranks.
+  auto refused = [&](const std::string& name, const std::function<void(const std::filesystem::path&)>& spoil,
+                     const std::string& expected) {
+    const auto work = dir.path / name;
+    std::filesystem::create_directories(work);
+    std::filesystem::copy(good, work / "whole-ckpt", std::filesystem::copy_options::recursive);
+    spoil(work / "whole-ckpt");
+    const auto run = launch("load_error", 2, dir.path, 60, "whole", work.string());
+    INFO(name);
+    require_all_passed(run);
+    CHECK(any_log_contains(run, expected));
+  };
+  refused("mixed", [&](const std::filesystem::path& c) {
+    std::filesystem::copy_file(other.path / "whole-ckpt" / "rank-1-of-4.pt", c / "rank-1-of-4.pt",
                                std::filesystem::copy_options::overwrite_existing);
-    const auto run = launch("load_error", 2, dir.path, 60, "whole");
-    require_all_passed(run);
-    CHECK(any_log_contains(run, "rank-1-of-4.pt': belongs to another save"));
-  }
-  SECTION("a missing file") {
-    std::filesystem::remove(ckpt / "rank-3-of-4.pt");
-    const auto run = launch("load_error", 2, dir.path, 60, "whole");
-    require_all_passed(run);
-    CHECK(any_log_contains(run, "rank-3-of-4.pt' is missing"));
-  }
-  SECTION("no index") {
-    std::filesystem::remove(ckpt / "index.pt");
-    const auto run = launch("load_error", 2, dir.path, 60, "whole");
-    require_all_passed(run);
-    CHECK(any_log_contains(run, "no index"));
-  }
-  SECTION("a damaged file") {
-    std::string bytes = emakit_test::read_bytes(ckpt / "rank-2-of-4.pt");
+  }, "rank-1-of-4.pt': belongs to another save");
+  refused("missing", [](const std::filesystem::path& c) { std::filesystem::remove(c / "rank-3-of-4.pt"); },
+          "rank-3-of-4.pt' is missing");
+  refused("no-index", [](const std::filesystem::path& c) { std::filesystem::remove(c / "index.pt"); }, "no index");
+  refused("damaged", [](const std::filesystem::path& c) {
+    std::string bytes = emakit_test::read_bytes(c / "rank-2-of-4.pt");
     bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x5A);
-    emakit_test::write_bytes(ckpt / "rank-2-of-4.pt", bytes);
-    const auto run = launch("load_error", 2, dir.path, 60, "whole");
-    require_all_passed(run);
-    CHECK(any_log_contains(run, "rank-2-of-4.pt"));
-  }
+    emakit_test::write_bytes(c / "rank-2-of-4.pt", bytes);
+  }, "rank-2-of-4.pt");
 }
 
 TEST_CASE("sharded EMA: a killed rank gives the others an error within the timeout, not a hang", "[distributed]") {
