@@ -97,3 +97,34 @@ TEST_CASE("ModuleStorage keeps the average in the EMA's dtype while non-float bu
   CHECK(ema.module()->fc->weight.scalar_type() == torch::kFloat);
   CHECK(ema.module()->bn->num_batches_tracked.scalar_type() == torch::kLong);
 }
+
+// A storage that holds every other tensor (what ShardedStorage does for another rank's tensors:
+// an undefined tensor from create() means "held elsewhere").
+struct EveryOtherStorage {
+  std::vector<at::Tensor> create(const torch::nn::Module*, std::span<const emakit::TensorSpec> specs) {
+    std::vector<at::Tensor> out;
+    for (std::size_t i = 0; i < specs.size(); ++i)
+      out.push_back(i % 2 == 0 ? specs[i].source.detach().to(specs[i].dtype).clone() : at::Tensor());
+    return out;
+  }
+};
+static_assert(emakit::StoragePolicy<EveryOtherStorage>);
+
+TEST_CASE("A storage may hold only some tensors: the Ema updates, saves and loads just those", "[storage]") {
+  torch::manual_seed(0);
+  TinyNet model;
+  emakit::Ema<emakit::Fixed, emakit::StepSchedule, EveryOtherStorage> part(*model, emakit::Fixed(0.5));
+  emakit::FixedEma whole(*model, emakit::Fixed(0.5));
+  const auto names = part.averages().keys();
+  CHECK(names.size() == 4);  // of 8
+  emakit_test::perturb(*model);
+  part.update();
+  whole.update();
+  for (const auto& name : names) CHECK(emakit_test::bitwise_equal(part.average(name), whole.average(name)));
+  CHECK_THROWS_WITH(part.average("fc.bias"), Contains("no tensor 'fc.bias'"));
+  // Its state holds its own tensors; the whole EMA's state has more, which strict loading names.
+  emakit::Ema<emakit::Fixed, emakit::StepSchedule, EveryOtherStorage> again(*model, emakit::Fixed(0.5));
+  again.load_state_dict(part.state_dict());
+  for (const auto& name : names) CHECK(emakit_test::bitwise_equal(again.average(name), part.average(name)));
+  CHECK_THROWS_WITH(again.load_state_dict(whole.state_dict()), Contains("unexpected key 'average.fc.bias'"));
+}
