@@ -75,8 +75,8 @@
 #include <emakit/detail/atomic_file.hpp>
 #include <emakit/detail/c10d_compat.hpp>
 #include <emakit/detail/check.hpp>
+#include <emakit/checkpoint.hpp>
 #include <emakit/ema.hpp>
-#include <emakit/hooks.hpp>
 #include <emakit/schedule.hpp>
 #include <emakit/storage.hpp>
 
@@ -655,18 +655,12 @@ void save_sharded(const Ema<D, S, ShardedStorage>& ema, const std::filesystem::p
         {"rank", at::scalar_tensor(static_cast<std::int64_t>(rank), at::kLong)},
         {"world", at::scalar_tensor(static_cast<std::int64_t>(st.world()), at::kLong)}};
   };
-  auto write = [](torch::serialize::OutputArchive& archive, const std::filesystem::path& path) {
-    std::ostringstream bytes;
-    archive.save_to(bytes);
-    const std::string data = bytes.str();
-    detail::write_file_atomically(path, std::span<const char>(data.data(), data.size()));
-  };
   detail::all_or_none(st, what, [&] {
     std::filesystem::create_directories(dir);
     torch::serialize::OutputArchive archive;
     ema.save(archive);  // this rank's state, with a CRC-32 per tensor
     archive.write("emakit_shard", detail::tensor_dict(shard_info(st.rank()), /*copy=*/false));
-    write(archive, dir / sharded_file_name(st.rank(), st.world()));
+    detail::write_archive(archive, dir / sharded_file_name(st.rank(), st.world()));
   });
   detail::all_or_none(st, what, [&] {
     if (st.rank() != 0) return;
@@ -697,7 +691,7 @@ void save_sharded(const Ema<D, S, ShardedStorage>& ema, const std::filesystem::p
     archive.write("emakit_state", detail::tensor_dict(state, /*copy=*/false));
     archive.write("emakit_layout", detail::tensor_dict(layout, /*copy=*/false));
     archive.write("emakit_checksums", detail::tensor_dict(sums.saved, /*copy=*/false));
-    write(archive, dir / std::string(sharded_index_name));
+    detail::write_archive(archive, dir / std::string(sharded_index_name));
   });
 }
 
