@@ -150,3 +150,26 @@ emakit_wheel_torch_args() {
   fi
   printf '%s\n' "${args[@]}"
 }
+
+# emakit_ctest_summary LOG RC WHAT: one line from a ctest log ("PASSED: 100% tests passed, ...
+# [unit 59, ...] (WHAT)" or "FAILED: ..."), naming the skipped tests (ctest counts them among the
+# passed) and the sanitizer reports, if any. Returns 0 for PASSED.
+emakit_ctest_summary() {
+  local log="$1" rc="$2" what="$3" totals labels skipped reports
+  totals="$(grep -E '^[0-9]+% tests passed' "$log" | tail -n1 || true)"
+  # "unit = 48.65 sec*proc (59 tests)" -> "unit 59"
+  labels="$(awk '/^Label Time Summary:/{on=1; next} on && NF==0 {on=0}
+                 on && /\(([0-9]+) tests?\)/ {n=$0; sub(/.*\(/, "", n); sub(/ tests?\).*/, "", n);
+                                              printf "%s%s %s", sep, $1, n; sep=", "}' "$log")"
+  [[ -n "$totals" ]] || totals="no test summary (see $log)"
+  skipped="$(grep -E '^[[:space:]]+[0-9]+ - .* \(Skipped\)$' "$log" | sed -E 's/^[[:space:]]+[0-9]+ - //; s/ \(Skipped\)$//' | paste -sd, - || true)"
+  [[ -z "$skipped" ]] || totals="$totals; skipped, not run: $skipped"
+  reports="$(grep -cE '^(==[0-9]+==ERROR: |SUMMARY: (Address|Leak|UndefinedBehavior)Sanitizer)|runtime error: ' "$log" || true)"
+  ((reports == 0)) || totals="$totals; $reports sanitizer report line(s) in $log"
+  if ((rc == 0)) && [[ "$totals" == 100%* ]]; then
+    printf 'PASSED: %s%s (%s)\n' "$totals" "${labels:+ [$labels]}" "$what"
+  else
+    printf 'FAILED: %s%s (%s)\n' "$totals" "${labels:+ [$labels]}" "$what"
+    return 1
+  fi
+}

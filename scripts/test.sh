@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Build emakit's tests and run them with ctest against both supported LibTorch versions:
+# Build emakit's tests and run them with ctest against both supported LibTorch versions, then
+# the unit tests under the sanitizers and the checkpoint loader's fuzz target:
 #   build/torch1.13  Debian's libtorch-dev (LibTorch 1.13)
 #   build/torch2     the LibTorch inside the PyPI torch wheel in the Python venv
+#   build/asan       the unit tests with ASan + UBSan, Debian's LibTorch (scripts/sanitize.sh)
+#   build/fuzz       libFuzzer on the checkpoint loader, 60 s (scripts/fuzz.sh)
 # Installs what is missing first (Debian packages, the venv with scripts/requirements.txt).
 # If PyPI cannot be reached, only the 1.13 run happens (and decides the exit status).
 #
-#   ./scripts/test.sh                       both variants
-#   EMAKIT_VARIANTS=torch1.13 ./scripts/test.sh
+#   ./scripts/test.sh                       every variant, then the fuzz run
+#   EMAKIT_VARIANTS=torch1.13 ./scripts/test.sh   (known: torch1.13 torch2 asan)
 #   EMAKIT_CTEST_ARGS="-L unit" ./scripts/test.sh
 #   EMAKIT_FUZZ_SECONDS=0 ./scripts/test.sh   without the fuzz run (scripts/fuzz.sh)
 #
@@ -16,7 +19,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$EMAKIT_ROOT"
 
-read -r -a variants <<<"${EMAKIT_VARIANTS:-torch1.13 torch2}"
+read -r -a variants <<<"${EMAKIT_VARIANTS:-torch1.13 torch2 asan}"
 read -r -a ctest_extra <<<"${EMAKIT_CTEST_ARGS:-}"
 
 emakit_apt_ensure "${EMAKIT_DEB_PACKAGES[@]}"
@@ -61,23 +64,7 @@ run_variant() {
   local ctest_rc=0
   (cd "$dir" && ctest -j "$EMAKIT_JOBS" --output-on-failure "${ctest_extra[@]}") 2>&1 \
     | tee "$log" || ctest_rc=$?
-  local totals labels
-  totals="$(grep -E '^[0-9]+% tests passed' "$log" | tail -n1 || true)"
-  # "unit = 48.65 sec*proc (59 tests)" -> "unit 59"
-  labels="$(awk '/^Label Time Summary:/{on=1; next} on && NF==0 {on=0}
-                 on && /\(([0-9]+) tests?\)/ {n=$0; sub(/.*\(/, "", n); sub(/ tests?\).*/, "", n);
-                                              printf "%s%s %s", sep, $1, n; sep=", "}' "$log")"
-  [[ -n "$totals" ]] || totals="no test summary (see $log)"
-  # ctest counts a skipped test (no CUDA device, no PyPI) among the passed: say which ones.
-  local skipped
-  skipped="$(grep -E '^[[:space:]]+[0-9]+ - .* \(Skipped\)$' "$log" | sed -E 's/^[[:space:]]+[0-9]+ - //; s/ \(Skipped\)$//' | paste -sd, - || true)"
-  [[ -z "$skipped" ]] || totals="$totals; skipped, not run: $skipped"
-  if ((ctest_rc == 0)) && [[ "$totals" == 100%* ]]; then
-    result[$name]="PASSED: $totals${labels:+ [$labels]} ($what)"
-  else
-    result[$name]="FAILED: $totals${labels:+ [$labels]} ($what)"
-    return 1
-  fi
+  result[$name]="$(emakit_ctest_summary "$log" "$ctest_rc" "$what")" || return 1
 }
 
 status=0
@@ -114,7 +101,20 @@ for variant in "${variants[@]}"; do
       ran+=("$variant")
       run_variant torch2 "PyPI torch $torch_version" "${args[@]}" || status=1
       ;;
-    *) emakit_die "unknown variant '$variant' (known: torch1.13 torch2)" ;;
+    asan)
+      # The unit tests under AddressSanitizer + UndefinedBehaviorSanitizer (scripts/sanitize.sh).
+      ran+=("$variant")
+      asan_log="build/asan.summary.log"
+      mkdir -p build
+      if "$EMAKIT_ROOT/scripts/sanitize.sh" 2>&1 | tee "$asan_log"; then
+        result[asan]="$(grep -E '^==> \[asan\] PASSED' "$asan_log" | tail -n1 | sed -E 's/^==> \[asan\] //')"
+      else
+        result[asan]="$(grep -E '^==> \[asan\] FAILED' "$asan_log" | tail -n1 | sed -E 's/^==> \[asan\] //')"
+        [[ -n "${result[asan]}" ]] || result[asan]="FAILED: scripts/sanitize.sh (see $asan_log)"
+        status=1
+      fi
+      ;;
+    *) emakit_die "unknown variant '$variant' (known: torch1.13 torch2 asan)" ;;
   esac
   printf '==> [%s] %s\n' "$variant" "${result[$variant]}"
 done

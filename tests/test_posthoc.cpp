@@ -692,6 +692,11 @@ TEST_CASE("A snapshot folder survives a writer killed (SIGKILL) in mid-write", "
       int status = 0;
       return ::waitpid(child, &status, WNOHANG) == 0;
     };
+    // The first round also waits for the writer's first two snapshots (the checks below want
+    // two whole files; a slow machine, or one under a sanitizer, may take most of a second).
+    while (round == 0 && emakit::list_snapshots(folder.path).size() < 2 && alive() &&
+           std::chrono::steady_clock::now() < give_up)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     while (count_temporary(".phema-") == 0 && alive() && std::chrono::steady_clock::now() < give_up)
       std::this_thread::yield();
     if (round % 2 == 0)
