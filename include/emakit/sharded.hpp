@@ -57,10 +57,13 @@
 // copy_to(), swap_into(), torch::save(ema). Use the functions here for the whole average.
 //
 // Sharded checkpoints (save_sharded / load_sharded): in `dir`, each rank writes
-//   rank-<r>-of-<N>.pt   what torch::save(ema) writes for its share (state + CRC-32 per tensor)
-//                        plus the save id, its rank and N
+//   rank-<r>-of-<N>.<id>.pt   what torch::save(ema) writes for its share (state + CRC-32 per
+//                             tensor) plus the save id, its rank and N
 // atomically, and after every rank succeeded rank 0 writes index.pt: the save id, N, the config
 // and counters, and for each tensor its shape, dtype and which rank holds which flat range.
+// The index is the commit point: a new save writes files under its own id and leaves those of
+// the index in place, so a save that fails or is killed half-way leaves the previous checkpoint
+// whole; once the new index is written, every rank removes the other saves' files.
 // Loading with any world size reads the files that hold the ranges this rank now holds. A missing
 // file, a file of another save (mixed set), a damaged file or another model is an error naming
 // the file, on every rank; a failed load leaves the EMA unchanged on every rank.
@@ -153,7 +156,11 @@ inline constexpr int all_ranks = -1;
 
 // The file names of a sharded checkpoint.
 inline constexpr std::string_view sharded_index_name = "index.pt";
-inline std::string sharded_file_name(int rank, int world) { return fmt::format("rank-{}-of-{}.pt", rank, world); }
+// A rank's file carries the save's id, so a save never overwrites the files that the current
+// index names: the index, written last, is the commit point of a save.
+inline std::string sharded_file_name(int rank, int world, std::int64_t save_id) {
+  return fmt::format("rank-{}-of-{}.{:016x}.pt", rank, world, static_cast<std::uint64_t>(save_id));
+}
 // The layout version of sharded checkpoints.
 inline constexpr std::int64_t sharded_format_version = 1;
 
@@ -660,7 +667,7 @@ void save_sharded(const Ema<D, S, ShardedStorage>& ema, const std::filesystem::p
     torch::serialize::OutputArchive archive;
     ema.save(archive);  // this rank's state, with a CRC-32 per tensor
     archive.write("emakit_shard", detail::tensor_dict(shard_info(st.rank()), /*copy=*/false));
-    detail::write_archive(archive, dir / sharded_file_name(st.rank(), st.world()));
+    detail::write_archive(archive, dir / sharded_file_name(st.rank(), st.world(), save_id));
   });
   detail::all_or_none(st, what, [&] {
     if (st.rank() != 0) return;
@@ -692,6 +699,18 @@ void save_sharded(const Ema<D, S, ShardedStorage>& ema, const std::filesystem::p
     archive.write("emakit_layout", detail::tensor_dict(layout, /*copy=*/false));
     archive.write("emakit_checksums", detail::tensor_dict(sums.saved, /*copy=*/false));
     detail::write_archive(archive, dir / std::string(sharded_index_name));
+  });
+  // Committed: the files of earlier saves (and of saves that failed half-way) can go. Every rank
+  // removes what it sees, so a folder that is not shared between machines is cleaned as well.
+  detail::all_or_none(st, what, [&] {
+    const std::string keep = fmt::format(".{:016x}.pt", static_cast<std::uint64_t>(save_id));
+    for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+      const std::string name = entry.path().filename().string();
+      if (name.rfind("rank-", 0) == 0 && name.ends_with(".pt") && !name.ends_with(keep)) {
+        std::error_code ignored;  // another rank may have removed it already
+        std::filesystem::remove(entry.path(), ignored);
+      }
+    }
   });
 }
 
@@ -757,7 +776,7 @@ void load_sharded(Ema<D, S, ShardedStorage>& ema, const std::filesystem::path& d
     std::map<std::int64_t, std::map<std::string, at::Tensor>> files;
     auto file_of = [&](std::int64_t r) -> const std::map<std::string, at::Tensor>& {
       if (auto it = files.find(r); it != files.end()) return it->second;
-      const auto path = dir / sharded_file_name(static_cast<int>(r), static_cast<int>(old_world));
+      const auto path = dir / sharded_file_name(static_cast<int>(r), static_cast<int>(old_world), save_id);
       const std::string where = fmt::format("load_sharded: '{}'", path.string());
       if (!std::filesystem::exists(path))
         detail::fail("load_sharded: the checkpoint in '{}' is incomplete: '{}' is missing (the index names {} ranks)",
@@ -801,7 +820,7 @@ void load_sharded(Ema<D, S, ShardedStorage>& ema, const std::filesystem::path& d
           if (lo >= hi) continue;
           if (r < 0 || r >= old_world) detail::fail("{}: '{}' names rank {} of {}", index_where, e.name, r, old_world);
           const auto& file = file_of(r);
-          const auto path = dir / sharded_file_name(static_cast<int>(r), static_cast<int>(old_world));
+          const auto path = dir / sharded_file_name(static_cast<int>(r), static_cast<int>(old_world), save_id);
           auto it = file.find("average." + e.name);
           if (it == file.end())
             detail::fail("load_sharded: '{}' lacks 'average.{}', which the index says it holds", path.string(), e.name);

@@ -43,6 +43,22 @@ bool any_log_contains(const emakit_dist::Launch& run, const std::string& text) {
   return false;
 }
 
+// The file of rank r of N in a checkpoint folder (its name carries the save's id).
+std::filesystem::path shard_file(const std::filesystem::path& ckpt, int r, int world) {
+  const std::string prefix = "rank-" + std::to_string(r) + "-of-" + std::to_string(world) + ".";
+  std::vector<std::filesystem::path> found;
+  for (const auto& e : std::filesystem::directory_iterator(ckpt))
+    if (e.path().filename().string().rfind(prefix, 0) == 0) found.push_back(e.path());
+  REQUIRE(found.size() == 1);
+  return found.front();
+}
+
+std::size_t count_files(const std::filesystem::path& ckpt) {
+  std::size_t n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(ckpt)) n += e.is_regular_file() ? 1 : 0;
+  return n;
+}
+
 }  // namespace
 
 TEST_CASE("sharded EMA: the gathered average equals the single-process EMA bitwise, every policy, 2 and 4 ranks",
@@ -66,7 +82,7 @@ TEST_CASE("sharded checkpoint: saved by 4 ranks, loaded by 2 ranks and by 4 (res
   for (const std::string mode : {"whole", "sliced"}) {
     require_all_passed(launch("save", 4, dir.path, 60, mode));
     REQUIRE(std::filesystem::exists(dir.path / (mode + "-ckpt") / "index.pt"));
-    REQUIRE(std::filesystem::exists(dir.path / (mode + "-ckpt") / "rank-3-of-4.pt"));
+    REQUIRE(std::filesystem::exists(shard_file(dir.path / (mode + "-ckpt"), 3, 4)));
     require_all_passed(launch("load", 2, dir.path, 60, mode));
     require_all_passed(launch("load", 4, dir.path, 60, mode));
   }
@@ -92,18 +108,38 @@ TEST_CASE("sharded checkpoint: a mixed, incomplete or damaged set is refused nam
     require_all_passed(run);
     CHECK(any_log_contains(run, expected));
   };
-  refused("mixed", [&](const std::filesystem::path& c) {
-    std::filesystem::copy_file(other.path / "whole-ckpt" / "rank-1-of-4.pt", c / "rank-1-of-4.pt",
+  refused("mixed", [&](const std::filesystem::path& c) {  // another save's file under this save's name
+    std::filesystem::copy_file(shard_file(other.path / "whole-ckpt", 1, 4), shard_file(c, 1, 4),
                                std::filesystem::copy_options::overwrite_existing);
-  }, "rank-1-of-4.pt': belongs to another save");
-  refused("missing", [](const std::filesystem::path& c) { std::filesystem::remove(c / "rank-3-of-4.pt"); },
-          "rank-3-of-4.pt' is missing");
+  }, "': belongs to another save");
+  refused("missing", [](const std::filesystem::path& c) { std::filesystem::remove(shard_file(c, 3, 4)); },
+          "' is missing");
   refused("no-index", [](const std::filesystem::path& c) { std::filesystem::remove(c / "index.pt"); }, "no index");
   refused("damaged", [](const std::filesystem::path& c) {
-    std::string bytes = emakit_test::read_bytes(c / "rank-2-of-4.pt");
+    const auto file = shard_file(c, 2, 4);
+    std::string bytes = emakit_test::read_bytes(file);
     bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x5A);
-    emakit_test::write_bytes(c / "rank-2-of-4.pt", bytes);
-  }, "rank-2-of-4.pt");
+    emakit_test::write_bytes(file, bytes);
+  }, "rank-2-of-4.");
+}
+
+TEST_CASE("sharded checkpoint: a save that stops half-way leaves the previous checkpoint whole; the next save "
+          "cleans up",
+          "[distributed]") {
+  TempDir dir, other;
+  const auto ckpt = dir.path / "whole-ckpt";
+  require_all_passed(launch("save", 4, dir.path, 60, "whole"));
+  require_all_passed(launch("save", 4, other.path, 60, "whole"));
+  REQUIRE(count_files(ckpt) == 5);  // 4 rank files and the index
+  // What a save killed before its index leaves: every rank's file under the new save's id (here
+  // another run's, 2 ranks' worth) and no new index. The previous checkpoint loads, bitwise.
+  for (int r : {0, 1}) std::filesystem::copy_file(shard_file(other.path / "whole-ckpt", r, 4),
+                                                  ckpt / ("rank-" + std::to_string(r) + "-of-4.00000000000000ff.pt"));
+  require_all_passed(launch("load", 2, dir.path, 60, "whole"));
+  // The next save commits and removes every file that is not its own.
+  require_all_passed(launch("save", 4, dir.path, 60, "whole"));
+  CHECK(count_files(ckpt) == 5);
+  require_all_passed(launch("load", 4, dir.path, 60, "whole"));
 }
 
 TEST_CASE("sharded EMA: a killed rank gives the others an error within the timeout, not a hang", "[distributed]") {
