@@ -67,6 +67,23 @@ run_variant() {
   result[$name]="$(emakit_ctest_summary "$log" "$ctest_rc" "$what")" || return 1
 }
 
+# run_script NAME SCRIPT: runs scripts/SCRIPT, which ends with "==> [NAME] PASSED: ..." or
+# "==> [NAME] FAILED: ..."; records that line in result[NAME]; returns non-zero on failure.
+run_script() {
+  local name="$1" script="$2" log="build/$1.summary.log" line
+  mkdir -p build
+  local rc=0
+  "$EMAKIT_ROOT/scripts/$script" 2>&1 | tee "$log" || rc=$?
+  line="$(grep -E "^==> \[$name\] (PASSED|FAILED)" "$log" | tail -n1 | sed -E "s/^==> \[$name\] //" || true)"
+  if ((rc == 0)) && [[ "$line" == PASSED* ]]; then
+    result[$name]="$line"
+  else
+    result[$name]="${line:-FAILED: scripts/$script exited $rc (see $log)}"
+    [[ "${result[$name]}" == FAILED* ]] || result[$name]="FAILED: ${result[$name]}"
+    return 1
+  fi
+}
+
 status=0
 ran=()
 for variant in "${variants[@]}"; do
@@ -104,15 +121,7 @@ for variant in "${variants[@]}"; do
     asan)
       # The unit tests under AddressSanitizer + UndefinedBehaviorSanitizer (scripts/sanitize.sh).
       ran+=("$variant")
-      asan_log="build/asan.summary.log"
-      mkdir -p build
-      if "$EMAKIT_ROOT/scripts/sanitize.sh" 2>&1 | tee "$asan_log"; then
-        result[asan]="$(grep -E '^==> \[asan\] PASSED' "$asan_log" | tail -n1 | sed -E 's/^==> \[asan\] //')"
-      else
-        result[asan]="$(grep -E '^==> \[asan\] FAILED' "$asan_log" | tail -n1 | sed -E 's/^==> \[asan\] //')"
-        [[ -n "${result[asan]}" ]] || result[asan]="FAILED: scripts/sanitize.sh (see $asan_log)"
-        status=1
-      fi
+      run_script asan sanitize.sh || status=1
       ;;
     *) emakit_die "unknown variant '$variant' (known: torch1.13 torch2 asan)" ;;
   esac
@@ -123,14 +132,7 @@ done
 # (default 60); EMAKIT_FUZZ_SECONDS=0 leaves it out.
 if [[ "${EMAKIT_FUZZ_SECONDS:-60}" != 0 ]]; then
   ran+=(fuzz)
-  fuzz_log="build/fuzz.summary.log"
-  mkdir -p build
-  if "$EMAKIT_ROOT/scripts/fuzz.sh" 2>&1 | tee "$fuzz_log"; then
-    result[fuzz]="$(grep -E '^==> \[fuzz\] PASSED' "$fuzz_log" | tail -n1 | sed -E 's/^==> \[fuzz\] //')"
-  else
-    result[fuzz]="FAILED: $(grep -E '^==> \[fuzz\] FAILED' "$fuzz_log" | tail -n1 | sed -E 's/^==> \[fuzz\] FAILED:? ?//')"
-    status=1
-  fi
+  run_script fuzz fuzz.sh || status=1
 fi
 
 printf '\n==> emakit test summary\n'
