@@ -123,7 +123,7 @@ TEST_CASE("sharded checkpoint: a mixed, incomplete or damaged set is refused nam
   }, "rank-2-of-4.");
 }
 
-TEST_CASE("sharded checkpoint: a save that stops half-way leaves the previous checkpoint whole; the next save "
+TEST_CASE("sharded checkpoint: a save that stops half-way leaves the previous checkpoint whole, the next save "
           "cleans up",
           "[distributed]") {
   TempDir dir, other;
