@@ -133,8 +133,6 @@ inline void read_module(const torch::nn::Module& model, torch::serialize::InputA
   }
 }
 
-// Opens an archive file; a missing, truncated or damaged file is an error that names it.
-
 // The weights of `model` found in a checkpoint, checked against the model: every tensor there,
 // with the model's shape. Returns (model tensor, checkpoint tensor) pairs to copy.
 inline std::vector<std::pair<at::Tensor, at::Tensor>> plan_weights(const torch::nn::Module& model,
@@ -553,7 +551,7 @@ class EmaHook {
     if (!hook.try_read("format", format) || !format.isTensor() || format.toTensor().numel() != 1)
       detail::fail("load_checkpoint: the hook state has no format number; the checkpoint is damaged");
     if (const auto f = format.toTensor().item<std::int64_t>(); f != hook_format_version) {
-      c10::IValue writer;  // absent in checkpoints of emakit before 0.1.0's release
+      c10::IValue writer;  // absent in checkpoints written before emakit recorded its version
       const std::string by = hook.try_read("emakit_version", writer) && writer.isString()
                                  ? fmt::format(" (written by emakit {})", writer.toStringRef())
                                  : std::string();
