@@ -94,6 +94,14 @@ inline bool is_identifier(std::string_view s) {
     return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
   });
 }
+// Text a TorchScript type may be written with here: names, '.', '[', ']', ',' and spaces (no
+// parentheses, quotes or operators: nothing that could be an expression).
+inline bool is_type_text(std::string_view s) {
+  return std::all_of(s.begin(), s.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '.' ||
+           c == '[' || c == ']' || c == ',' || c == ' ';
+  });
+}
 // Printable text for an error message: at most 60 characters, the rest escaped.
 inline std::string shown(std::string_view s) {
   std::string out;
@@ -181,11 +189,7 @@ inline std::set<std::string> check_code(std::string_view text, const std::string
     if (colon == std::string_view::npos || !is_identifier(body.substr(0, colon)))
       bad("neither an attribute type nor a parameter or buffer list");
     const std::string_view type = body.substr(colon + 3);
-    const bool type_ok = !type.empty() && std::all_of(type.begin(), type.end(), [](char c) {
-      return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '.' ||
-             c == '[' || c == ']' || c == ',' || c == ' ';
-    });
-    if (!type_ok) bad("an attribute type may hold names, '.', '[', ']' and ',' only");
+    if (type.empty() || !is_type_text(type)) bad("an attribute type may hold names, '.', '[', ']' and ',' only");
   }
   return classes;
 }
@@ -499,11 +503,7 @@ inline std::pair<Value::Kind, std::size_t> check_pickle(std::span<const char> by
           // by LibTorch's type parser, which only names types.
           if (a.size() != 2 || values[a[1]].kind != Value::Kind::string) bad("restore_type_tag without (value, type)");
           const std::string& type = values[a[1]].text;
-          const bool type_ok = type.size() <= 256 && std::all_of(type.begin(), type.end(), [](char c) {
-            return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
-                   c == '.' || c == '[' || c == ']' || c == ',' || c == ' ';
-          });
-          if (!type_ok) bad(fmt::format("the type tag '{}'", shown(type)));
+          if (type.size() > 256 || !is_type_text(type)) bad(fmt::format("the type tag '{}'", shown(type)));
           stack.push_back(a[0]);  // the same value, shared
         } else if (name.starts_with("torch.jit._pickle.build_")) {
           if (a.size() != 1 || values[a[0]].kind != Value::Kind::list) bad(fmt::format("{} without one list", name));
