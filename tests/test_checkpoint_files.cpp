@@ -3,6 +3,7 @@
 // foreign globals or tensors larger than their data (refused before LibTorch's loader runs).
 #include <emakit/emakit.hpp>
 
+#include "archive_records.hpp"
 #include "helpers.hpp"
 
 #include <catch2/catch.hpp>
@@ -36,36 +37,12 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// ---- archives taken apart and put together again ----------------------------------------
+// ---- archives taken apart and put together again (archive_records.hpp) ----------------------
 
-using Records = std::vector<std::pair<std::string, std::string>>;
-
-// The records of a zip archive, without the archive's folder prefix and without the ones that
-// LibTorch's writer adds by itself (version, byteorder, serialization id).
-Records read_records(const fs::path& path) {
-  caffe2::serialize::PyTorchStreamReader reader(path.string());
-  Records out;
-  for (const auto& name : reader.getAllRecords()) {
-    if (name == "version" || name == ".data/version" || name == "byteorder" || name == ".data/serialization_id")
-      continue;
-    auto [data, size] = reader.getRecord(name);
-    out.emplace_back(name, std::string(static_cast<const char*>(data.get()), size));
-  }
-  return out;
-}
-
-std::string zip_bytes(const Records& records) {
-  std::string out;
-  caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, std::size_t n) {
-    out.append(static_cast<const char*>(data), n);
-    return n;
-  });
-  for (const auto& [name, bytes] : records) writer.writeRecord(name, bytes.data(), bytes.size());
-  writer.writeEndOfFile();
-  return out;
-}
-
-void write_records(const fs::path& path, const Records& records) { emakit_test::write_bytes(path, zip_bytes(records)); }
+using emakit_test::Records;
+using emakit_test::read_records;
+using emakit_test::write_records;
+using emakit_test::zip_bytes;
 
 std::string& record(Records& records, const std::string& name) {
   for (auto& [n, bytes] : records)

@@ -6,22 +6,33 @@
 // (data/<n>) whose element count the pickle states. A crafted file can make the loader compile
 // and run its own methods (a class's __setstate__ runs during the load), or claim a tensor
 // larger than its record so that reading the tensor reads past the allocation. The scan below
-// reads the archive with LibTorch's zip reader (no code runs) and accepts only what emakit's own
-// checkpoints hold:
+// reads the archive with LibTorch's zip reader (no code runs) and accepts only what
+// torch::serialize::OutputArchive writes for tensors, modules (Module::save), torch::optim
+// optimizers (Optimizer::save) and archives nested in archives (LibTorch 1.13 and 2.x): emakit's
+// own files, and a hook checkpoint with the optimizer beside it.
 //
 // | part              | accepted                                                                  |
 // |-------------------|---------------------------------------------------------------------------|
 // | records           | data.pkl, constants.pkl, version, byteorder, .data/version,               |
 // |                   | .data/serialization_id, data/<n>, code/__torch__[/<id>...].py[.debug_pkl] |
-// | code/*.py         | class declarations with attribute types only: no def, no decorator, no    |
-// |                   | import, no expression (line by line, printable ASCII)                     |
+// |                   | (not under code/__torch__/torch/: LibTorch's custom C++ classes)          |
+// | code/*.py         | class declarations with attribute types only, line by line, printable     |
+// |                   | ASCII; in a 'class <Name>(Module):' body, indented two spaces, only:      |
+// |                   |   <identifier> : <type>                                                   |
+// |                   |   __parameters__ = ["<name>", ...]     (and __buffers__, the same)        |
+// |                   |   __annotations__ = []                                                    |
+// |                   |   __annotations__["<name>"] = <type>   (a name that is no identifier)     |
+// |                   | <type>: names, '.', '[', ']', ',' and spaces; <name>: printable, no '"'   |
+// |                   | or '\' (optimizers name state "0x55d0c8a3e2c0" in 1.13, "94222..." in     |
+// |                   | 2.x; groups "param_groups/0", "params/size"). No def, decorator, import,  |
+// |                   | call or other expression.                                                 |
 // | pickles           | protocol 2 opcodes for None, bool, int, float, str, tuple, list, dict;    |
 // |                   | globals: torch._utils._rebuild_tensor_v2, torch.<T>Storage,               |
 // |                   | collections.OrderedDict, torch.jit._pickle.build_{int,double,bool,        |
 // |                   | tensor}list and restore_type_tag (type names only), and __torch__ classes |
 // |                   | whose code file is declared as above                                      |
 // | tensors           | storage ('storage', torch.<T>Storage, '<n>', 'cpu' or 'cuda[:i]', numel)  |
-// |                   | with numel * itemsize <= the size of record data/<n>; sizes and strides    |
+// |                   | with numel * itemsize <= the size of record data/<n>; sizes and strides   |
 // |                   | non-negative and the view inside the storage                              |
 // | constants.pkl     | an empty tuple (attribute-only code has no constants)                     |
 //
@@ -93,6 +104,23 @@ inline bool is_identifier(std::string_view s) {
   return std::all_of(s.begin(), s.end(), [](char c) {
     return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
   });
+}
+// An attribute name as LibTorch's code printer quotes it ("param_groups/size", "params/0", an
+// optimizer state key "0x55d0c8a3e2c0", a Sequential's child "0"): it writes the name between
+// double quotes without escaping it, so a name it can read back has no '"' and no backslash. Such
+// a literal is a plain string to TorchScript's lexer, whatever else it holds: it ends at the next
+// '"'.
+inline bool is_quoted_name_text(std::string_view s) {
+  return !s.empty() && s.size() <= 256 &&
+         std::all_of(s.begin(), s.end(), [](char c) { return c >= 0x20 && c < 0x7f && c != '"' && c != '\\'; });
+}
+// Takes "<name>" off the front of `s`; false (and `s` as it was) when `s` does not start with one.
+inline bool take_quoted_name(std::string_view& s) {
+  if (!s.starts_with('"')) return false;
+  const auto close = s.find('"', 1);
+  if (close == std::string_view::npos || !is_quoted_name_text(s.substr(1, close - 1))) return false;
+  s.remove_prefix(close + 1);
+  return true;
 }
 // Text a TorchScript type may be written with here: names, '.', '[', ']', ',' and spaces (no
 // parentheses, quotes or operators: nothing that could be an expression).
@@ -169,19 +197,27 @@ inline std::set<std::string> check_code(std::string_view text, const std::string
     if (!in_class || !line.starts_with("  ") || line[2] == ' ') bad("a statement outside a class body");
     const std::string_view body = line.substr(2);
     if (body.starts_with("__parameters__ = [") || body.starts_with("__buffers__ = [")) {
-      // __parameters__ = ["weight", "bias", ]
+      // __parameters__ = ["weight", "param_groups/size", ]
       std::string_view list = body.substr(body.find('[') + 1);
       if (!list.ends_with("]")) bad("the name list does not end with ']'");
       list.remove_suffix(1);
       while (!list.empty()) {
-        if (!list.starts_with("\"")) bad("the name list holds something other than quoted names");
-        const auto close = list.find('"', 1);
-        if (close == std::string_view::npos || !is_identifier(list.substr(1, close - 1)))
+        if (!take_quoted_name(list) || !list.starts_with(", "))
           bad("the name list holds something other than quoted names");
-        list.remove_prefix(close + 1);
-        if (!list.starts_with(", ")) bad("the name list holds something other than quoted names");
         list.remove_prefix(2);
       }
+      continue;
+    }
+    // An attribute whose name is not an identifier (an optimizer's "0x55d0c8a3e2c0", "params/0"):
+    //   __annotations__ = []
+    //   __annotations__["params/0"] = str
+    if (body == "__annotations__ = []") continue;
+    if (body.starts_with("__annotations__[")) {
+      std::string_view rest = body.substr(std::string_view("__annotations__[").size());
+      if (!take_quoted_name(rest) || !rest.starts_with("] = "))
+        bad("an __annotations__ entry must read '__annotations__[\"<name>\"] = <type>'");
+      const std::string_view type = rest.substr(4);
+      if (type.empty() || !is_type_text(type)) bad("an attribute type may hold names, '.', '[', ']' and ',' only");
       continue;
     }
     // <name> : <type>, the type made of identifiers, dots, brackets, commas and spaces only
@@ -360,8 +396,8 @@ inline std::pair<Value::Kind, std::size_t> check_pickle(std::span<const char> by
       v.integer = storage_itemsize(name);
       return v;
     }
-    if ((module == "__torch__" || module.starts_with("__torch__.")) && rules.classes != nullptr &&
-        rules.classes->count(v.text) != 0)
+    if ((module == "__torch__" || module.starts_with("__torch__.")) && module != "__torch__.torch" &&
+        !module.starts_with("__torch__.torch.") && rules.classes != nullptr && rules.classes->count(v.text) != 0)
       return v;
     if (module == "__torch__" || module.starts_with("__torch__."))
       bad(fmt::format("the class '{}' has no declaration-only code file {}", shown(v.text), code_record(module)));
@@ -576,7 +612,10 @@ inline void check_records(caffe2::serialize::PyTorchStreamReader& reader, const 
       if (is_debug) path.remove_suffix(std::string_view(".debug_pkl").size());
       if (path.ends_with(".py")) {
         path.remove_suffix(3);
-        bool ok = path == "__torch__" || path.starts_with("__torch__/");
+        // __torch__.torch.* is LibTorch's own namespace (custom C++ classes, whose __setstate__ is
+        // C++ code of the process): never a class of a saved module or optimizer.
+        bool ok = (path == "__torch__" || path.starts_with("__torch__/")) && path != "__torch__/torch" &&
+                  !path.starts_with("__torch__/torch/");
         for (std::size_t at = 0; ok && at <= path.size();) {
           const std::size_t slash = std::min(path.find('/', at), path.size());
           ok = is_identifier(path.substr(at, slash - at));
