@@ -85,6 +85,9 @@ struct TensorSpec {
   at::Tensor source;      // the model's tensor
   c10::ScalarType dtype;  // the dtype the EMA keeps it in
   c10::Device device;     // the device the EMA keeps it on
+  // Other names of the same tensor in the model (a tied weight): the storage holds one tensor
+  // for all of them; a module-backed storage makes its module's tensors of these names that one.
+  std::vector<std::string> aliases = {};
 };
 
 // A storage policy creates the EMA's own tensors, one per spec and in the same order, each

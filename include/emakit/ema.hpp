@@ -33,23 +33,30 @@
 #include <emakit/storage.hpp>
 #include <emakit/version.hpp>
 
+#include <ATen/Context.h>
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Type.h>
 #include <torch/nn/module.h>
 #include <torch/ordered_dict.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -98,45 +105,116 @@ using StateDict = torch::OrderedDict<std::string, at::Tensor>;
 // The version of the state-dict layout below; stored as "emakit.format".
 inline constexpr std::int64_t state_format_version = 1;
 
+namespace detail {
+
+// The state of one Ema's swap: the model's tensors that hold the EMA weights, a copy of their
+// own weights, and how many SwapGuards are open on it. The weights go back when the last guard
+// ends, in whatever order the guards end. While open, the tensors' memory is registered
+// (swap_registry), so that every Ema bound to the same model sees that the model holds an EMA's
+// weights, not its own.
+struct SwapState {
+  int guards = 0;
+  std::vector<at::Tensor> targets;
+  std::vector<at::Tensor> backup;
+};
+
+// The model memory that open swaps hold, across every Ema of the process: storage -> the
+// SwapState holding it. `open` counts entries, read without the lock so that an update with no
+// swap anywhere costs one atomic load.
+struct SwapRegistry {
+  std::mutex mutex;
+  std::unordered_map<const void*, const SwapState*> holders;
+  std::atomic<std::size_t> open{0};
+
+  static const void* key(const at::Tensor& t) {
+    return t.defined() && t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
+  }
+  // The swap (other than `self`) that holds one of `tensors`, or null.
+  template <class Tensors>
+  const SwapState* holder(const Tensors& tensors, const SwapState* self) {
+    if (open.load(std::memory_order_acquire) == 0) return nullptr;
+    std::lock_guard lock(mutex);
+    for (const at::Tensor& t : tensors) {
+      auto it = holders.find(key(t));
+      if (it != holders.end() && it->second != self) return it->second;
+    }
+    return nullptr;
+  }
+  void add(const SwapState* s) {
+    std::lock_guard lock(mutex);
+    for (const auto& t : s->targets)
+      if (const void* k = key(t)) holders.emplace(k, s);
+    open.store(holders.size(), std::memory_order_release);
+  }
+  void remove(const SwapState* s) noexcept {
+    std::lock_guard lock(mutex);
+    for (auto it = holders.begin(); it != holders.end();) it = it->second == s ? holders.erase(it) : std::next(it);
+    open.store(holders.size(), std::memory_order_release);
+  }
+};
+
+inline SwapRegistry& swap_registry() {
+  static SwapRegistry registry;
+  return registry;
+}
+
+}  // namespace detail
+
+class SwapGuard;
+namespace detail {
+SwapGuard open_swap(std::shared_ptr<SwapState> state);
+}
+
 // Holds the EMA weights in the model for its scope and restores the model's own weights when the
-// scope ends, also when it ends by an exception. Made by Ema::swap_into().
+// scope ends, also when it ends by an exception. Made by Ema::swap_into() (and by
+// swap_gathered_into() for a sharded EMA). Guards of one Ema may
+// nest and may end in any order: the model gets its own weights back when the last one ends.
 class SwapGuard {
  public:
   SwapGuard(const SwapGuard&) = delete;
   SwapGuard& operator=(const SwapGuard&) = delete;
-  SwapGuard(SwapGuard&& other) noexcept
-      : depth_(std::move(other.depth_)), targets_(std::move(other.targets_)), backup_(std::move(other.backup_)) {}
+  SwapGuard(SwapGuard&& other) noexcept : state_(std::move(other.state_)) {}
   SwapGuard& operator=(SwapGuard&&) = delete;
   ~SwapGuard() { restore(); }
 
-  // Puts the model's own weights back now (the destructor then does nothing).
+  // Ends this guard now (the destructor then does nothing); the model's own weights come back if
+  // it was the last open guard of its Ema.
   void restore() noexcept {
-    if (!depth_) return;
+    if (!state_) return;
+    auto state = std::move(state_);
+    if (--state->guards > 0) return;
     c10::NoGradGuard no_grad;
-    for (std::size_t i = 0; i < targets_.size(); ++i) {
+    for (std::size_t i = 0; i < state->targets.size(); ++i) {
       try {
-        targets_[i].copy_(backup_[i]);
+        state->targets[i].copy_(state->backup[i]);
       } catch (...) {  // a destructor must not throw; the copy of a same-shaped tensor cannot fail short of OOM
       }
     }
-    --*depth_;
-    depth_.reset();
-    targets_.clear();
-    backup_.clear();
+    detail::swap_registry().remove(state.get());
+    state->targets.clear();
+    state->backup.clear();
   }
 
-  bool active() const noexcept { return static_cast<bool>(depth_); }
+  bool active() const noexcept { return static_cast<bool>(state_); }
 
  private:
   template <DecayPolicy, SchedulePolicy, StoragePolicy>
   friend class Ema;
-  SwapGuard(std::shared_ptr<int> depth, std::vector<at::Tensor> targets, std::vector<at::Tensor> backup)
-      : depth_(std::move(depth)), targets_(std::move(targets)), backup_(std::move(backup)) {}
+  friend SwapGuard detail::open_swap(std::shared_ptr<detail::SwapState> state);
+  explicit SwapGuard(std::shared_ptr<detail::SwapState> state) : state_(std::move(state)) { ++state_->guards; }
 
-  std::shared_ptr<int> depth_;
-  std::vector<at::Tensor> targets_;
-  std::vector<at::Tensor> backup_;
+  std::shared_ptr<detail::SwapState> state_;
 };
+
+namespace detail {
+// The first guard of a swap whose targets are about to receive EMA weights (their own weights are
+// in `backup`): registers the targets' memory, so that every Ema bound to them sees the swap.
+inline SwapGuard open_swap(std::shared_ptr<SwapState> state) {
+  SwapGuard guard(state);
+  swap_registry().add(state.get());
+  return guard;
+}
+}  // namespace detail
 
 namespace detail {
 
@@ -153,12 +231,16 @@ inline std::unordered_map<std::string, at::Tensor> tensors_by_name(const torch::
   return out;
 }
 
+// A policy's name as checkpoints record it. A policy without `name` is named by its C++ type
+// ("custom:MyDecay"), so that two different custom policies do not load each other's states.
 template <class P>
 std::string_view policy_name() {
-  if constexpr (requires { P::name; })
+  if constexpr (requires { P::name; }) {
     return P::name;
-  else
-    return "custom";
+  } else {
+    static const std::string name = std::string("custom:") + c10::demangle_type<P>();
+    return name;
+  }
 }
 
 template <class P>
@@ -254,6 +336,61 @@ struct BoundFlag {
   explicit operator bool() const noexcept { return value; }
 };
 
+// Set while an update() runs: a second update() that overlaps it (another thread) is refused.
+// Moves make a fresh flag (an Ema is not moved while it updates).
+struct BusyFlag {
+  std::atomic<bool> value{false};
+  BusyFlag() = default;
+  BusyFlag(BusyFlag&&) noexcept {}
+  BusyFlag& operator=(BusyFlag&&) noexcept { return *this; }
+};
+
+class BusyScope {
+ public:
+  BusyScope(BusyFlag& flag, const char* what) : flag_(flag) {
+    if (flag_.value.exchange(true, std::memory_order_acquire))
+      fail("{}() was called while another update() of this Ema is running (from another thread); an Ema is not "
+           "thread-safe: call it from one thread at a time, or behind a mutex",
+           what);
+  }
+  BusyScope(const BusyScope&) = delete;
+  BusyScope& operator=(const BusyScope&) = delete;
+  ~BusyScope() { flag_.value.store(false, std::memory_order_release); }
+
+ private:
+  BusyFlag& flag_;
+};
+
+// Whether two tensors are the same tensor of the model (one TensorImpl, or the same view of one
+// storage), and whether they share memory at all (their byte ranges in one storage overlap).
+inline bool same_view(const at::Tensor& a, const at::Tensor& b) {
+  if (a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl()) return true;
+  return a.has_storage() && b.has_storage() && a.storage().is_alias_of(b.storage()) &&
+         a.storage_offset() == b.storage_offset() && a.scalar_type() == b.scalar_type() &&
+         a.sizes().equals(b.sizes()) && a.strides().equals(b.strides());
+}
+inline std::pair<std::int64_t, std::int64_t> byte_extent(const at::Tensor& t) {
+  std::int64_t last = t.storage_offset();
+  for (std::int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  const auto item = static_cast<std::int64_t>(t.element_size());
+  return {t.storage_offset() * item, (last + 1) * item};
+}
+inline bool overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.has_storage() || !b.has_storage() || a.numel() == 0 || b.numel() == 0) return false;
+  if (!a.storage().is_alias_of(b.storage())) return false;
+  const auto [a0, a1] = byte_extent(a);
+  const auto [b0, b1] = byte_extent(b);
+  return a0 < b1 && b0 < a1;
+}
+
+// The same dtype, shape and bytes (NaNs compare by their bits).
+inline bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != b.scalar_type() || !a.sizes().equals(b.sizes())) return false;
+  const at::Tensor x = a.detach().cpu().contiguous();
+  const at::Tensor y = b.detach().cpu().contiguous();
+  return x.nbytes() == y.nbytes() && std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
+}
+
 inline std::string tensor_string(const at::Tensor& t) {
   if (t.scalar_type() != at::kByte || t.dim() != 1) return "<not a string>";
   const auto c = t.contiguous();
@@ -298,13 +435,17 @@ class Ema {
 
   // Call after each optimizer step (each micro-batch with an accumulation window). The schedule
   // decides whether this call skips, copies the model, or averages; the decay policy gives d.
+  //
+  // An Ema is not thread-safe, like a torch::nn::Module: use it from one thread at a time (or
+  // behind a mutex). Two update() calls that overlap are detected and the second is refused.
   UpdateResult update(StepInfo info = {}) {
     ensure_bound("update");
-    if (*swap_depth_ > 0)
-      detail::fail("update() while a SwapGuard holds the EMA weights in the model would average the EMA with "
-                   "itself; end the guard's scope (or call restore()) first");
+    detail::BusyScope busy(busy_, "update");
+    check_model_not_swapped("update");
+    check_step_in(info);
     const ScheduleInput in{calls_ + 1, info.step, step_, num_updates_, info.vetoed};
     const Decision decision = schedule_.decide(in);
+    check_decision(decision, info);
     UpdateResult result{decision.action, decision.step, std::nan(""), {}};
     if (decision.action != Action::skipped && options_.skip_non_finite()) {
       for (const auto& s : kernel_.slots()) {
@@ -384,27 +525,32 @@ class Ema {
   }
 
   // The averaged and copied tensors by name, in the model's order. They are the EMA's own tensors.
+  // A tied tensor is there under each of its names, as one tensor.
   StateDict averages() const {
     ensure_bound("averages");
+    const auto& slots = kernel_.slots();
     StateDict out;
-    for (const auto& s : kernel_.slots()) out.insert(s.name, s.average);
+    for (const auto& e : entries_) out.insert(e.name, slots[e.slot].average);
     return out;
   }
 
   // The EMA tensor named `name` (as in the model's state dict).
   const at::Tensor& average(const std::string& name) const {
     ensure_bound("average");
-    for (const auto& s : kernel_.slots())
-      if (s.name == name) return s.average;
+    const auto& slots = kernel_.slots();
+    for (const auto& e : entries_)
+      if (e.name == name) return slots[e.slot].average;
     detail::fail("the EMA has no tensor '{}' (ignored, or not in the model)", name);
   }
 
   // Names of the tensors the EMA holds in a role (Role::ignore: none, it holds no such tensor).
   std::vector<std::string> names(Role role) const {
     std::vector<std::string> out;
-    for (const auto& s : kernel_.slots()) {
+    const auto& slots = kernel_.slots();
+    for (const auto& e : entries_) {
+      const auto& s = slots[e.slot];
       const Role r = s.averaged ? Role::average : s.follows_averages ? Role::copy : Role::follow_copies;
-      if (r == role) out.push_back(s.name);
+      if (r == role) out.push_back(e.name);
     }
     return out;
   }
@@ -422,6 +568,7 @@ class Ema {
   void switch_model(double beta) {
     ensure_bound("switch_model");
     detail::check_unit_interval(beta, "switch_model beta");
+    check_model_not_swapped("switch_model");
     c10::NoGradGuard no_grad;
     for (const auto& s : kernel_.slots()) {
       if (beta == 0.0) {
@@ -435,19 +582,28 @@ class Ema {
   }
 
   // Puts the EMA weights into the bound model until the guard's scope ends.
+  // Guards of one Ema nest (the later ones hold nothing of their own) and may end in any order.
+  // Refused while another Ema's guard holds this model, and when the model changed since bind
+  // (a tensor of another shape, or a sub-module replaced: the model's tensors are not the ones
+  // bound), naming the tensor.
   [[nodiscard]] SwapGuard swap_into() {
     ensure_bound("swap_into");
+    if (swap_->guards > 0) return SwapGuard(swap_);
+    auto& slots = kernel_.slots();
+    kernel_.check_sources();
+    check_model_unchanged("swap_into");
+    if (detail::swap_registry().holder(sources_, swap_.get()) != nullptr)
+      detail::fail("swap_into(): the model holds another Ema's weights (a SwapGuard of another Ema bound to this "
+                   "model is open); end that guard's scope first");
     c10::NoGradGuard no_grad;
-    std::vector<at::Tensor> targets, backup;
-    targets.reserve(kernel_.slots().size());
-    backup.reserve(kernel_.slots().size());
-    for (const auto& s : kernel_.slots()) {
-      targets.push_back(s.source);
-      backup.push_back(s.source.detach().clone());
+    swap_->targets.clear();
+    swap_->backup.clear();
+    for (const auto& s : slots) {
+      swap_->targets.push_back(s.source);
+      swap_->backup.push_back(s.source.detach().clone());
     }
-    ++*swap_depth_;
-    SwapGuard guard(swap_depth_, std::move(targets), std::move(backup));
-    for (std::size_t i = 0; i < kernel_.slots().size(); ++i) kernel_.slots()[i].source.copy_(kernel_.slots()[i].average);
+    SwapGuard guard = detail::open_swap(swap_);
+    for (const auto& s : slots) s.source.copy_(s.average);
     return guard;
   }
 
@@ -472,7 +628,8 @@ class Ema {
     out.insert("counters.last_update_step", at::scalar_tensor(last_update_step_, at::kLong));
     out.insert("counters.last_decay", at::scalar_tensor(last_decay_, at::kDouble));
     out.insert("counters.non_finite_updates", at::scalar_tensor(non_finite_updates_, at::kLong));
-    for (const auto& s : kernel_.slots()) out.insert("average." + s.name, s.average);
+    const auto& slots = kernel_.slots();
+    for (const auto& e : entries_) out.insert("average." + e.name, slots[e.slot].average);
     return out;
   }
 
@@ -578,9 +735,12 @@ class Ema {
     check_config(state, "schedule", schedule_);
     LoadPlan plan{{}, {}, read_counters(state)};
     LoadReport& report = plan.report;
-    for (std::size_t i = 0; i < kernel_.slots().size(); ++i) {
-      const auto& s = kernel_.slots()[i];
-      const std::string key = "average." + s.name;
+    const auto& slots = kernel_.slots();
+    std::vector<std::pair<const at::Tensor*, std::string>> chosen(slots.size(), {nullptr, {}});
+    std::unordered_set<std::string> ours;
+    for (const auto& e : entries_) {
+      const auto& s = slots[e.slot];
+      std::string key = "average." + e.name;
       const at::Tensor* t = state.find(key);
       if (t == nullptr) {
         report.missing.push_back(key);
@@ -592,17 +752,20 @@ class Ema {
         report.mismatched.push_back(fmt::format("{}: dtype {} in the state, {} in this EMA", key,
                                                 c10::toString(t->scalar_type()),
                                                 c10::toString(s.average.scalar_type())));
-      } else {
-        plan.loads.emplace_back(i, t);
+      } else if (chosen[e.slot].first == nullptr) {
+        chosen[e.slot] = {t, key};
+        plan.loads.emplace_back(e.slot, t);
+      } else if (!detail::same_view(*t, *chosen[e.slot].first) && !detail::bitwise_equal(*t, *chosen[e.slot].first)) {
+        // A tied tensor is saved under each name; two different values cannot both be loaded.
+        report.mismatched.push_back(fmt::format("{}: differs from '{}', which is the same (tied) tensor in this EMA",
+                                                key, chosen[e.slot].second));
       }
+      ours.insert(std::move(key));
     }
     for (const auto& item : state) {
       const auto& key = item.key();
       if (key.rfind("average.", 0) == 0) {
-        const std::string name = key.substr(8);
-        bool ours = false;
-        for (const auto& s : kernel_.slots()) ours = ours || s.name == name;
-        if (!ours) report.unexpected.push_back(key);
+        if (ours.count(key) == 0) report.unexpected.push_back(key);
       } else if (!known_key(key)) {
         report.unexpected.push_back(key);
       }
@@ -617,37 +780,77 @@ class Ema {
         schedule_(std::move(schedule)),
         storage_(std::move(storage)),
         options_(std::move(options)),
-        swap_depth_(std::make_shared<int>(0)) {
+        swap_(std::make_shared<detail::SwapState>()) {
     bind(model, std::move(tensors));
   }
 
+  // Binds the EMA. What it holds is decided by identity, not by name: a tensor registered under
+  // several names (a tied weight, a sub-module registered twice) is one average, updated once,
+  // reachable and saved under each of its names. The storage makes the EMA's own tensors, which
+  // must not share memory with the model; the model is not changed.
   void bind(const torch::nn::Module* model, std::vector<SourceTensor> tensors) {
+    if (model != nullptr) model_ = model->weak_from_this();
+    const std::size_t n = tensors.size();
     std::vector<std::string> all_names;
-    all_names.reserve(tensors.size());
+    all_names.reserve(n);
+    std::unordered_map<std::string, std::size_t> index_of;
     for (const auto& t : tensors) {
       if (!t.tensor.defined()) detail::fail("tensor '{}' is undefined; bind an Ema to defined tensors", t.name);
+      if (!index_of.emplace(t.name, all_names.size()).second) detail::fail("tensor name '{}' appears twice", t.name);
       all_names.push_back(t.name);
     }
-    for (std::size_t i = 0; i < all_names.size(); ++i)
-      for (std::size_t j = i + 1; j < all_names.size(); ++j)
-        if (all_names[i] == all_names[j]) detail::fail("tensor name '{}' appears twice", all_names[i]);
     options_.check_names(all_names);
+    if (const auto dev = options_.device(); dev && dev->is_cuda() && !at::globalContext().hasCUDA())
+      detail::fail("EmaOptions::device is {}, but this LibTorch has no CUDA support or sees no CUDA device; use "
+                   "a CPU device or leave device() unset (the model's device)",
+                   dev->str());
 
-    std::vector<TensorSpec> specs;
-    std::vector<Role> roles;
-    for (auto& t : tensors) {
-      const auto dtype = t.tensor.scalar_type();
+    std::vector<Role> roles(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto dtype = tensors[i].tensor.scalar_type();
       const bool floating = c10::isFloatingType(dtype) || c10::isComplexType(dtype);
-      const Role role = options_.role(t.name, t.is_buffer, floating);
-      if (role == Role::ignore) continue;
-      const auto device = options_.device().value_or(t.tensor.device());
-      specs.push_back({t.name, t.tensor, role == Role::average ? options_.average_dtype(dtype) : dtype, device});
-      roles.push_back(role);
+      roles[i] = options_.role(tensors[i].name, tensors[i].is_buffer, floating);
     }
+    const std::vector<std::size_t> first = identity_groups(tensors, roles);
+    std::vector<std::vector<std::size_t>> members(n);  // by first index: every name of that tensor
+    for (std::size_t i = 0; i < n; ++i) members[first[i]].push_back(i);
+    std::vector<Role> group(n, Role::ignore);
+    for (std::size_t g = 0; g < n; ++g)
+      if (first[g] == g) group[g] = group_role(tensors, roles, members[g]);
+
+    // One spec per held tensor, at the position of its first name; every held name is an entry.
+    std::vector<TensorSpec> specs;
+    std::vector<Role> spec_roles;
+    std::vector<std::size_t> spec_of(n, static_cast<std::size_t>(-1));
+    std::vector<std::pair<std::string, std::size_t>> entries;  // name -> spec
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::size_t g = first[i];
+      const Role role = group[g];
+      if (role == Role::ignore || roles[i] != role) continue;  // ignored, or an ignored name of a held tensor
+      if (spec_of[g] == static_cast<std::size_t>(-1)) {
+        const at::Tensor& t = tensors[i].tensor;
+        check_dense(tensors[i].name, t);
+        const auto device = options_.device().value_or(t.device());
+        const auto dtype = role == Role::average ? options_.average_dtype(t.scalar_type()) : t.scalar_type();
+        spec_of[g] = specs.size();
+        specs.push_back({tensors[i].name, t, dtype, device, {}});
+        spec_roles.push_back(role);
+      } else {
+        specs[spec_of[g]].aliases.push_back(tensors[i].name);
+      }
+      entries.emplace_back(tensors[i].name, spec_of[g]);
+    }
+    if (n > 0 && specs.empty())
+      detail::fail("every tensor of the model is ignored (EmaOptions ignore / ignore_prefixes / buffers); the EMA "
+                   "would hold nothing");
+
     std::vector<at::Tensor> own = storage_.create(model, std::span<const TensorSpec>(specs));
     if (own.size() != specs.size())
       detail::fail("storage {} made {} tensors for {} specs", detail::policy_name<Storage>(), own.size(), specs.size());
+    check_owned(tensors, specs, own);
+
     std::vector<detail::Slot> slots;
+    std::vector<std::size_t> slot_of(specs.size(), static_cast<std::size_t>(-1));
     slots.reserve(specs.size());
     for (std::size_t i = 0; i < specs.size(); ++i) {
       if (!own[i].defined()) continue;  // held elsewhere (ShardedStorage: by another rank)
@@ -655,12 +858,140 @@ class Ema {
       slot.name = specs[i].name;
       slot.average = own[i];
       slot.source = specs[i].source;
-      slot.averaged = roles[i] == Role::average;
-      slot.follows_averages = roles[i] != Role::follow_copies;
+      slot.averaged = spec_roles[i] == Role::average;
+      slot.follows_averages = spec_roles[i] != Role::follow_copies;
+      slot_of[i] = slots.size();
       slots.push_back(std::move(slot));
     }
+    entries_.clear();
+    for (auto& [name, spec] : entries)
+      if (slot_of[spec] != static_cast<std::size_t>(-1)) entries_.push_back({std::move(name), slot_of[spec]});
+    sources_.clear();
+    for (const auto& slot : slots) sources_.push_back(slot.source);
     kernel_ = detail::UpdateKernel(std::move(slots), detail::UpdateKernel::CpuPath::fused, options_.side_stream());
     bound_ = true;
+  }
+
+  // For each tensor, the index of the first tensor that is the same tensor (itself if none).
+  // Different views of one storage that overlap cannot be averaged independently: an error,
+  // unless one of them is ignored.
+  static std::vector<std::size_t> identity_groups(const std::vector<SourceTensor>& tensors,
+                                                  const std::vector<Role>& roles) {
+    std::vector<std::size_t> first(tensors.size());
+    std::unordered_map<const void*, std::vector<std::size_t>> by_memory;  // storage (or impl) -> firsts
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      first[i] = i;
+      const at::Tensor& t = tensors[i].tensor;
+      const void* key = t.has_storage() ? static_cast<const void*>(t.storage().unsafeGetStorageImpl())
+                                        : static_cast<const void*>(t.unsafeGetTensorImpl());
+      auto& seen = by_memory[key];
+      for (const std::size_t j : seen) {
+        if (detail::same_view(tensors[j].tensor, t)) {
+          first[i] = j;
+          break;
+        }
+        if (roles[i] != Role::ignore && roles[j] != Role::ignore && detail::overlap(tensors[j].tensor, t))
+          detail::fail("tensors '{}' and '{}' of the model are different views of overlapping memory; an EMA cannot "
+                       "average them independently. Leave one out (EmaOptions::ignore)",
+                       tensors[j].name, tensors[i].name);
+      }
+      if (first[i] == i) seen.push_back(i);
+    }
+    return first;
+  }
+
+  // The role of one tensor of the model, from the roles of its names: the role they agree on
+  // (names that ignore it do not count while another name holds it).
+  static Role group_role(const std::vector<SourceTensor>& tensors, const std::vector<Role>& roles,
+                         const std::vector<std::size_t>& names) {
+    std::optional<std::size_t> held;
+    bool follows = false;
+    for (const std::size_t i : names) {
+      if (roles[i] == Role::follow_copies) follows = true;
+      if (roles[i] != Role::average && roles[i] != Role::copy) continue;
+      if (!held) {
+        held = i;
+      } else if (roles[*held] != roles[i]) {
+        detail::fail("'{}' and '{}' are one tensor of the model (tied), but the options average one name and copy "
+                     "the other (EmaOptions::copy_only or buffers); give both names the same role",
+                     tensors[*held].name, tensors[i].name);
+      }
+    }
+    if (held) return roles[*held];
+    return follows ? Role::follow_copies : Role::ignore;
+  }
+
+  static void check_dense(const std::string& name, const at::Tensor& t) {
+    if (t.layout() != c10::kStrided)
+      detail::fail("tensor '{}' is {}; an EMA averages dense (strided) tensors only. Leave it out with "
+                   "EmaOptions::ignore({{\"{}\"}})",
+                   name, t.is_sparse() ? "sparse (COO)" : t.is_mkldnn() ? "an MKL-DNN tensor" : "not strided (sparse?)",
+                   name);
+    if (c10::isQIntType(t.scalar_type()))
+      detail::fail("tensor '{}' is quantized ({}); an EMA averages float, complex and integer tensors only. Leave "
+                   "it out with EmaOptions::ignore({{\"{}\"}})",
+                   name, c10::toString(t.scalar_type()), name);
+  }
+
+  // The EMA owns its memory: no tensor a storage made may share memory with the model.
+  static void check_owned(const std::vector<SourceTensor>& tensors, const std::vector<TensorSpec>& specs,
+                          const std::vector<at::Tensor>& own) {
+    std::unordered_map<const void*, const std::string*> model_memory;
+    for (const auto& t : tensors)
+      if (t.tensor.has_storage()) model_memory.emplace(t.tensor.storage().unsafeGetStorageImpl(), &t.name);
+    for (std::size_t i = 0; i < own.size(); ++i) {
+      if (!own[i].defined() || !own[i].has_storage()) continue;
+      auto it = model_memory.find(own[i].storage().unsafeGetStorageImpl());
+      if (it != model_memory.end())
+        detail::fail("storage {} made, for '{}', a tensor that shares memory with the model's '{}'; an EMA must own "
+                     "its averages",
+                     detail::policy_name<Storage>(), specs[i].name, *it->second);
+    }
+  }
+
+  // update() refuses while the model holds EMA weights: this Ema's own SwapGuard (it would average
+  // the EMA with itself) or another Ema's (it would average that EMA's weights).
+  void check_model_not_swapped(const char* what) const {
+    if (swap_->guards > 0)
+      detail::fail("{}() while a SwapGuard holds the EMA weights in the model would average the EMA with itself; "
+                   "end the guard's scope (or call restore()) first",
+                   what);
+    if (detail::swap_registry().holder(sources_, swap_.get()) != nullptr)
+      detail::fail("{}() while the model holds another Ema's weights (a SwapGuard of another Ema bound to this "
+                   "model is open) would average that EMA's weights; end that guard's scope first",
+                   what);
+  }
+
+  // Steps given by the caller must be >= 0 and must not go backwards; counters must not overflow.
+  // Checked before anything changes, so that every state update() reaches can be saved and loaded.
+  void check_step_in(const StepInfo& info) const {
+    constexpr auto max = std::numeric_limits<std::int64_t>::max();
+    if (calls_ == max) detail::fail("update(): the call counter is at its maximum ({}); it cannot count another call", max);
+    if (info.step) {
+      if (*info.step < 0) detail::fail("update({{.step = {}}}): a step must be >= 0", *info.step);
+      if (*info.step < step_)
+        detail::fail("update({{.step = {}}}): the step went backwards (the last step was {}); steps given to "
+                     "update() must not decrease",
+                     *info.step, step_);
+    } else if (step_ == max) {
+      detail::fail("update(): the step counter is at its maximum ({}); it cannot count another step", max);
+    }
+  }
+
+  // The schedule's decision, checked like a given step (a schedule of your own may count steps
+  // its own way): no step backwards, and no update applied twice at one step.
+  void check_decision(const Decision& d, const StepInfo& info) const {
+    auto source = [&] {
+      return info.step ? fmt::format("update({{.step = {}}})", *info.step)
+                       : fmt::format("update() (schedule {})", detail::policy_name<Schedule>());
+    };
+    if (d.step < 0) detail::fail("{}: the step {} is negative", source(), d.step);
+    if (d.step < step_)
+      detail::fail("{}: the step went backwards, to {} (the last step was {})", source(), d.step, step_);
+    if (d.action != Action::skipped && num_updates_ > 0 && d.step <= last_update_step_)
+      detail::fail("{}: step {} was already applied (the last update was at step {}); an update at a step must "
+                   "come once",
+                   source(), d.step, last_update_step_);
   }
 
   void ensure_bound(const char* what) const {
@@ -681,17 +1012,23 @@ class Ema {
 
   // The model's tensors are handles: writing into them through a const Module is what
   // Module::load does too.
+  // Into the model: every name the EMA holds is written (a model that does not tie what the bound
+  // model ties gets the tensor under each name). From the model: the first name of each tensor.
   void transfer(const torch::nn::Module& model, bool into_model) const {
     ensure_bound(into_model ? "copy_to" : "copy_from");
     auto theirs = detail::tensors_by_name(model);
+    const auto& slots = kernel_.slots();
     std::vector<std::pair<const detail::Slot*, at::Tensor>> pairs;
-    for (const auto& s : kernel_.slots()) {
-      auto it = theirs.find(s.name);
-      if (it == theirs.end()) detail::fail("the model has no tensor '{}' that the EMA holds", s.name);
+    std::vector<bool> seen(slots.size(), false);
+    for (const auto& e : entries_) {
+      const auto& s = slots[e.slot];
+      auto it = theirs.find(e.name);
+      if (it == theirs.end()) detail::fail("the model has no tensor '{}' that the EMA holds", e.name);
       if (!it->second.sizes().equals(s.average.sizes()))
-        detail::fail("tensor '{}' has shape {} in the model but {} in the EMA", s.name,
+        detail::fail("tensor '{}' has shape {} in the model but {} in the EMA", e.name,
                      detail::shape_string(it->second.sizes()), detail::shape_string(s.average.sizes()));
-      pairs.emplace_back(&s, it->second);
+      if (into_model || !seen[e.slot]) pairs.emplace_back(&s, it->second);
+      seen[e.slot] = true;
     }
     c10::NoGradGuard no_grad;
     for (auto& [s, t] : pairs) {
@@ -699,6 +1036,28 @@ class Ema {
         t.copy_(s->average);
       else
         s->average.copy_(t);
+    }
+  }
+
+  // The bound module still holds the tensors the EMA was bound to (a sub-module replaced with
+  // replace_module(), or a parameter registered anew, leaves the EMA bound to tensors the model
+  // no longer uses). Checked where it would go unnoticed: swap_into().
+  void check_model_unchanged(const char* what) const {
+    const auto model = model_.lock();
+    if (!model) return;  // bound to tensors, or a module not owned by a shared_ptr
+    const auto theirs = detail::tensors_by_name(*model);
+    const auto& slots = kernel_.slots();
+    for (const auto& e : entries_) {
+      auto it = theirs.find(e.name);
+      if (it == theirs.end())
+        detail::fail("{}(): the model no longer has tensor '{}' that the EMA was bound to (was a sub-module "
+                     "replaced?); make a new Ema for the changed model",
+                     what, e.name);
+      if (it->second.unsafeGetTensorImpl() != slots[e.slot].source.unsafeGetTensorImpl())
+        detail::fail("{}(): the model's tensor '{}' is not the one the EMA was bound to (a sub-module replaced with "
+                     "replace_module(), or the parameter registered anew, after the Ema was made); the EMA weights "
+                     "would not reach the model. Make a new Ema for the changed model",
+                     what, e.name);
     }
   }
 
@@ -795,7 +1154,15 @@ class Ema {
   Storage storage_;
   EmaOptions options_;
   detail::UpdateKernel kernel_;
-  std::shared_ptr<int> swap_depth_;
+  struct Entry {
+    std::string name;
+    std::size_t slot;
+  };
+  std::vector<Entry> entries_;         // every name the EMA holds, in the model's order (tied: several per slot)
+  std::vector<at::Tensor> sources_;    // the model's tensors, one per slot (handles)
+  std::weak_ptr<const torch::nn::Module> model_;  // the bound module, when it is owned by a shared_ptr
+  std::shared_ptr<detail::SwapState> swap_;
+  detail::BusyFlag busy_;
   std::int64_t calls_ = 0;
   std::int64_t step_ = 0;
   std::int64_t num_updates_ = 0;

@@ -158,8 +158,14 @@ class EmaOptions {
     auto known = [&](const std::string& n) { return std::find(names.begin(), names.end(), n) != names.end(); };
     for (const auto& n : ignore_)
       if (!known(n)) detail::fail("EmaOptions::ignore names '{}', which the model does not have", n);
-    for (const auto& n : copy_only_)
+    for (const auto& n : copy_only_) {
       if (!known(n)) detail::fail("EmaOptions::copy_only names '{}', which the model does not have", n);
+      if (contains(ignore_, n)) detail::fail("EmaOptions: '{}' is in both ignore and copy_only; choose one", n);
+      for (const auto& p : ignore_prefixes_)
+        if (n.rfind(p, 0) == 0)
+          detail::fail("EmaOptions: '{}' is in copy_only, but ignore_prefixes has '{}', which ignores it; choose one",
+                       n, p);
+    }
     for (const auto& p : ignore_prefixes_) {
       const bool any = std::any_of(names.begin(), names.end(), [&](const std::string& n) { return n.rfind(p, 0) == 0; });
       if (!any) detail::fail("EmaOptions::ignore_prefixes has '{}', which starts no tensor name of the model", p);

@@ -587,32 +587,9 @@ StateDict gather_state_dict(const Ema<D, S, ShardedStorage>& ema, int to = all_r
 }
 
 // Holds the whole EMA average in a model until its scope ends, then restores the model's own
-// weights (also on an exception). Made by swap_gathered_into().
-class GatheredSwap {
- public:
-  GatheredSwap(const GatheredSwap&) = delete;
-  GatheredSwap& operator=(const GatheredSwap&) = delete;
-  GatheredSwap(GatheredSwap&&) noexcept = default;
-  GatheredSwap& operator=(GatheredSwap&&) = delete;
-  ~GatheredSwap() { restore(); }
-  void restore() noexcept {
-    c10::NoGradGuard no_grad;
-    for (std::size_t i = 0; i < targets_.size(); ++i) {
-      try {
-        targets_[i].copy_(backup_[i]);
-      } catch (...) {  // a destructor must not throw
-      }
-    }
-    targets_.clear();
-    backup_.clear();
-  }
-
- private:
-  template <DecayPolicy D, SchedulePolicy S>
-  friend GatheredSwap swap_gathered_into(const Ema<D, S, ShardedStorage>&, torch::nn::Module&);
-  GatheredSwap() = default;
-  std::vector<at::Tensor> targets_, backup_;
-};
+// weights (also on an exception): a SwapGuard, so that the Ema refuses update() while it is open.
+// Made by swap_gathered_into().
+using GatheredSwap = SwapGuard;
 
 // Gathers the whole average to every rank and puts it into `model` (matched by name) until the
 // guard's scope ends. Collective. For a model of replicated parameters (for already-sharded ones,
@@ -628,14 +605,18 @@ template <DecayPolicy D, SchedulePolicy S>
       detail::fail("swap_gathered_into: tensor '{}' has shape {} in the model but {} in the EMA", item.key(),
                    detail::shape_string(it->second.sizes()), detail::shape_string(item.value().sizes()));
   }
-  GatheredSwap guard;
+  auto state = std::make_shared<detail::SwapState>();
   c10::NoGradGuard no_grad;
   for (const auto& item : full) {
     at::Tensor& t = theirs.at(item.key());
-    guard.backup_.push_back(t.detach().clone());
-    guard.targets_.push_back(t);
-    t.copy_(item.value());
+    state->backup.push_back(t.detach().clone());
+    state->targets.push_back(t);
   }
+  if (detail::swap_registry().holder(state->targets, nullptr) != nullptr)
+    detail::fail("swap_gathered_into: the model already holds an EMA's weights (a SwapGuard is open); end that "
+                 "guard's scope first");
+  GatheredSwap guard = detail::open_swap(state);
+  for (std::size_t i = 0; i < full.size(); ++i) state->targets[i].copy_(full[i].value());
   return guard;
 }
 

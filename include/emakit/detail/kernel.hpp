@@ -363,11 +363,15 @@ inline constexpr std::size_t huge_page_min_bytes = std::size_t{2} << 20;
 // Marks the 2 MiB-aligned interior of t's memory MADV_HUGEPAGE (what THP's default 'madvise'
 // mode waits for) and collapses the pages already written with MADV_COLLAPSE (Linux >= 6.1; not
 // named by glibc < 2.37). Failures are ignored: the pass is correct on pages of any size.
+// Only dense CPU tensors with storage qualify: nbytes() throws for sparse ones, and this must not
+// throw (the Ema refuses non-strided tensors at bind; this stays safe for any tensor anyway).
 inline void advise_huge_pages(const at::Tensor& t) noexcept {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr std::uintptr_t huge = std::uintptr_t{1} << 21;
   constexpr int madv_collapse = 25;
-  if (!t.is_cpu() || t.nbytes() < huge_page_min_bytes || !t.has_storage()) return;
+  if (!t.defined() || t.layout() != c10::kStrided || !t.is_cpu() || !t.has_storage() ||
+      t.nbytes() < huge_page_min_bytes)
+    return;
   const auto begin = reinterpret_cast<std::uintptr_t>(t.data_ptr());  // the EMA's own tensor: never copy-on-write
   const std::uintptr_t lo = (begin + huge - 1) & ~(huge - 1);
   const std::uintptr_t hi = (begin + t.nbytes()) & ~(huge - 1);
