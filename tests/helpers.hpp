@@ -128,6 +128,21 @@ inline bool same_averages(const torch::OrderedDict<std::string, torch::Tensor>& 
   return true;
 }
 
+// A copy of every parameter and buffer of `m` by name, and whether two such copies hold the same
+// names and bitwise the same tensors.
+inline std::map<std::string, torch::Tensor> model_snapshot(const torch::nn::Module& m) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& p : m.named_parameters()) out.emplace(p.key(), p.value().detach().clone());
+  for (const auto& b : m.named_buffers()) out.emplace(b.key(), b.value().detach().clone());
+  return out;
+}
+inline bool same_snapshot(const std::map<std::string, torch::Tensor>& a, const std::map<std::string, torch::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (const auto& [k, t] : a)
+    if (!b.count(k) || !bitwise_equal(t, b.at(k))) return false;
+  return true;
+}
+
 // Captures c10 warnings (TORCH_WARN) while alive. The handler API changed in LibTorch 2.
 struct WarningCapture : c10::WarningHandler {
   std::vector<std::string> messages;

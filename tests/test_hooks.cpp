@@ -34,18 +34,8 @@ namespace {
 
 using Weights = std::map<std::string, torch::Tensor>;
 
-Weights weights_of(const torch::nn::Module& m) {
-  Weights out;
-  for (const auto& p : m.named_parameters()) out.emplace(p.key(), p.value().detach().clone());
-  for (const auto& b : m.named_buffers()) out.emplace(b.key(), b.value().detach().clone());
-  return out;
-}
-bool same(const Weights& a, const Weights& b) {
-  if (a.size() != b.size()) return false;
-  for (const auto& [k, t] : a)
-    if (!b.count(k) || !bitwise_equal(t, b.at(k))) return false;
-  return true;
-}
+Weights weights_of(const torch::nn::Module& m) { return emakit_test::model_snapshot(m); }
+bool same(const Weights& a, const Weights& b) { return emakit_test::same_snapshot(a, b); }
 Weights averages_of(const emakit::StateDict& averages) {
   Weights out;
   for (const auto& item : averages) out.emplace(item.key(), item.value().detach().clone());

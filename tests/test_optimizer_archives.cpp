@@ -75,23 +75,13 @@ struct Lbfgs {
 
 using Weights = std::map<std::string, torch::Tensor>;
 
-Weights weights_of(const torch::nn::Module& m) {
-  Weights out;
-  for (const auto& p : m.named_parameters()) out.emplace(p.key(), p.value().detach().clone());
-  for (const auto& b : m.named_buffers()) out.emplace(b.key(), b.value().detach().clone());
-  return out;
-}
+Weights weights_of(const torch::nn::Module& m) { return emakit_test::model_snapshot(m); }
 Weights weights_of(const emakit::StateDict& tensors) {
   Weights out;
   for (const auto& item : tensors) out.emplace(item.key(), item.value().detach().clone());
   return out;
 }
-bool same(const Weights& a, const Weights& b) {
-  if (a.size() != b.size()) return false;
-  for (const auto& [k, t] : a)
-    if (!b.count(k) || !bitwise_equal(t, b.at(k))) return false;
-  return true;
-}
+bool same(const Weights& a, const Weights& b) { return emakit_test::same_snapshot(a, b); }
 
 // One optimizer step of a model with 3 inputs and `outputs` outputs, on data that depends on
 // `step` only (LBFGS evaluates the closure several times).

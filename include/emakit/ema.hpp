@@ -933,19 +933,31 @@ class Ema {
                    name, c10::toString(t.scalar_type()), name);
   }
 
-  // The EMA owns its memory: no tensor a storage made may share memory with the model.
+  // The EMA owns its memory: no tensor a storage made may share memory with the model, and two
+  // tensors the model keeps apart must not overlap in the EMA (a factory's module that ties what
+  // the model does not tie would average one tensor twice).
   static void check_owned(const std::vector<SourceTensor>& tensors, const std::vector<TensorSpec>& specs,
                           const std::vector<at::Tensor>& own) {
     std::unordered_map<const void*, const std::string*> model_memory;
     for (const auto& t : tensors)
       if (t.tensor.has_storage()) model_memory.emplace(t.tensor.storage().unsafeGetStorageImpl(), &t.name);
+    std::unordered_map<const void*, std::vector<std::size_t>> own_memory;
     for (std::size_t i = 0; i < own.size(); ++i) {
       if (!own[i].defined() || !own[i].has_storage()) continue;
-      auto it = model_memory.find(own[i].storage().unsafeGetStorageImpl());
+      const void* key = own[i].storage().unsafeGetStorageImpl();
+      auto it = model_memory.find(key);
       if (it != model_memory.end())
         detail::fail("storage {} made, for '{}', a tensor that shares memory with the model's '{}'; an EMA must own "
                      "its averages",
                      detail::policy_name<Storage>(), specs[i].name, *it->second);
+      auto& same_storage = own_memory[key];
+      for (const std::size_t j : same_storage)
+        if (detail::overlap(own[j], own[i]))
+          detail::fail("storage {} made one tensor for '{}' and '{}', which the model keeps apart (does the module "
+                       "its factory builds tie them?); the EMA would average it twice. Make the EMA module tie "
+                       "exactly what the model ties",
+                       detail::policy_name<Storage>(), specs[j].name, specs[i].name);
+      same_storage.push_back(i);
     }
   }
 

@@ -93,8 +93,9 @@ class StepSchedule {
     const bool at_edge = n == 1 || (window_edge_ == WindowEdge::end ? in.call % n == 0
                                                                    : (in.call - 1) % n == 0);
     // An optimizer step completes at the window's edge, unless it was vetoed (skipped).
-    const std::int64_t counted = in.previous_step + (at_edge && !in.vetoed ? 1 : 0);
-    const std::int64_t step = in.given_step.value_or(counted);
+    // (Counted only without a given step: a given step may follow a previous step of INT64_MAX.)
+    const std::int64_t step =
+        in.given_step ? *in.given_step : in.previous_step + (at_edge && !in.vetoed ? 1 : 0);
     if (in.vetoed || !at_edge) return {Action::skipped, step};
 
     const std::int64_t phase = (step - every_offset_) % update_every_;
