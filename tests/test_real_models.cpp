@@ -511,3 +511,46 @@ TEST_CASE("Two custom decay policies without a name do not load each other's sta
   a2.load_state_dict(a.state_dict());
   CHECK(a2.num_updates() == 1);
 }
+
+TEST_CASE("A tied model through the hook's checkpoint and post-hoc synthesis: the tie holds, one average",
+          "[real-models]") {
+  torch::manual_seed(7);
+  emakit_test::TempDir dir;
+  Tied model;
+  emakit::EmaHook hook;
+  hook.add(*model, emakit::Recipe(emakit::Fixed(0.5)));
+  hook.setup();
+  emakit::PostHocEma posthoc(*model, emakit::PostHocOptions(dir.path / "phema").snapshot_every(2));
+  emakit::FixedEma plain(*model, emakit::Fixed(0.5));
+  for (int step = 1; step <= 4; ++step) {
+    emakit_test::perturb(*model);
+    hook.after_optimizer_step();
+    posthoc.update();
+    plain.update();
+  }
+  auto& ema = hook.ema<emakit::FixedEma>("model");
+  CHECK(emakit_test::same_averages(ema.averages(), emakit_test::snapshot(plain.averages())));
+  hook.save_checkpoint(dir.path / "last.pt");
+
+  Tied resumed_model;
+  emakit::EmaHook resumed;
+  resumed.add(*resumed_model, emakit::Recipe(emakit::Fixed(0.5)));
+  resumed.setup();
+  resumed.load_checkpoint(dir.path / "last.pt");
+  CHECK(resumed_model->embed.is_same(resumed_model->head));  // loading keeps the model's tie
+  CHECK(torch::equal(resumed_model->embed, model->embed));
+  auto& back = resumed.ema<emakit::FixedEma>("model");
+  CHECK(emakit_test::same_averages(back.averages(), emakit_test::snapshot(ema.averages())));
+  CHECK(back.average("head").is_same(back.average("embed")));
+
+  Tied deployed;
+  emakit::load_weights(*deployed, dir.path / "last.pt");  // the EMA weights, tie kept
+  CHECK(deployed->embed.is_same(deployed->head));
+  CHECK(torch::equal(deployed->embed, ema.average("embed")));
+
+  Tied synthesized;
+  emakit::synthesize_into(
+      emakit::plan_synthesis(dir.path / "phema", emakit::SynthesisOptions::from_sigma_rel(0.07)), *synthesized);
+  CHECK(synthesized->embed.is_same(synthesized->head));
+  CHECK(torch::isfinite(synthesized->embed).all().item<bool>());
+}
