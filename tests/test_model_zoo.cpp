@@ -1242,6 +1242,8 @@ TEST_CASE("Model zoo: generated module trees match a plain reference under every
     failing.push_back(seed);
     if (failing.size() <= kShown) FAIL_CHECK(error);  // INFO above gives the seed and the case
   }
+  WARN(count << " zoo cases (seeds " << first << " to " << first + count - 1 << "), " << refusals
+              << " of them built to be refused, " << failing.size() << " failed");
   if (!failing.empty())
     FAIL_CHECK(failing.size() << " of " << count << " zoo cases failed (rerun one with EMAKIT_ZOO_SEED=<seed>); seeds: "
                               << fmt::format("{}", fmt::join(failing, " ")));
