@@ -738,12 +738,13 @@ class Ema {
     const auto& slots = kernel_.slots();
     std::vector<std::pair<const at::Tensor*, std::string>> chosen(slots.size(), {nullptr, {}});
     std::unordered_set<std::string> ours;
+    std::vector<std::pair<std::string, std::size_t>> absent;  // (key, slot)
     for (const auto& e : entries_) {
       const auto& s = slots[e.slot];
       std::string key = "average." + e.name;
       const at::Tensor* t = state.find(key);
       if (t == nullptr) {
-        report.missing.push_back(key);
+        absent.emplace_back(key, e.slot);
       } else if (!t->sizes().equals(s.average.sizes())) {
         report.mismatched.push_back(fmt::format("{}: shape {} in the state, {} in this EMA", key,
                                                 detail::shape_string(t->sizes()),
@@ -762,6 +763,10 @@ class Ema {
       }
       ours.insert(std::move(key));
     }
+    // A tied tensor loads from any one of its names (a state that lists it once, as a sharded
+    // checkpoint or a deduplicating writer does); it is missing only when no name has it.
+    for (auto& [key, slot] : absent)
+      if (chosen[slot].first == nullptr) report.missing.push_back(std::move(key));
     for (const auto& item : state) {
       const auto& key = item.key();
       if (key.rfind("average.", 0) == 0) {

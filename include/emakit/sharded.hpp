@@ -176,6 +176,7 @@ struct ShardPiece {
 // One tensor of the EMA, as the whole group holds it.
 struct ShardEntry {
   std::string name;
+  std::vector<std::string> aliases;  // the tensor's other names in the model (tied), gathered under each
   std::vector<std::int64_t> full_shape;
   c10::ScalarType dtype = c10::ScalarType::Float;
   c10::Device device{c10::kCPU};
@@ -244,7 +245,9 @@ class ShardedStorage {
     entries_.reserve(specs.size());
     for (const auto& item : local_shards_) {
       bool found = false;
-      for (const auto& s : specs) found = found || s.name == item.first;
+      for (const auto& s : specs)
+        found = found || s.name == item.first ||
+                std::find(s.aliases.begin(), s.aliases.end(), item.first) != s.aliases.end();
       if (!found)
         detail::fail("ShardedStorage::local_shard names '{}', which the EMA does not hold (not in the model, or "
                      "ignored)",
@@ -256,9 +259,12 @@ class ShardedStorage {
       const auto& s = specs[i];
       detail::ShardEntry e;
       e.name = s.name;
+      e.aliases = s.aliases;
       e.dtype = s.dtype;
       e.device = s.device;
-      if (auto it = local_shards_.find(s.name); it != local_shards_.end()) {
+      auto it = local_shards_.find(s.name);  // a tied tensor's slice may be given under any of its names
+      for (std::size_t k = 0; it == local_shards_.end() && k < s.aliases.size(); ++k) it = local_shards_.find(s.aliases[k]);
+      if (it != local_shards_.end()) {
         e.sliced = true;
         e.full_shape = it->second.full_shape;
         const std::int64_t n = e.numel(), here = s.source.numel();
@@ -569,7 +575,11 @@ StateDict gather_averages(const Ema<D, S, ShardedStorage>& ema, int to = all_ran
   const auto& st = ema.storage();
   auto full = st.gather_tensors(to, what);
   StateDict out;
-  for (std::size_t i = 0; i < full.size(); ++i) out.insert(st.layout()[i].name, std::move(full[i]));
+  for (std::size_t i = 0; i < full.size(); ++i) {
+    // A tied tensor is gathered once and listed under each of its names, as Ema::averages() does.
+    out.insert(st.layout()[i].name, full[i]);
+    for (const auto& alias : st.layout()[i].aliases) out.insert(alias, full[i]);
+  }
   return out;
 }
 

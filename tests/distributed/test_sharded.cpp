@@ -192,13 +192,15 @@ using namespace std::chrono_literals;
     }                                                                                  \
   } while (0)
 
-// Linear layers of several sizes and a BatchNorm (float running stats, int64 num_batches_tracked).
+// Linear layers of several sizes, a BatchNorm (float running stats, int64 num_batches_tracked)
+// and a layer registered twice ("b" and "b_again": tied tensors, one average under two names).
 struct NetImpl : torch::nn::Module {
   NetImpl() {
     a = register_module("a", torch::nn::Linear(5, 16));
     bn = register_module("bn", torch::nn::BatchNorm1d(16));
     b = register_module("b", torch::nn::Linear(16, 16));
     c = register_module("c", torch::nn::Linear(16, 3));
+    register_module("b_again", b);
   }
   torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
   torch::nn::BatchNorm1d bn{nullptr};
