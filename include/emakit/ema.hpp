@@ -798,10 +798,10 @@ class Ema {
     const std::size_t n = tensors.size();
     std::vector<std::string> all_names;
     all_names.reserve(n);
-    std::unordered_map<std::string, std::size_t> index_of;
+    std::unordered_set<std::string> seen;
     for (const auto& t : tensors) {
       if (!t.tensor.defined()) detail::fail("tensor '{}' is undefined; bind an Ema to defined tensors", t.name);
-      if (!index_of.emplace(t.name, all_names.size()).second) detail::fail("tensor name '{}' appears twice", t.name);
+      if (!seen.insert(t.name).second) detail::fail("tensor name '{}' appears twice", t.name);
       all_names.push_back(t.name);
     }
     options_.check_names(all_names);
@@ -979,17 +979,14 @@ class Ema {
                    what);
   }
 
-  // Steps given by the caller must be >= 0 and must not go backwards; counters must not overflow.
-  // Checked before anything changes, so that every state update() reaches can be saved and loaded.
+  // What the schedule may compute from: no counter about to overflow, no negative given step.
+  // Checked before anything changes, so that every state update() reaches can be saved and loaded;
+  // check_decision() checks what the schedule decided (a backward step, a step applied twice).
   void check_step_in(const StepInfo& info) const {
     constexpr auto max = std::numeric_limits<std::int64_t>::max();
     if (calls_ == max) detail::fail("update(): the call counter is at its maximum ({}); it cannot count another call", max);
     if (info.step) {
       if (*info.step < 0) detail::fail("update({{.step = {}}}): a step must be >= 0", *info.step);
-      if (*info.step < step_)
-        detail::fail("update({{.step = {}}}): the step went backwards (the last step was {}); steps given to "
-                     "update() must not decrease",
-                     *info.step, step_);
     } else if (step_ == max) {
       detail::fail("update(): the step counter is at its maximum ({}); it cannot count another step", max);
     }
@@ -1002,7 +999,7 @@ class Ema {
       return info.step ? fmt::format("update({{.step = {}}})", *info.step)
                        : fmt::format("update() (schedule {})", detail::policy_name<Schedule>());
     };
-    if (d.step < 0) detail::fail("{}: the step {} is negative", source(), d.step);
+    if (d.step < 0) detail::fail("{}: a step must be >= 0, got {}", source(), d.step);
     if (d.step < step_)
       detail::fail("{}: the step went backwards, to {} (the last step was {})", source(), d.step, step_);
     if (d.action != Action::skipped && num_updates_ > 0 && d.step <= last_update_step_)
