@@ -14,8 +14,14 @@
 # Needs there: a python with torch built for CUDA ($EMAKIT_PYTHON, else ~/.cache/emakit/venv, else
 # python3), cmake, a C++20 compiler, and a CUDA toolkit (nvcc) for the wheel's CMake config.
 # Catch2 v2, fmt and Google Benchmark come from the system or from build/gpu-deps.
-# OUT receives: env.txt (GPU, driver, torch), configure.log, build.log, cuda_tests.txt and
-# cuda_tests.xml (JUnit), cuda_bench.json, cuda_peers.json, cuda_results.md, summary.txt.
+# OUT receives: env.txt (GPU, driver, torch), configure.log, build.log, cuda_tests.txt (every CUDA
+# test but the races), cuda_race_tests.txt (the provoked races, tests tagged [race]),
+# cuda_tests.xml (JUnit, all of them, when time is left at the end), cuda_bench.json,
+# cuda_peers.json, cuda_results.md, summary.txt. summary.txt has one line per test run (PASSED,
+# FAILED with the failed test cases, SKIPPED) and the tests' `BYTES_PER_PARAM <label> <value>`
+# lines (GPU bytes an EMA holds per parameter) as they are.
+# Every stage after the build gets a timeout cut from one deadline, EMAKIT_GPU_CHECK_BUDGET_S
+# (default 300 s) after the start, so that the whole run stays within it.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -45,6 +51,15 @@ summary="$out/summary.txt"
 : >"$summary"
 say() { printf '==> %s\n' "$*" | tee -a "$summary"; }
 started=$SECONDS
+deadline=$((started + ${EMAKIT_GPU_CHECK_BUDGET_S:-300}))
+# limit WANT RESERVE [FLOOR]: a stage timeout of WANT seconds, cut so that RESERVE seconds of the
+# budget remain for the stages after it, but at least FLOOR seconds (default 10), so that a late
+# stage still gets a try. The tests come first: a slow build squeezes the benchmarks, not them.
+limit() {
+  local left=$((deadline - SECONDS - $2))
+  ((left < ${3:-10})) && left=${3:-10}
+  ((left < $1)) && echo "$left" || echo "$1"
+}
 
 # ---- the environment ------------------------------------------------------------------------
 python=""
@@ -112,26 +127,48 @@ say "built in $((SECONDS - started)) s"
 
 # ---- tests ------------------------------------------------------------------------------------
 status=0
-"$build/tests/emakit_cuda_tests" -r console -d yes >"$out/cuda_tests.txt" 2>&1
-rc=$?
-"$build/tests/emakit_cuda_tests" -r junit -o "$out/cuda_tests.xml" >/dev/null 2>&1 || true
-case $rc in
-  0) say "CUDA tests: PASSED ($(grep -E '^(All tests passed|test cases)' "$out/cuda_tests.txt" | tail -n1))" ;;
-  77) say "CUDA tests: SKIPPED (no device seen by LibTorch)"; status=1 ;;
-  *) say "CUDA tests: FAILED (rc $rc; see cuda_tests.txt)"; tail -n 40 "$out/cuda_tests.txt"; status=1 ;;
-esac
+tests="$build/tests/emakit_cuda_tests"
+# failed_cases FILE: the test cases with a failure in a Catch2 console log, comma-separated (the
+# name is the first line of the header block that precedes each failure).
+failed_cases() {
+  awk '/^-+$/ && length($0) >= 70 { header = !header; if (header) first = 1; next }
+       header && first { name = $0; first = 0; next }
+       /: FAILED:$/ && name != "" && !(name in seen) { seen[name] = 1; printf "%s%s", sep, name; sep = ", " }' "$1"
+}
+# run_tests WHAT FILE SECONDS SPEC...: one console run of the CUDA tests SPEC into OUT/FILE and one
+# summary line; returns non-zero unless they passed.
+run_tests() {
+  local what="$1" file="$2" seconds="$3" rc
+  shift 3
+  timeout "$seconds" "$tests" "$@" -r console -d yes >"$out/$file" 2>&1
+  rc=$?
+  case $rc in
+    0) say "$what: PASSED ($(grep -E '^(All tests passed|test cases)' "$out/$file" | tail -n1))" ;;
+    77) say "$what: SKIPPED (no device seen by LibTorch)"; return 1 ;;
+    124) say "$what: FAILED (timed out after $seconds s; see $file)"; tail -n 20 "$out/$file"; return 1 ;;
+    *) say "$what: FAILED (rc $rc; $(grep -E '^test cases' "$out/$file" | tail -n1); failed: $(failed_cases "$out/$file"); see $file)"
+       tail -n 40 "$out/$file"; return 1 ;;
+  esac
+}
+run_tests "CUDA tests (all but [race])" cuda_tests.txt "$(limit 120 60 45)" "~[race]" || status=1
+run_tests "CUDA race tests ([race])" cuda_race_tests.txt "$(limit 90 30 45)" "[race]" || status=1
+if grep -qh '^BYTES_PER_PARAM ' "$out/cuda_tests.txt" "$out/cuda_race_tests.txt" 2>/dev/null; then
+  grep -h '^BYTES_PER_PARAM ' "$out/cuda_tests.txt" "$out/cuda_race_tests.txt" 2>/dev/null | tee -a "$summary"
+else
+  say "no BYTES_PER_PARAM lines: the GPU memory test ([memory]) did not run"
+fi
 
 # ---- benchmarks -------------------------------------------------------------------------------
 bench="$build/benchmarks/emakit_bench_ema_update"
 layouts="${EMAKIT_GPU_LAYOUTS:-many_small,resnet50,vit_b16,llm1b}"
 "$bench" --emakit_dump_layouts="$out/layouts.json"
 say "CUDA benchmarks ($layouts)"
-timeout 150 "$bench" --emakit_device=cuda --emakit_layouts="$layouts" --benchmark_repetitions=3 \
+timeout "$(limit 150 30)" "$bench" --emakit_device=cuda --emakit_layouts="$layouts" --benchmark_repetitions=3 \
   --benchmark_min_time=0.1 --benchmark_report_aggregates_only=true \
   --benchmark_out="$out/cuda_bench.json" --benchmark_out_format=json >"$out/cuda_bench.txt" 2>&1 \
   || { say "FAILED: CUDA benchmarks (rc $?; see cuda_bench.txt)"; status=1; }
 say "Python peers on the GPU"
-timeout 100 "$python" benchmarks/peers.py --device cuda --layouts "$out/layouts.json" --names "$layouts" \
+timeout "$(limit 100 5)" "$python" benchmarks/peers.py --device cuda --layouts "$out/layouts.json" --names "$layouts" \
   --out "$out/cuda_peers.json" --min-time 0.1 --repetitions 3 >"$out/cuda_peers.txt" 2>&1 \
   || { say "FAILED: peers (rc $?; see cuda_peers.txt)"; status=1; }
 if [[ -s "$out/cuda_bench.json" && -s "$out/cuda_peers.json" ]]; then
@@ -142,6 +179,12 @@ if [[ -s "$out/cuda_bench.json" && -s "$out/cuda_peers.json" ]]; then
     --out-md "$out/cuda_results.md" "${png[@]}" --machine "${gpu:-a CUDA GPU}" >/dev/null 2>"$out/report.log" \
     || say "report.py failed (see report.log)"
   [[ -s "$out/cuda_results.md" ]] && grep -E '^- ' "$out/cuda_results.md" | tee -a "$summary"
+fi
+# JUnit of every CUDA test (a second run of them), only with the time that is left.
+if ((deadline - SECONDS >= 30)); then
+  timeout "$((deadline - SECONDS - 5))" "$tests" -r junit -o "$out/cuda_tests.xml" >/dev/null 2>&1 || true
+else
+  say "no time left for the JUnit run (cuda_tests.xml)"
 fi
 say "done in $((SECONDS - started)) s; results in $out"
 exit "$status"

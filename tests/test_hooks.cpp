@@ -615,3 +615,35 @@ TEST_CASE("Hook: a truncated or bit-flipped checkpoint file is an error naming i
   // structure must fail, which the per-flip checks above hold for.
   CHECK(failed >= tried / 4);
 }
+
+TEST_CASE("Hook: a side-stream EMA is waited for before the optimizer step, or right after the update", "[hooks][sync]") {
+  // Without before_optimizer_step() the hook waits right after each update (safe, no overlap);
+  // once the trainer calls it, the wait happens there, before the step writes the model.
+  torch::manual_seed(9);
+  TinyNet model;
+  EmaHook hook;
+  hook.add(*model, Recipe(emakit::Fixed(0.9), emakit::StepSchedule(), emakit::EmaOptions().side_stream(true)));
+  hook.setup();
+  auto& counts = emakit::detail::sync_counts();
+  auto waits = counts.waits;
+  hook.after_optimizer_step();
+  CHECK(counts.waits == waits + 1);  // waited right after the update
+
+  hook.before_optimizer_step();
+  CHECK(counts.waits == waits + 2);
+  waits = counts.waits;
+  emakit_test::perturb(*model);
+  hook.after_optimizer_step();
+  CHECK(counts.waits == waits);  // left to before_optimizer_step()
+  hook.before_optimizer_step();
+  CHECK(counts.waits == waits + 1);
+
+  // The same averages as a plain Ema, whichever way it waited.
+  torch::manual_seed(9);
+  TinyNet twin;
+  emakit::FixedEma plain(*twin, emakit::Fixed(0.9));
+  plain.update();
+  emakit_test::perturb(*twin);
+  plain.update();
+  CHECK(same(averages_of(plain.averages()), averages_of(hook.ema<emakit::FixedEma>("model").averages())));
+}

@@ -1,11 +1,14 @@
 // The update kernel: the fused CPU pass against ATen's lerp for every dtype pair, chunking and
-// threads, staging, and an update that allocates nothing.
+// threads, staging, and an update that allocates nothing. The foreach path of CUDA devices, run
+// on CPU tensors: its lists, its bounded staging pool and its non-finite check, with the aten
+// ops each update dispatches counted (RecordFunction).
 #include <emakit/aliases.hpp>
 #include <emakit/detail/kernel.hpp>
 
 #include "helpers.hpp"
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 
@@ -19,6 +22,8 @@
 #include <new>
 #include <cstdio>
 #include <fstream>
+#include <map>
+#include <random>
 #include <string>
 
 #include <sys/utsname.h>
@@ -376,4 +381,307 @@ TEST_CASE("Large CPU averages are backed by huge pages where Linux allows it", "
   sources[0].tensor.add_(2.0);
   ema.update();
   CHECK(torch::allclose(ema.average("big"), sources[0].tensor - 1.0, 1e-6, 1e-6));
+}
+
+// ---- the foreach path (CUDA's), on CPU tensors ---------------------------------------------
+
+namespace {
+
+// The aten ops dispatched while f() runs on this thread: `top` counts the ops emakit itself
+// called, `all` every op (ATen's own slow paths call further ops).
+struct OpCensus {
+  std::map<std::string, int> top, all;
+  int operator[](const std::string& op) const {
+    auto it = top.find(op);
+    return it == top.end() ? 0 : it->second;
+  }
+  int nested(const std::string& op) const {
+    auto it = all.find(op);
+    return it == all.end() ? 0 : it->second;
+  }
+  int total() const {
+    int n = 0;
+    for (const auto& [op, k] : top) n += k;
+    return n;
+  }
+  // Tensors allocated by emakit itself, and by anything it called.
+  int own_allocations() const { return (*this)["aten::empty"] + (*this)["aten::empty_strided"] + (*this)["aten::empty_like"]; }
+  int allocations() const { return nested("aten::empty") + nested("aten::empty_strided") + nested("aten::empty_like"); }
+  std::string str() const {
+    std::string out;
+    for (const auto& [op, k] : top) out += op + " x" + std::to_string(k) + "; ";
+    return out;
+  }
+};
+
+thread_local OpCensus* active_census = nullptr;
+thread_local int census_depth = 0;
+
+template <class F>
+OpCensus census_of(F&& f) {
+  OpCensus census;
+  active_census = &census;
+  census_depth = 0;
+  auto handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback(
+          [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+            if (active_census != nullptr) {
+              const std::string name = fn.name();
+              active_census->all[name] += 1;
+              if (census_depth == 0) active_census->top[name] += 1;
+            }
+            census_depth += 1;
+            return nullptr;
+          },
+          [](const at::RecordFunction&, at::ObserverContext*) { census_depth -= 1; })
+          .scopes({at::RecordScope::FUNCTION}));
+  try {
+    f();
+  } catch (...) {
+    at::removeCallback(handle);
+    active_census = nullptr;
+    throw;
+  }
+  at::removeCallback(handle);
+  active_census = nullptr;
+  return census;
+}
+
+using emakit::detail::Slot;
+using emakit::detail::UpdateKernel;
+
+Slot make_slot(const std::string& name, const torch::Tensor& source, torch::Dtype average_dtype, bool averaged = true) {
+  Slot s;
+  s.name = name;
+  s.source = source;
+  s.average = torch::randn(source.sizes()).to(average_dtype).contiguous();
+  if (!averaged) s.average = torch::zeros(source.sizes(), source.options());
+  s.averaged = averaged;
+  return s;
+}
+
+// What a lerp of `before` towards `x` gives in ATen, in the average's dtype (computed in double
+// for half averages, which LibTorch 1.13's CPU lerp lacks).
+torch::Tensor lerp_reference(const torch::Tensor& before, const torch::Tensor& x, double w) {
+  if (before.scalar_type() == torch::kHalf || before.scalar_type() == torch::kBFloat16)
+    return before.to(torch::kDouble).lerp(x.to(torch::kDouble), w).to(before.scalar_type());
+  return before.lerp(x.to(before.scalar_type()), w);
+}
+
+// The update allocates no tensor: neither emakit (staging is planned once) nor, on LibTorch >= 2,
+// the foreach ops it calls. LibTorch 1.13's CPU mul_/add_ with a scalar wrap it in a 0-d tensor
+// on their slow path, which its CUDA fast path does not: there only emakit's own calls count.
+void check_no_allocation(const OpCensus& ops) {
+  CHECK(ops.own_allocations() == 0);
+#if EMAKIT_HAS_FOREACH_LERP
+  CHECK(ops.allocations() == 0);
+#endif
+}
+
+// Tolerance of an average dtype against the reference (1.13's mul + add rounds differently).
+double tolerance(torch::Dtype t) { return t == torch::kHalf || t == torch::kBFloat16 ? 1e-2 : 1e-6; }
+
+}  // namespace
+
+TEST_CASE("The foreach path: one lerp per (device, dtype), other dtypes through a bounded pool", "[kernel][foreach]") {
+  torch::manual_seed(11);
+  std::vector<std::pair<std::string, torch::Tensor>> model;
+  for (int i = 0; i < 6; ++i) model.push_back({"f32_" + std::to_string(i), torch::randn({100 + 37 * i})});
+  for (int i = 0; i < 5; ++i) model.push_back({"bf16_" + std::to_string(i), torch::randn({3, 70 + 11 * i}).to(torch::kBFloat16)});
+  for (int i = 0; i < 2; ++i) model.push_back({"f64_" + std::to_string(i), torch::randn({50}).to(torch::kDouble)});
+  model.push_back({"strided", torch::randn({9, 7}).t()});  // [7, 9], rows of 9 floats
+  for (int i = 0; i < 2; ++i) model.push_back({"count_" + std::to_string(i), torch::randint(0, 100, {4}, torch::kLong)});
+  std::int64_t staged_bytes = 0;  // fp32 bytes of what goes through the pool
+  for (const auto& [name, t] : model)
+    if (t.scalar_type() == torch::kBFloat16 || !t.is_contiguous()) staged_bytes += t.numel() * 4;
+  const std::int64_t row_bytes = 9 * 4;
+
+  for (std::int64_t bound : {std::int64_t{1}, std::int64_t{100}, std::int64_t{4096}, std::int64_t{1} << 30}) {
+    INFO("staging bound " << bound << " bytes");
+    std::vector<Slot> slots;
+    for (const auto& [name, t] : model) {
+      const bool integer = t.scalar_type() == torch::kLong;
+      const auto dtype = t.scalar_type() == torch::kBFloat16 ? torch::kFloat : t.scalar_type();
+      slots.push_back(make_slot(name, t, dtype, !integer));
+    }
+    UpdateKernel kernel(std::move(slots), UpdateKernel::CpuPath::foreach, false, bound);
+    const auto lists = kernel.census();
+    CHECK(lists.lerp == 2);  // fp32 and fp64 sources read in place
+    CHECK(lists.copy == 0);  // integer copies of a CPU average stay in the CPU pass
+    // The bound holds (past it only for the strided source's 36-byte row), and a large bound
+    // takes what the staged tensors need, not more than their size and alignment.
+    CHECK(kernel.pool_bytes() <= std::max(bound, row_bytes));
+    CHECK(kernel.pool_bytes() <= staged_bytes + 7 * UpdateKernel::staging_align * 4);
+    if (bound >= staged_bytes + 7 * UpdateKernel::staging_align * 4) CHECK(lists.staged == 1);
+    if (bound == 1) CHECK(lists.staged >= static_cast<std::size_t>(staged_bytes / row_bytes));
+
+    std::vector<torch::Tensor> before;
+    for (const auto& s : kernel.slots()) before.push_back(s.average.clone());
+    for (auto& [name, t] : model) {
+      if (t.is_floating_point()) {
+        torch::NoGradGuard no_grad;
+        t.add_(torch::randn(t.sizes()).to(t.scalar_type()));
+      }
+    }
+    const double w = 0.3;
+    const OpCensus ops = census_of([&] { kernel.average(w); });
+    INFO(ops.str());
+#if EMAKIT_HAS_FOREACH_LERP
+    CHECK(ops["aten::_foreach_lerp_"] == static_cast<int>(lists.lerp + lists.staged));
+#else
+    CHECK(ops["aten::_foreach_mul_"] == static_cast<int>(lists.lerp + lists.staged));
+    CHECK(ops["aten::_foreach_add_"] == static_cast<int>(lists.lerp + lists.staged));
+#endif
+#if EMAKIT_HAS_FOREACH_COPY
+    CHECK(ops["aten::_foreach_copy_"] == static_cast<int>(lists.staged));
+    CHECK(ops.total() == static_cast<int>(lists.lerp + 2 * lists.staged));  // nothing else, no copy per tensor
+#endif
+    check_no_allocation(ops);
+    for (std::size_t i = 0; i < model.size(); ++i) {
+      const auto& [name, t] = model[i];
+      INFO(name);
+      const auto& got = kernel.slots()[i].average;
+      if (!t.is_floating_point()) {
+        CHECK(torch::equal(got, t));
+        continue;
+      }
+      const auto expected = lerp_reference(before[i], t, w);
+#if EMAKIT_HAS_FOREACH_LERP
+      CHECK(torch::equal(got, expected));  // the same ATen lerp, read through the pool or in place
+#else
+      CHECK(torch::allclose(got, expected, 1e-6, 1e-6));
+#endif
+    }
+
+    const OpCensus copies = census_of([&] { kernel.copy(); });
+    INFO(copies.str());
+#if EMAKIT_HAS_FOREACH_COPY
+    CHECK(copies["aten::_foreach_copy_"] == static_cast<int>(lists.lerp + lists.staged));
+#endif
+    check_no_allocation(copies);
+    for (std::size_t i = 0; i < model.size(); ++i) {
+      INFO(model[i].first);
+      CHECK(torch::equal(kernel.slots()[i].average, model[i].second.to(kernel.slots()[i].average.scalar_type())));
+    }
+  }
+}
+
+TEST_CASE("The foreach path equals ATen's lerp for generated models and staging bounds", "[kernel][foreach]") {
+  std::mt19937 rng(20261130);
+  auto pick = [&](int n) { return static_cast<int>(rng() % static_cast<unsigned>(n)); };
+  const torch::Dtype dtypes[] = {torch::kFloat, torch::kBFloat16, torch::kHalf, torch::kDouble};
+  const std::int64_t bounds[] = {1, 7, 64, 1000, 1 << 20};
+  int cases = 0, staged_cases = 0;
+  for (int c = 0; c < 60; ++c) {
+    torch::manual_seed(c);
+    const std::int64_t bound = bounds[pick(5)];
+    const int n = 1 + pick(12);
+    std::vector<torch::Tensor> sources;
+    std::vector<Slot> slots;
+    std::int64_t largest_row = 0;
+    std::string description;
+    for (int i = 0; i < n; ++i) {
+      const auto source_dtype = dtypes[pick(4)];
+      torch::Tensor t;
+      switch (pick(5)) {
+        case 0: t = torch::randn({}); break;                                  // 0-d
+        case 1: t = torch::randn({1 + pick(300)}); break;                     // 1-d
+        case 2: t = torch::randn({1 + pick(20), 1 + pick(20)}); break;        // 2-d
+        case 3: t = torch::randn({1 + pick(20), 1 + pick(20)}).t(); break;    // strided
+        default: t = torch::randn({pick(3), 5}); break;                       // maybe empty
+      }
+      t = t.to(source_dtype);
+      // The average: the model's dtype, fp32 (the default for bf16/fp16), or another dtype.
+      const auto average_dtype = pick(3) == 0 ? dtypes[pick(4)] : (source_dtype == torch::kDouble ? torch::kDouble : torch::kFloat);
+      const bool averaged = pick(8) != 0;
+      Slot s = make_slot("t" + std::to_string(i), t, averaged ? average_dtype : source_dtype, averaged);
+      const bool staged = averaged && (!t.is_contiguous() || source_dtype != average_dtype);
+      if (staged && !t.is_contiguous() && t.dim() > 0 && t.size(0) > 0)
+        largest_row = std::max<std::int64_t>(largest_row, t.numel() / t.size(0) * c10::elementSize(average_dtype));
+      description += fmt::format("{}{}{}->{} ", c10::toString(source_dtype), t.sizes(), t.is_contiguous() ? "" : "(strided)",
+                                 c10::toString(average_dtype));
+      sources.push_back(t);
+      slots.push_back(std::move(s));
+    }
+    INFO("case " << c << ", bound " << bound << ": " << description);
+    UpdateKernel kernel(std::move(slots), UpdateKernel::CpuPath::foreach, false, bound);
+    // One pool per average dtype at most, each within the bound (or the largest row, or one
+    // element of its dtype, at least).
+    CHECK(kernel.pool_bytes() <= 4 * std::max({bound, largest_row, std::int64_t{8}}));
+    staged_cases += kernel.census().staged > 0 ? 1 : 0;
+    std::vector<torch::Tensor> before;
+    for (const auto& s : kernel.slots()) before.push_back(s.average.clone());
+    for (auto& t : sources) {
+      torch::NoGradGuard no_grad;
+      t.copy_(torch::randn(t.sizes()).to(t.scalar_type()));
+    }
+    const double w = 0.05 + 0.9 * static_cast<double>(pick(100)) / 100.0;
+    const OpCensus ops = census_of([&] { kernel.average(w); });
+    check_no_allocation(ops);
+    for (std::size_t i = 0; i < sources.size(); ++i) {
+      const auto& s = kernel.slots()[i];
+      INFO(s.name);
+      if (!s.averaged) {
+        CHECK(torch::equal(s.average, sources[i]));
+        continue;
+      }
+      const auto expected = lerp_reference(before[i], sources[i], w);
+      const double tol = tolerance(s.average.scalar_type());
+      CHECK(torch::allclose(s.average.to(torch::kDouble), expected.to(torch::kDouble), tol, tol));
+    }
+    cases += 1;
+  }
+  CHECK(cases == 60);
+  CHECK(staged_cases > 20);  // the generator reaches the pool
+}
+
+TEST_CASE("skip_non_finite on the foreach path: one norm per (device, dtype) and one host sync", "[kernel][foreach]") {
+  torch::manual_seed(12);
+  std::vector<Slot> slots;
+  for (int i = 0; i < 3; ++i) slots.push_back(make_slot("f32_" + std::to_string(i), torch::randn({64}), torch::kFloat));
+  for (int i = 0; i < 3; ++i)
+    slots.push_back(make_slot("bf16_" + std::to_string(i), torch::randn({64}).to(torch::kBFloat16), torch::kFloat));
+  slots.push_back(make_slot("count", torch::randint(0, 5, {3}, torch::kLong), torch::kLong, false));
+  Slot ignored = make_slot("ignored", torch::randn({8}), torch::kFloat, false);
+  ignored.follows_averages = false;  // read only when an update copies
+  slots.push_back(std::move(ignored));
+  std::vector<torch::Tensor> sources;
+  for (const auto& s : slots) sources.push_back(s.source);
+  UpdateKernel kernel(std::move(slots), UpdateKernel::CpuPath::foreach);
+  constexpr auto none = UpdateKernel::npos;
+
+  std::size_t found = 0;
+  const OpCensus ops = census_of([&] { found = kernel.first_non_finite(/*copying=*/false); });
+  INFO(ops.str());
+  CHECK(found == none);
+  CHECK(ops["aten::_foreach_norm"] == 2);             // fp32 and bf16 sources
+  CHECK(ops.nested("aten::_local_scalar_dense") == 1);  // the one host sync
+
+  torch::NoGradGuard no_grad;
+  sources[7][3] = std::numeric_limits<float>::quiet_NaN();  // the ignored tensor: read only by copies
+  CHECK(kernel.first_non_finite(false) == none);
+  CHECK(kernel.first_non_finite(true) == 7);
+  sources[5][10] = std::numeric_limits<float>::quiet_NaN();
+  sources[1][0] = std::numeric_limits<float>::infinity();
+  const OpCensus found_ops = census_of([&] { CHECK(kernel.first_non_finite(false) == 1); });  // the first in model order
+  INFO(found_ops.str());
+  CHECK(found_ops["aten::_foreach_norm"] == 2);
+  CHECK(found_ops.nested("aten::_local_scalar_dense") == 1);  // naming it reads the per-tensor flags: no sync per tensor
+  sources[1][0] = 1.0f;
+  CHECK(kernel.first_non_finite(false) == 5);
+  sources[5][10] = -std::numeric_limits<float>::infinity();
+  CHECK(kernel.first_non_finite(false) == 5);
+  // Large finite values are finite: a max-abs norm cannot overflow.
+  sources[5].fill_(3.0e38);
+  sources[0].fill_(std::numeric_limits<float>::max());
+  CHECK(kernel.first_non_finite(false) == none);
+}
+
+TEST_CASE("skip_non_finite on the fused CPU path dispatches nothing", "[kernel]") {
+  std::vector<Slot> slots;
+  for (int i = 0; i < 4; ++i) slots.push_back(make_slot("t" + std::to_string(i), torch::randn({1000}).to(i % 2 ? torch::kBFloat16 : torch::kFloat), torch::kFloat));
+  UpdateKernel kernel(std::move(slots));
+  const OpCensus ops = census_of([&] { CHECK(kernel.first_non_finite(false) == UpdateKernel::npos); });
+  INFO(ops.str());
+  CHECK(ops.total() == 0);  // scanned by the host in place: no op, no sync, no allocation
 }

@@ -242,3 +242,41 @@ TEST_CASE("Teacher: bad routes and misbehaving modules give errors that name the
                         Contains("sum_features") && Contains("shape [2]") && Contains("expected [2, 6]"));
   }
 }
+
+TEST_CASE("Every read of the EMA, the teacher's included, settles the last update first", "[teacher][sync]") {
+  // On a GPU with a side stream (or a CPU average of a CUDA model), an update may still run when
+  // update() returns; each accessor must pass through the kernel's settle() before it hands out
+  // the averages. Counted here on the CPU; tests/cuda/test_cuda_races.cpp provokes the races.
+  torch::manual_seed(5);
+  Setup s;
+  TeacherStudent wrapper(*s.model, s.ema, TeacherRoutes::paths({"a", "b"}));
+  auto& counts = emakit::detail::sync_counts();
+  auto settles = [&](const char* what, auto&& read) {
+    s.ema.update();
+    const auto before = counts.settles;
+    read();
+    INFO(what);
+    CHECK(counts.settles > before);
+  };
+  settles("module()", [&] { (void)s.ema.module(); });
+  settles("storage()", [&] { (void)s.ema.storage(); });
+  settles("averages()", [&] { (void)s.ema.averages(); });
+  settles("average(name)", [&] { (void)s.ema.average("a.fc.weight"); });
+  settles("state_dict()", [&] { (void)s.ema.state_dict(); });
+  settles("names()", [&] { (void)s.ema.names(emakit::Role::average); });
+  settles("copy_to()", [&] {
+    Net other;
+    s.ema.copy_to(*other);
+  });
+  settles("swap_into()", [&] { auto guard = s.ema.swap_into(); });
+  settles("TeacherStudent::teacher()", [&] { (void)wrapper.teacher(); });
+  settles("TeacherStudent::forward()", [&] { (void)wrapper.forward(torch::randn({2, 4})); });
+  settles("settle()", [&] { s.ema.settle(); });
+  // wait() is the trainer's point before the optimizer step: it orders the model's writers only.
+  s.ema.update();
+  const auto waits = counts.waits;
+  const auto settled = counts.settles;
+  s.ema.wait();
+  CHECK(counts.waits == waits + 1);
+  CHECK(counts.settles == settled);
+}

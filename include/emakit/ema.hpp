@@ -448,13 +448,8 @@ class Ema {
     check_decision(decision, info);
     UpdateResult result{decision.action, decision.step, std::nan(""), {}};
     if (decision.action != Action::skipped && options_.skip_non_finite()) {
-      for (const auto& s : kernel_.slots()) {
-        const bool read = decision.action == Action::copied || s.averaged || s.follows_averages;
-        if (read && !detail::all_finite(s.source)) {
-          result.non_finite = s.name;
-          break;
-        }
-      }
+      const std::size_t bad = kernel_.first_non_finite(decision.action == Action::copied);
+      if (bad != detail::UpdateKernel::npos) result.non_finite = kernel_.name(bad);
       if (!result.non_finite.empty()) {
         TORCH_WARN("emakit: update at step ", decision.step, " skipped: '", result.non_finite,
                    "' holds a NaN or an infinity (EmaOptions::skip_non_finite); the average is unchanged");
@@ -491,12 +486,24 @@ class Ema {
     return result;
   }
 
-  // With EmaOptions::side_stream: orders the current CUDA stream (and the host, for a CPU
-  // average) after the last update. Call it before the next optimizer step writes the model;
-  // reads of the average wait by themselves. Without a side stream it does nothing.
+  // The side-stream protocol (EmaOptions::side_stream): update() may return before the update has
+  // run. Call wait() before the next optimizer step writes the model; it is asynchronous for the
+  // host (the device's current stream waits for the side stream). Nothing else is needed:
+  // buffers, which the next forward pass may write (BatchNorm statistics), are read on the
+  // current stream, and every read of the EMA (average(), averages(), state_dict(), module(),
+  // storage(), swap_into(), copy_to(), and what is built on them) settles by itself. With a CPU
+  // average of a CUDA model, wait() orders only the device-to-host copies; the host pass goes on
+  // until something reads the average. Without a side stream, both do nothing.
   void wait() const {
     ensure_bound("wait");
-    kernel_.wait();
+    kernel_.wait_sources();
+  }
+  // Everything of the last update has finished (the host pass of an offloaded update too). For
+  // tensors taken from averages() or module() before an update and read after it; the EMA's own
+  // accessors call it.
+  void settle() const {
+    ensure_bound("settle");
+    kernel_.settle();
   }
 
   // ---- counters and parts -------------------------------------------------------------------
@@ -513,14 +520,20 @@ class Ema {
 
   const Decay& decay_policy() const noexcept { return decay_; }
   const Schedule& schedule() const noexcept { return schedule_; }
-  const Storage& storage() const noexcept { return storage_; }
+  // The storage policy and the tensors it holds, settled (see wait()).
+  const Storage& storage() const {
+    kernel_.settle();
+    return storage_;
+  }
   const EmaOptions& options() const noexcept { return options_; }
 
-  // The EMA module, for a module-backed storage.
+  // The EMA module, for a module-backed storage, settled (see wait()): its parameters and buffers
+  // are the averages.
   decltype(auto) module() const
     requires requires(const Storage& s) { s.module(); }
   {
     ensure_bound("module");
+    kernel_.settle();
     return storage_.module();
   }
 
@@ -826,6 +839,7 @@ class Ema {
     // One spec per held tensor, at the position of its first name; every held name is an entry.
     std::vector<TensorSpec> specs;
     std::vector<Role> spec_roles;
+    std::vector<char> spec_buffer;  // a buffer under any of its names: a forward pass may write it
     std::vector<std::size_t> spec_of(n, static_cast<std::size_t>(-1));
     std::vector<std::pair<std::string, std::size_t>> entries;  // name -> spec
     for (std::size_t i = 0; i < n; ++i) {
@@ -840,8 +854,10 @@ class Ema {
         spec_of[g] = specs.size();
         specs.push_back({tensors[i].name, t, dtype, device, {}});
         spec_roles.push_back(role);
+        spec_buffer.push_back(tensors[i].is_buffer ? 1 : 0);
       } else {
         specs[spec_of[g]].aliases.push_back(tensors[i].name);
+        spec_buffer[spec_of[g]] |= tensors[i].is_buffer ? 1 : 0;
       }
       entries.emplace_back(tensors[i].name, spec_of[g]);
     }
@@ -865,6 +881,7 @@ class Ema {
       slot.source = specs[i].source;
       slot.averaged = spec_roles[i] == Role::average;
       slot.follows_averages = spec_roles[i] != Role::follow_copies;
+      slot.buffer = spec_buffer[i] != 0;
       slot_of[i] = slots.size();
       slots.push_back(std::move(slot));
     }
@@ -873,7 +890,8 @@ class Ema {
       if (slot_of[spec] != static_cast<std::size_t>(-1)) entries_.push_back({std::move(name), slot_of[spec]});
     sources_.clear();
     for (const auto& slot : slots) sources_.push_back(slot.source);
-    kernel_ = detail::UpdateKernel(std::move(slots), detail::UpdateKernel::CpuPath::fused, options_.side_stream());
+    kernel_ = detail::UpdateKernel(std::move(slots), detail::UpdateKernel::CpuPath::fused, options_.side_stream(),
+                                   options_.staging_bytes());
     bound_ = true;
   }
 

@@ -5,6 +5,7 @@
 //   hook.add(*model, emakit::Recipe(emakit::Fixed(0.999)));       // key "model"; or add("gen", ...)
 //   hook.setup();                                                  // makes the EMA (or later, see Creation)
 //   for (...) {
+//     hook.before_optimizer_step();                                 // optional: see Side streams
 //     optimizer.step();
 //     hook.after_optimizer_step({.vetoed = scaler_skipped_the_step});
 //     if (validate_now) {
@@ -14,6 +15,11 @@
 //     if (save_now) hook.save_checkpoint("last.pt");              // or into your own archive
 //   }
 //   hook.train_end();                                              // the model keeps the EMA weights
+//
+// Side streams. An EMA with EmaOptions::side_stream updates on a stream of its own, which must not
+// be still reading the model when the next optimizer step writes it (Ema::wait()). A trainer that
+// calls before_optimizer_step() gets the overlap the side stream is for; one that never calls it
+// is safe all the same: after_optimizer_step() then waits right after each update (no overlap).
 //
 // Checkpoints. save_checkpoint(archive) writes, for each model key K:
 //   K                    the model's weights in Module::save's layout: the EMA weights when
@@ -185,6 +191,7 @@ class HookEntryBase {
   virtual bool pending() const noexcept = 0;
   virtual void create() = 0;
   virtual UpdateResult step(const StepInfo& info) = 0;
+  virtual void wait() = 0;
   virtual void swap_in() = 0;
   void swap_out() noexcept { swap_.reset(); }
   virtual void keep() = 0;
@@ -241,6 +248,10 @@ class HookEntry final : public HookEntryBase {
     const UpdateResult r = ema_->update(info);
     if (r.action != Action::skipped && publish_) publish_(*ema_);
     return r;
+  }
+
+  void wait() override {
+    if (ema_) ema_->wait();
   }
 
   void swap_in() override {
@@ -488,13 +499,25 @@ class EmaHook {
       if (e->options().creation == Creation::at_setup || e->pending()) e->create();
   }
 
+  // Before each optimizer step: the side-stream EMAs' Ema::wait() (the step must not write the
+  // model while an update still reads it). Optional; once called, the hook leaves that wait to it.
+  void before_optimizer_step() {
+    require_training("before_optimizer_step");
+    waits_before_step_ = true;
+    for (auto& e : entries_) e->wait();
+  }
+
   // After each optimizer step (each micro-batch with an accumulation window); `vetoed` when the
-  // optimizer skipped the step. Returns what each model's EMA did, in the order of add().
+  // optimizer skipped the step. Returns what each model's EMA did, in the order of add(). Without
+  // before_optimizer_step(), a side-stream update is waited for here.
   std::vector<UpdateResult> after_optimizer_step(StepInfo info = {}) {
     require_training("after_optimizer_step");
     std::vector<UpdateResult> out;
     out.reserve(entries_.size());
-    for (auto& e : entries_) out.push_back(e->step(info));
+    for (auto& e : entries_) {
+      out.push_back(e->step(info));
+      if (!waits_before_step_) e->wait();
+    }
     return out;
   }
 
@@ -658,6 +681,7 @@ class EmaHook {
 
   std::vector<std::unique_ptr<detail::HookEntryBase>> entries_;
   Stage stage_ = Stage::training;
+  bool waits_before_step_ = false;  // the trainer calls before_optimizer_step()
 };
 
 StageScope::~StageScope() { end(); }

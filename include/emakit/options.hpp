@@ -5,6 +5,7 @@
 //       .dtype(torch::kFloat32)              // the average's dtype (default: fp32 for bf16/fp16 models)
 //       .device(torch::kCPU)                 // the average's device (default: the model's): CPU offload
 //       .side_stream(true)                   // CUDA: update on a side stream (call wait() before the next step)
+//       .staging_bytes(std::int64_t{16} << 20) // GPU memory to convert a bf16 model's weights through
 //       .copy_only({"pos_embedding"})        // copied at every update, never averaged
 //       .ignore({"head.weight"})             // left out of the EMA
 //       .ignore_prefixes({"teacher."})       // every name starting with one of these is left out
@@ -58,19 +59,31 @@ class EmaOptions {
   }
   // CUDA: run each update on a side stream, so that it overlaps the next forward and backward
   // (NeMo's EMA does this). The side stream waits for the optimizer step before it reads the
-  // model; call Ema::wait() before the next optimizer step writes the model. Reads of the average
-  // (average(), averages(), state_dict(), swap_into(), copy_to()) wait by themselves. With a CPU
-  // average of a CUDA model, the CPU half of the update also runs off the caller's thread.
-  // No effect on CPU-only models.
+  // parameters; call Ema::wait() before the next optimizer step writes them. Buffers are averaged
+  // on the current stream (the next forward may write them), and every read of the EMA waits by
+  // itself (Ema::wait() says the whole protocol). With a CPU average of a CUDA model, the CPU half
+  // of the update also runs off the caller's thread. No effect on CPU-only models.
   bool side_stream() const noexcept { return side_stream_; }
   EmaOptions& side_stream(bool value) {
     side_stream_ = value;
     return *this;
   }
+  // The bound, per device and dtype, of the staging pool through which the update converts source
+  // tensors it cannot average in place (a bf16/fp16 model with an fp32 average on the GPU): GPU
+  // memory of such an EMA is its average plus at most this (or the largest row of a strided
+  // source, if larger), never a second full copy. A smaller pool means more, smaller chunks
+  // (two foreach launches each). Default 64 MiB.
+  std::int64_t staging_bytes() const noexcept { return staging_bytes_; }
+  EmaOptions& staging_bytes(std::int64_t value) {
+    if (value < 1) detail::fail("EmaOptions::staging_bytes must be at least 1, got {}", value);
+    staging_bytes_ = value;
+    return *this;
+  }
   // Off by default, as in the Python peers (a NaN in the model then reaches the average). On: an
   // update whose source tensors hold a NaN or an infinity changes nothing, is counted
   // (Ema::non_finite_updates()) and names the first such tensor (UpdateResult::non_finite,
-  // Ema::last_non_finite(), and a warning). It costs one read of the model per update.
+  // Ema::last_non_finite(), and a warning). It costs one read of the model per update; on a GPU,
+  // one _foreach_norm per (device, dtype) and one host sync.
   bool skip_non_finite() const noexcept { return skip_non_finite_; }
   EmaOptions& skip_non_finite(bool value) {
     skip_non_finite_ = value;
@@ -189,6 +202,7 @@ class EmaOptions {
   std::vector<std::string> ignore_prefixes_;
   BufferMode buffers_ = BufferMode::average;
   bool side_stream_ = false;
+  std::int64_t staging_bytes_ = std::int64_t{64} << 20;
   bool skip_non_finite_ = false;
   BufferMode non_floating_ = BufferMode::copy;
   bool ignored_follow_copies_ = false;

@@ -120,12 +120,12 @@ TEST_CASE("CPU offload stages a CUDA model in pinned memory, in the model's dtyp
   }
 }
 
-TEST_CASE("CPU offload with a side stream: the CPU pass runs off the caller's thread, wait() joins it", "[cuda][offload]") {
+TEST_CASE("CPU offload with a side stream: the CPU pass runs off the caller's thread, reads join it", "[cuda][offload]") {
   auto model = cuda_model(torch::kBFloat16);
   emakit::FixedEma plain(model, emakit::Fixed(0.9), {}, emakit::EmaOptions().device(torch::kCPU));
   emakit::FixedEma async(model, emakit::Fixed(0.9), {}, emakit::EmaOptions().device(torch::kCPU).side_stream(true));
   for (int i = 0; i < 4; ++i) {
-    async.wait();
+    async.wait();  // orders the device-to-host copies before the step; the host pass may go on
     step(model, i);
     plain.update();
     async.update();

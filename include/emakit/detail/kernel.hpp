@@ -1,7 +1,7 @@
 // The update kernel: the one place where averaged tensors change.
 //
-// Planned once at bind time (and again only if a source tensor moves device, changes dtype or
-// stops being contiguous), then each update:
+// Planned once at bind time (and again only if a source tensor moves device, changes dtype,
+// stops being contiguous or gets new memory), then each update:
 //   - CPU averages: one fused pass over every CPU tensor of the EMA at once. The tensors are laid
 //     end to end as segments, weighted by the bytes each element moves (12 for fp32 <- fp32, 10
 //     for fp32 <- bf16, ...), and at::parallel_for splits that line into one equal share per
@@ -13,18 +13,28 @@
 //     float/half/bf16 averages and double for double averages. Copied tensors (integer buffers,
 //     copy-only names) are segments of the same pass (memcpy), and copy() is one such pass too.
 //     Averages of 2 MiB and more are backed by transparent huge pages where Linux allows.
-//   - other devices: tensors grouped by (device, dtype); one torch::_foreach_lerp_ per group
-//     (LibTorch >= 2.0) or _foreach_mul_ + _foreach_add_ (LibTorch 1.13, which lacks it).
-//     With the side-stream option, a CUDA device's work runs on a stream of its own that first
-//     waits for the current stream (the optimizer step); wait() makes the current stream wait
-//     for it, and every read of the averages through slots() waits first (detail/device_sync.hpp).
-//   - a source on another device or in a dtype the pass cannot read is first copied into a
-//     staging tensor allocated at plan time. CPU offload (CUDA model, CPU average): the staging
-//     tensor is pinned and keeps the source's dtype when the pass reads it (a bf16 model moves
-//     half the bytes over PCIe), the copies are non-blocking and the host waits once for all of
-//     them. With the side stream as well, the CPU pass runs on a host thread after the copies
-//     land, so update() returns at once; wait() and any read join it.
-// An update allocates nothing and looks up no names.
+//   - other devices: foreach lists, one per (device, dtype, stream). Sources in the average's
+//     dtype are averaged in place: one torch::_foreach_lerp_ per list (LibTorch >= 2.0) or
+//     _foreach_mul_ + _foreach_add_ (LibTorch 1.13, which lacks it). Sources in another dtype
+//     (a bf16 model with an fp32 average), not contiguous or on another device go through a
+//     bounded staging pool instead of a full-size copy: their tensors are cut into pieces that
+//     fill the pool chunk by chunk, and each chunk is one _foreach_copy_ (LibTorch >= 2.1; it
+//     converts dtypes on its CUDA fast path in current LibTorch, older ones take its per-tensor
+//     path) into the pool and one _foreach_lerp_ from it. The pool holds at most
+//     max(staging_bytes, the largest piece) bytes; a piece is a flat range of a contiguous source,
+//     or rows (dim 0) of a strided one. Copied tensors are one _foreach_copy_ per list.
+//   - the side stream (EmaOptions::side_stream): a CUDA device's work on parameters runs on a
+//     stream of its own that first waits for the current stream (the optimizer step). Buffers
+//     (Slot::buffer: BatchNorm statistics, written by the next forward pass) stay on the current
+//     stream, so only the next optimizer step has to wait (wait_sources()). Every read of the
+//     averages goes through settle() (slots() calls it), see detail/device_sync.hpp.
+//   - CPU offload (CUDA model, CPU average): each source is copied into a pinned staging tensor
+//     in its own dtype when the pass reads it (a bf16 model moves half the bytes over PCIe), with
+//     non-blocking copies the host waits for once. With the side stream as well, the CPU pass runs
+//     on a host thread after the copies land, so update() returns at once; wait_sources() orders
+//     the device after the copies only, settle() joins the host pass too.
+// An update allocates nothing and looks up no names (a skip_non_finite check allocates a few
+// scalars: one flag per foreach list, reduced on the device, read with one host sync).
 #pragma once
 
 #include <emakit/detail/check.hpp>
@@ -34,7 +44,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_foreach_add.h>
 #include <ATen/ops/_foreach_mul.h>
+#include <ATen/ops/_foreach_norm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/stack.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -45,6 +57,13 @@
 #define EMAKIT_HAS_FOREACH_LERP 1
 #else
 #define EMAKIT_HAS_FOREACH_LERP 0
+#endif
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+#include <ATen/ops/_foreach_copy.h>
+#define EMAKIT_HAS_FOREACH_COPY 1
+#else
+#define EMAKIT_HAS_FOREACH_COPY 0
 #endif
 
 #if defined(__linux__)
@@ -58,6 +77,7 @@
 #include <cstring>
 #include <exception>
 #include <future>
+#include <limits>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -393,46 +413,89 @@ struct Slot {
   bool averaged = true; // false: copied, not averaged
   bool follows_averages = true;  // for a copied slot: false = written by copy() only (ema-pytorch's
                                  // ignored names, which its copies still write)
+  bool buffer = false;  // a forward pass may write it in place (BatchNorm statistics): with a side
+                        // stream it is read on the current stream, before the next forward
   // Bound at plan time; a change of any of these makes the next update re-plan.
   c10::Device source_device{c10::kCPU};
   c10::ScalarType source_dtype{c10::ScalarType::Undefined};
   bool source_contiguous = true;
+  const void* source_memory = nullptr;   // where the data starts: the plan holds views of it, which a
+  const void* average_memory = nullptr;  // set_data() of the tensor would leave on the old memory
   std::vector<std::int64_t> shape;  // a change of shape is an error, not a re-plan
-  at::Tensor staging;   // defined when the source must be copied before averaging
+  at::Tensor staging;   // CPU averages: defined when the source must be copied before the pass reads it
   bool huge_pages_advised = false;  // advise_huge_pages() ran on the average (once per slot)
   const at::Tensor& input() const noexcept { return staging.defined() ? staging : source; }
 };
+
+// dst[i] = src[i] for every i: one _foreach_copy_ where LibTorch has it, a copy_ per tensor else.
+inline void foreach_copy(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src) {
+#if EMAKIT_HAS_FOREACH_COPY
+  at::_foreach_copy_(dst, src);
+#else
+  for (std::size_t i = 0; i < dst.size(); ++i) dst[i].copy_(src[i]);
+#endif
+}
+
+// a[i] = lerp(a[i], x[i], w) for every i.
+inline void foreach_lerp(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& x, double w) {
+#if EMAKIT_HAS_FOREACH_LERP
+  at::_foreach_lerp_(a, x, w);
+#else
+  at::_foreach_mul_(a, 1.0 - w);
+  at::_foreach_add_(a, x, w);
+#endif
+}
+
+// How often this thread went through the kernel's two doors, settle() and wait_sources(): tests
+// check with it that every accessor of the averages settles.
+struct SyncCounts {
+  std::uint64_t settles = 0;
+  std::uint64_t waits = 0;
+};
+inline SyncCounts& sync_counts() noexcept {
+  thread_local SyncCounts counts;
+  return counts;
+}
 
 class UpdateKernel {
  public:
   // The parallel grain of the CPU pass, in elements of fp32 <- fp32 (12 bytes each): below it an
   // update runs on one thread.
   static constexpr std::int64_t chunk_elements = std::int64_t{1} << 15;
+  // The default bound of a staging pool (EmaOptions::staging_bytes).
+  static constexpr std::int64_t default_staging_bytes = std::int64_t{64} << 20;
+  // Staging pieces start on multiples of this many elements (256 bytes of fp32): the foreach
+  // kernels' vectorised loads need aligned addresses.
+  static constexpr std::int64_t staging_align = 64;
 
-  // How CPU averages are updated: the fused pass, or the foreach ops used on other devices
-  // (chosen for tests and benchmarks, which compare the two on a machine without a GPU).
+  // How CPU averages are updated: the fused pass, or the foreach lists used on other devices
+  // (chosen by tests and benchmarks, which exercise the device path on a machine without a GPU).
   enum class CpuPath : std::uint8_t { fused, foreach };
 
   UpdateKernel() = default;
   // side_stream: run the work of each CUDA device on a side stream (see the top of this file).
-  explicit UpdateKernel(std::vector<Slot> slots, CpuPath cpu_path = CpuPath::fused, bool side_stream = false)
-      : slots_(std::move(slots)), cpu_path_(cpu_path), side_stream_(side_stream) {
+  // staging_bytes: the bound of each staging pool.
+  explicit UpdateKernel(std::vector<Slot> slots, CpuPath cpu_path = CpuPath::fused, bool side_stream = false,
+                        std::int64_t staging_bytes = default_staging_bytes)
+      : slots_(std::move(slots)), cpu_path_(cpu_path), side_stream_(side_stream), staging_bytes_(staging_bytes) {
+    if (staging_bytes_ < 1) fail("the staging bound must be at least 1 byte, got {}", staging_bytes_);
     for (auto& s : slots_) s.shape.assign(s.source.sizes().begin(), s.source.sizes().end());
     plan();
   }
-  // Moves wait for pending side-stream or host work first: it refers to the tensors being moved.
+  // Moves settle pending side-stream or host work first: it refers to the tensors being moved.
   UpdateKernel(UpdateKernel&& other) noexcept { *this = std::move(other); }
   UpdateKernel& operator=(UpdateKernel&& other) noexcept {
     if (this == &other) return *this;
-    wait_noexcept();
-    other.wait_noexcept();
+    settle_noexcept();
+    other.settle_noexcept();
     slots_ = std::move(other.slots_);
     cpu_path_ = other.cpu_path_;
     side_stream_ = other.side_stream_;
+    staging_bytes_ = other.staging_bytes_;
+    pool_bytes_ = other.pool_bytes_;
     average_pass_ = std::move(other.average_pass_);
     copy_pass_ = std::move(other.copy_pass_);
-    device_groups_ = std::move(other.device_groups_);
-    device_copies_ = std::move(other.device_copies_);
+    lists_ = std::move(other.lists_);
     staged_ = std::move(other.staged_);
     generic_ = std::move(other.generic_);
     generic_copies_ = std::move(other.generic_copies_);
@@ -444,32 +507,55 @@ class UpdateKernel {
   UpdateKernel& operator=(const UpdateKernel&) = delete;
   // Pending side-stream work writes tensors this kernel holds: the current stream waits for it
   // before they can be freed and reused.
-  ~UpdateKernel() { wait_noexcept(); }
+  ~UpdateKernel() { settle_noexcept(); }
 
-  // The slots; a pending side-stream update is waited for first (see wait()), so whatever reads
-  // or writes the averages through them is ordered after it.
+  // The slots, after settle(): whatever reads or writes the averages through them is ordered
+  // after the last update. This is the one door to the averages.
   const std::vector<Slot>& slots() const {
-    wait();
+    settle();
     return slots_;
   }
   std::vector<Slot>& slots() {
-    wait();
+    settle();
     return slots_;
   }
+  std::size_t size() const noexcept { return slots_.size(); }
+  const std::string& name(std::size_t i) const { return slots_.at(i).name; }
 
   bool side_stream() const noexcept { return side_stream_; }
+  // Bytes of the staging pools (the bounded conversion area of the foreach path).
+  std::int64_t pool_bytes() const noexcept { return pool_bytes_; }
+  // Foreach lists of the last plan by kind, for tests: lerp (sources read in place), staged
+  // (chunks through a pool), copy.
+  struct Census {
+    std::size_t lerp = 0, staged = 0, copy = 0;
+  };
+  Census census() const noexcept {
+    Census c;
+    for (const auto& l : lists_) (l.kind == ListKind::lerp ? c.lerp : l.kind == ListKind::staged ? c.staged : c.copy) += 1;
+    return c;
+  }
 
-  // Orders everything after the last update: joins the host thread of an offloaded update
-  // (rethrowing its error) and makes each CUDA device's current stream wait for its side stream.
-  // Asynchronous for the host otherwise. Call before the next optimizer step when the side stream
-  // is on; a no-op without it.
-  void wait() const {
-    join_host();
+  // What must finish before anything writes what the last update reads, i.e. before the next
+  // optimizer step writes the model: each CUDA device's current stream waits for its side
+  // stream (asynchronous for the host). An offloaded update's host pass is not waited for: it
+  // reads pinned copies, which the side stream has made by then. A no-op without a side stream.
+  void wait_sources() const {
+    sync_counts().waits += 1;
     for (auto& lane : lanes_) lane.wait();
   }
 
-  // Throws if a source changed shape since bind; re-plans if one moved or changed dtype.
-  // Returns true when it re-planned.
+  // Everything of the last update has finished: joins the host pass of an offloaded update
+  // (rethrowing its error) and orders each device's current stream after the side stream. Every
+  // read or write of the averages goes through it (slots()).
+  void settle() const {
+    sync_counts().settles += 1;
+    join_host();
+    wait_sources();
+  }
+
+  // Throws if a source changed shape since bind; re-plans if one moved, changed dtype or got new
+  // memory. Returns true when it re-planned.
   bool check_sources() {
     bool stale = false;
     for (const auto& s : slots_) {
@@ -479,10 +565,11 @@ class UpdateKernel {
         fail("tensor '{}' changed shape from {} to {} since the EMA was bound; make a new Ema for the changed model",
              s.name, shape_string(s.shape), shape_string(s.source.sizes()));
       stale = stale || s.source.device() != s.source_device || s.source.scalar_type() != s.source_dtype ||
-              s.source.is_contiguous() != s.source_contiguous;
+              s.source.is_contiguous() != s.source_contiguous || read_ptr(s.source) != s.source_memory ||
+              read_ptr(s.average) != s.average_memory;
     }
     if (stale) {
-      wait();
+      settle();
       plan();
     }
     return stale;
@@ -494,29 +581,96 @@ class UpdateKernel {
   // ema = model for every slot.
   void copy() { run(/*averaging=*/false, 1.0); }
 
+  static constexpr std::size_t npos = static_cast<std::size_t>(-1);
+
+  // The first slot, in slot order, whose source the next update reads (copying: every slot;
+  // averaging: averaged slots and copies that follow averages) and that holds a NaN or an
+  // infinity; npos if none. Sources on a device (or every source, on the foreach CPU path) are
+  // checked together: one _foreach_norm(inf) per (device, dtype), a max-abs that cannot overflow,
+  // reduced to one flag on the device and read with one host sync. CPU sources of the fused path
+  // are scanned on the host. Only when something is found are the per-tensor flags read (one
+  // more sync per group), to name the first.
+  std::size_t first_non_finite(bool copying) const {
+    auto read = [&](const Slot& s) {
+      const auto type = s.source.scalar_type();
+      return (copying || s.averaged || s.follows_averages) && s.source.numel() > 0 &&
+             (c10::isFloatingType(type) || c10::isComplexType(type));
+    };
+    struct Group {
+      c10::Device device;
+      c10::ScalarType dtype;
+      std::vector<at::Tensor> sources;
+      std::vector<std::size_t> slots;
+      at::Tensor finite;  // per source
+    };
+    std::vector<Group> groups;
+    std::size_t first = npos;  // of the host-scanned sources
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      const Slot& s = slots_[i];
+      if (!read(s)) continue;
+      if (s.source.is_cpu() && cpu_path_ == CpuPath::fused) {
+        if (first == npos && !all_finite(s.source)) first = i;
+        continue;
+      }
+      auto g = std::find_if(groups.begin(), groups.end(), [&](const Group& x) {
+        return x.device == s.source.device() && x.dtype == s.source.scalar_type();
+      });
+      if (g == groups.end()) g = groups.insert(groups.end(), Group{s.source.device(), s.source.scalar_type(), {}, {}, {}});
+      g->sources.push_back(s.source);
+      g->slots.push_back(i);
+    }
+    if (groups.empty()) return first;
+    c10::NoGradGuard no_grad;
+    at::Tensor all;  // every source of every group is finite
+    for (auto& g : groups) {
+      g.finite = at::stack(at::_foreach_norm(g.sources, std::numeric_limits<double>::infinity())).isfinite();
+      const at::Tensor f = g.finite.all();
+      all = all.defined() ? all.logical_and(f.to(all.device())) : f;
+    }
+    if (all.item<bool>()) return first;
+    for (const auto& g : groups) {
+      const at::Tensor finite = g.finite.to(at::kCPU);
+      const bool* ok = finite.data_ptr<bool>();
+      for (std::size_t j = 0; j < g.slots.size(); ++j)
+        if (!ok[j]) {
+          first = std::min(first, g.slots[j]);
+          break;
+        }
+    }
+    return first;
+  }
+
  private:
-  struct DeviceGroup {
+  // A foreach list: tensors of one device and dtype, updated by one foreach call on one stream.
+  enum class ListKind : std::uint8_t {
+    lerp,    // averages = lerp(averages, inputs): inputs are the sources
+    staged,  // one chunk: inputs (views of a staging pool) = sources, then the lerp from inputs
+    copy,    // averages = inputs (the sources)
+  };
+  struct List {
+    ListKind kind;
     c10::Device device{c10::kCPU};
-    c10::ScalarType dtype;
+    c10::ScalarType dtype = c10::ScalarType::Undefined;
+    std::size_t lane = npos;        // the lane whose stream runs it (npos: no lane)
+    bool current = false;           // on the current stream even with a side stream (buffers)
+    bool follows_averages = true;   // copy lists: also written by averaging updates
     std::vector<at::Tensor> averages;
     std::vector<at::Tensor> inputs;
-  };
-  // A device's staging copies, foreach groups and plain copies all run under its lane.
-  struct DeviceCopy {
-    std::size_t slot;
-    bool follows_averages;
+    std::vector<at::Tensor> sources;  // staged lists only
   };
 
   void run(bool averaging, double weight) {
     c10::NoGradGuard no_grad;
     join_host();  // the previous offloaded pass must finish before this one touches its buffers
     for (std::size_t k = 0; k < lanes_.size(); ++k) {
+      run_lists(averaging, weight, k, /*current=*/true);  // buffers, before the side stream starts
       Lane& lane = lanes_[k];
       auto guard = lane.begin();
-      run_device_work(averaging, weight, k);
+      run_lists(averaging, weight, k, /*current=*/false);
       lane.finish();
     }
-    run_device_work(averaging, weight, npos);  // CPU foreach path, devices without streams
+    run_lists(averaging, weight, npos, /*current=*/true);  // CPU foreach path, devices without streams
+    run_lists(averaging, weight, npos, /*current=*/false);
     if (offload_lanes_.empty()) {
       run_cpu(averaging, weight);
     } else if (side_stream_) {
@@ -532,21 +686,35 @@ class UpdateKernel {
     }
   }
 
-  // The staging copies, foreach groups and device copies of lane k (npos: of no lane).
-  void run_device_work(bool averaging, double weight, std::size_t k) {
-    for (auto i : staged_)
-      if (lane_of(slots_[i]) == k) stage_copy(slots_[i]);
-    for (auto& g : device_groups_) {
-      if (lane_of(g.device) != k) continue;
-      if (averaging) {
-        run_device_group(g, weight);
-      } else {
-        for (std::size_t j = 0; j < g.averages.size(); ++j) g.averages[j].copy_(g.inputs[j]);
-      }
+  // On the current stream (current = true) or the lane's stream: offload staging copies and the
+  // foreach lists of lane k (npos: of no lane).
+  void run_lists(bool averaging, double weight, std::size_t k, bool current) {
+    for (auto i : staged_) {
+      Slot& s = slots_[i];
+      if (lane_of(s) == k && on_current(s) == current) stage_copy(s);
     }
-    for (const auto& c : device_copies_) {
-      Slot& s = slots_[c.slot];
-      if (lane_of(s.average.device()) == k && (!averaging || c.follows_averages)) s.average.copy_(s.input());
+    for (auto& l : lists_) {
+      if (l.lane != k || l.current != current) continue;
+      switch (l.kind) {
+        case ListKind::lerp:
+          if (averaging) {
+            foreach_lerp(l.averages, l.inputs, weight);
+          } else {
+            foreach_copy(l.averages, l.inputs);
+          }
+          break;
+        case ListKind::staged:
+          if (averaging) {
+            foreach_copy(l.inputs, l.sources);
+            foreach_lerp(l.averages, l.inputs, weight);
+          } else {
+            foreach_copy(l.averages, l.sources);  // copy_ converts: the pool is not needed
+          }
+          break;
+        case ListKind::copy:
+          if (!averaging || l.follows_averages) foreach_copy(l.averages, l.inputs);
+          break;
+      }
     }
   }
 
@@ -571,14 +739,14 @@ class UpdateKernel {
   void join_host() const {
     if (host_.valid()) host_.get();  // rethrows an error of the host pass
   }
-  void wait_noexcept() const noexcept {
+  void settle_noexcept() const noexcept {
     try {
-      wait();
+      settle();
     } catch (...) {  // a failed pass was already reported by update(), or cannot be anymore
     }
   }
 
-  static constexpr std::size_t npos = static_cast<std::size_t>(-1);
+  bool on_current(const Slot& s) const noexcept { return side_stream_ && s.buffer; }
 
   // The lane of a device (npos: none; only CUDA devices have lanes).
   std::size_t lane_of(c10::Device dev) const {
@@ -586,7 +754,7 @@ class UpdateKernel {
       if (lanes_[k].device() == dev) return k;
     return npos;
   }
-  // The lane a slot's staging copy runs on: the CUDA device it crosses, if any.
+  // The lane a slot's work runs on: the CUDA device of its average, else of its source, if any.
   std::size_t lane_of(const Slot& s) const {
     return lane_of(s.average.is_cuda() ? s.average.device() : s.source.device());
   }
@@ -598,43 +766,148 @@ class UpdateKernel {
     return lanes_.size() - 1;
   }
 
+  List& list_for(ListKind kind, const Slot& s, bool follows_averages = true) {
+    const auto dev = s.average.device();
+    const auto type = s.average.scalar_type();
+    const std::size_t k = lane_of(s);
+    const bool current = on_current(s);
+    for (auto& l : lists_)
+      if (l.kind == kind && l.device == dev && l.dtype == type && l.lane == k && l.current == current &&
+          l.follows_averages == follows_averages)
+        return l;
+    lists_.push_back(List{kind, dev, type, k, current, follows_averages, {}, {}, {}});
+    return lists_.back();
+  }
+
   void plan() {
     average_pass_.clear();
     copy_pass_.clear();
-    device_groups_.clear();
-    device_copies_.clear();
+    lists_.clear();
     staged_.clear();
     generic_.clear();
     generic_copies_.clear();
     lanes_.clear();
     offload_lanes_.clear();
+    pool_bytes_ = 0;
+    std::vector<std::size_t> to_stage;
     for (std::size_t i = 0; i < slots_.size(); ++i) {
       Slot& s = slots_[i];
       s.source_device = s.source.device();
       s.source_dtype = s.source.scalar_type();
       s.source_contiguous = s.source.is_contiguous();
+      s.source_memory = read_ptr(s.source);
+      s.average_memory = read_ptr(s.average);
       s.staging = at::Tensor();
       const auto a_dev = s.average.device();
-      const auto a_type = s.average.scalar_type();
       if (a_dev.is_cuda()) lane_for(a_dev);
       if (s.source_device.is_cuda() && !a_dev.is_cuda()) {
         const std::size_t k = lane_for(s.source_device);
         if (std::find(offload_lanes_.begin(), offload_lanes_.end(), k) == offload_lanes_.end())
           offload_lanes_.push_back(k);
       }
-      if (a_dev.is_cpu() && (cpu_path_ == CpuPath::fused || !s.averaged)) {
+    }
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      Slot& s = slots_[i];
+      if (s.average.device().is_cpu() && (cpu_path_ == CpuPath::fused || !s.averaged)) {
         plan_cpu_slot(i);
-      } else {
-        const bool same_place = s.source_device == a_dev && s.source_contiguous;
-        if (!(same_place && s.source_dtype == a_type)) stage(i, a_type, /*pinned=*/false);
-        if (s.averaged) {
-          device_group(a_dev, a_type, s.average, s.input());
-        } else if (a_dev.is_cpu()) {
-          generic_copies_.push_back(i);
-        } else {
-          device_copies_.push_back({i, s.follows_averages});
+      } else if (!s.averaged) {
+        List& l = list_for(ListKind::copy, s, s.follows_averages);
+        l.averages.push_back(s.average);
+        l.inputs.push_back(s.source);
+      } else if (s.source_device == s.average.device() && s.source_contiguous &&
+                 s.source_dtype == s.average.scalar_type()) {
+        List& l = list_for(ListKind::lerp, s);
+        l.averages.push_back(s.average);
+        l.inputs.push_back(s.source);
+      } else if (s.average.numel() > 0) {
+        to_stage.push_back(i);
+      }
+    }
+    plan_staging(to_stage);
+  }
+
+  // Averaged slots whose sources the foreach lerp cannot read in place, by (device, dtype,
+  // stream) of the average: cut into pieces that fill a pool of the bound chunk by chunk, each
+  // chunk a staged list. A piece is a flat range when source and average are contiguous, else a
+  // range of rows (dim 0); the pool grows past the bound only to hold the largest row.
+  void plan_staging(const std::vector<std::size_t>& to_stage) {
+    std::vector<bool> done(to_stage.size(), false);
+    for (std::size_t first = 0; first < to_stage.size(); ++first) {
+      if (done[first]) continue;
+      const Slot& head = slots_[to_stage[first]];
+      std::vector<std::size_t> group;  // the slots sharing head's pool
+      for (std::size_t j = first; j < to_stage.size(); ++j) {
+        const Slot& s = slots_[to_stage[j]];
+        if (!done[j] && s.average.device() == head.average.device() &&
+            s.average.scalar_type() == head.average.scalar_type() && lane_of(s) == lane_of(head) &&
+            on_current(s) == on_current(head)) {
+          group.push_back(to_stage[j]);
+          done[j] = true;
         }
       }
+      plan_pool(group);
+    }
+  }
+
+  static bool flat_pieces(const Slot& s) { return s.source_contiguous && s.average.is_contiguous(); }
+  static std::int64_t row_elements(const Slot& s) { return s.average.numel() / s.average.size(0); }
+  static std::int64_t align_up(std::int64_t n) { return (n + staging_align - 1) / staging_align * staging_align; }
+
+  void plan_pool(const std::vector<std::size_t>& group) {
+    const Slot& head = slots_[group.front()];
+    const auto esize = static_cast<std::int64_t>(head.average.element_size());
+    std::int64_t capacity = std::max<std::int64_t>(1, staging_bytes_ / esize);
+    for (auto i : group)
+      if (!flat_pieces(slots_[i])) capacity = std::max(capacity, row_elements(slots_[i]));
+    // Pieces: (slot, first element or row, count, offset in the pool, chunk).
+    struct Piece {
+      std::size_t slot;
+      std::int64_t begin, count, offset;
+      std::size_t chunk;
+    };
+    std::vector<Piece> pieces;
+    std::size_t chunk = 0;
+    std::int64_t offset = 0, used = 0;
+    for (auto i : group) {
+      const Slot& s = slots_[i];
+      const bool flat = flat_pieces(s);
+      const std::int64_t unit = flat ? 1 : row_elements(s);
+      const std::int64_t units = flat ? s.average.numel() : s.average.size(0);
+      for (std::int64_t b = 0; b < units;) {
+        if ((capacity - offset) / unit <= 0) {  // the chunk is full: the next one reuses the pool
+          chunk += 1;
+          offset = 0;
+        }
+        const std::int64_t n = std::min(units - b, (capacity - offset) / unit);
+        pieces.push_back(Piece{i, b, n, offset, chunk});
+        used = std::max(used, offset + n * unit);
+        offset = align_up(offset + n * unit);
+        b += n;
+      }
+    }
+    const at::Tensor pool = at::empty({used}, head.average.options());
+    pool_bytes_ += static_cast<std::int64_t>(pool.nbytes());
+    List* list = nullptr;
+    std::size_t list_chunk = npos;
+    for (const auto& p : pieces) {
+      const Slot& s = slots_[p.slot];
+      if (p.chunk != list_chunk) {
+        lists_.push_back(List{ListKind::staged, s.average.device(), s.average.scalar_type(), lane_of(s),
+                              on_current(s), true, {}, {}, {}});
+        list = &lists_.back();
+        list_chunk = p.chunk;
+      }
+      at::Tensor avg, src;
+      if (flat_pieces(s)) {
+        avg = s.average.view({-1}).narrow(0, p.begin, p.count);
+        src = s.source.view({-1}).narrow(0, p.begin, p.count);
+      } else {
+        avg = s.average.narrow(0, p.begin, p.count);
+        src = s.source.narrow(0, p.begin, p.count);
+      }
+      list->averages.push_back(avg);
+      list->sources.push_back(src);
+      list->inputs.push_back(pool.narrow(0, p.offset, avg.numel()).view(avg.sizes()));
     }
   }
 
@@ -687,6 +960,7 @@ class UpdateKernel {
     }
   }
 
+  // A full-size staging copy of one source, for a CPU average (pinned for offload).
   void stage(std::size_t i, c10::ScalarType dtype, bool pinned) {
     Slot& s = slots_[i];
     auto options = s.average.options().dtype(dtype);
@@ -695,34 +969,15 @@ class UpdateKernel {
     staged_.push_back(i);
   }
 
-  void device_group(c10::Device dev, c10::ScalarType dtype, const at::Tensor& avg, const at::Tensor& in) {
-    for (auto& g : device_groups_) {
-      if (g.device == dev && g.dtype == dtype) {
-        g.averages.push_back(avg);
-        g.inputs.push_back(in);
-        return;
-      }
-    }
-    device_groups_.push_back(DeviceGroup{dev, dtype, {avg}, {in}});
-  }
-
-  void run_device_group(DeviceGroup& g, double weight) {
-#if EMAKIT_HAS_FOREACH_LERP
-    at::_foreach_lerp_(g.averages, g.inputs, weight);
-#else
-    at::_foreach_mul_(g.averages, 1.0 - weight);
-    at::_foreach_add_(g.averages, g.inputs, weight);
-#endif
-  }
-
   std::vector<Slot> slots_;
   CpuPath cpu_path_ = CpuPath::fused;
   bool side_stream_ = false;
+  std::int64_t staging_bytes_ = default_staging_bytes;
+  std::int64_t pool_bytes_ = 0;
   CpuPass average_pass_;
   CpuPass copy_pass_;
-  std::vector<DeviceGroup> device_groups_;
-  std::vector<DeviceCopy> device_copies_;
-  std::vector<std::size_t> staged_;
+  std::vector<List> lists_;                  // the foreach path, in plan order
+  std::vector<std::size_t> staged_;          // CPU averages read from a staging copy
   std::vector<std::size_t> generic_;         // CPU averages the pass cannot read: lerp_ / copy_
   std::vector<std::size_t> generic_copies_;  // CPU copied slots the pass cannot copy: copy_
   mutable std::vector<Lane> lanes_;          // one per CUDA device the update touches
