@@ -685,3 +685,8 @@ TEST_CASE("skip_non_finite on the fused CPU path dispatches nothing", "[kernel]"
   INFO(ops.str());
   CHECK(ops.total() == 0);  // scanned by the host in place: no op, no sync, no allocation
 }
+
+TEST_CASE("A staging bound below one byte is an error naming the value", "[kernel][errors]") {
+  CHECK_THROWS_WITH(emakit::EmaOptions().staging_bytes(0), Catch::Contains("staging_bytes") && Catch::Contains("got 0"));
+  CHECK_THROWS_WITH(UpdateKernel({}, UpdateKernel::CpuPath::foreach, false, -5), Catch::Contains("got -5"));
+}
