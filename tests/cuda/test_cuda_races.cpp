@@ -296,6 +296,21 @@ TEST_CASE("Races: TeacherStudent::teacher() right after a side-stream update", "
   module_read_rounds(seq, ema, [&] { return wrapper.update(); }, [&] { return wrapper.teacher().parameters(); });
 }
 
+// Before and after of one tensor (or the flat parameters) for one update.
+struct Seen {
+  at::Tensor before, source;
+};
+
+// An EMA with BatchNorm statistics after one round: parameters and statistics are the averages of
+// what the update read, the count is the count it read.
+void check_bn_round(const emakit::StateDict& got, const std::vector<std::string>& names, double w, const Seen& params,
+                    const Seen& mean, const Seen& var, const at::Tensor& count) {
+  CHECK(bad_elements(flat_copy(in_order(got, names)), lerp_expected(params.before, params.source, w)) == 0);
+  CHECK(bad_elements(got["bn.running_mean"], lerp_expected(mean.before, mean.source, w)) == 0);
+  CHECK(bad_elements(got["bn.running_var"], lerp_expected(var.before, var.source, w)) == 0);
+  CHECK(torch::equal(got["bn.num_batches_tracked"].cpu(), count.cpu()));
+}
+
 TEST_CASE("Races: buffers written after update() and before wait() stay out of the average", "[cuda][race]") {
   Busy busy;
   torch::manual_seed(1);
@@ -344,11 +359,7 @@ TEST_CASE("Races: buffers written after update() and before wait() stay out of t
     step(params, 100.0);        // the next optimizer step
     const double w = 1.0 - r.decay;
     report_provocation(held, "the next forward's buffer writes");
-    const auto got = ema.averages();
-    CHECK(bad_elements(flat_copy(in_order(got, names)), lerp_expected(before, src, w)) == 0);
-    CHECK(bad_elements(got["bn.running_mean"], lerp_expected(before_mean, src_mean, w)) == 0);
-    CHECK(bad_elements(got["bn.running_var"], lerp_expected(before_var, src_var, w)) == 0);
-    CHECK(torch::equal(got["bn.num_batches_tracked"].cpu(), src_count.cpu()));
+    check_bn_round(ema.averages(), names, w, {before, src}, {before_mean, src_mean}, {before_var, src_var}, src_count);
   }
 }
 
@@ -387,11 +398,7 @@ TEST_CASE("Races: a BatchNorm1d forward in train mode right after update()", "[c
     step(params, 100.0);
     const double w = 1.0 - r.decay;
     report_provocation(held, "the next forward");
-    const auto got = ema.averages();
-    CHECK(bad_elements(flat_copy(in_order(got, names)), lerp_expected(before, src, w)) == 0);
-    CHECK(bad_elements(got["bn.running_mean"], lerp_expected(before_mean, src_mean, w)) == 0);
-    CHECK(bad_elements(got["bn.running_var"], lerp_expected(before_var, src_var, w)) == 0);
-    CHECK(torch::equal(got["bn.num_batches_tracked"].cpu(), src_count.cpu()));
+    check_bn_round(ema.averages(), names, w, {before, src}, {before_mean, src_mean}, {before_var, src_var}, src_count);
   }
 }
 
