@@ -13,6 +13,12 @@ EMAKIT_VENV="${EMAKIT_VENV:-$HOME/.cache/emakit/venv}"
 EMAKIT_JOBS="${EMAKIT_JOBS:-2}"
 EMAKIT_BUILD_TYPE="${EMAKIT_BUILD_TYPE:-Release}"
 EMAKIT_REQUIREMENTS="$EMAKIT_ROOT/scripts/requirements.txt"
+# The seed packages (luxonis-train, nvalchemi-toolkit) pin a torch that cannot share the first
+# venv: a second venv, made only when asked (EMAKIT_SEED_PACKAGES=1 ./scripts/test.sh,
+# ./scripts/seed_fixtures.sh). Cold: about 3 minutes and 6.9 GB (a CUDA torch wheel and ~240
+# packages); the default run replays the fixtures they recorded instead.
+EMAKIT_SEED_VENV="${EMAKIT_SEED_VENV:-$HOME/.cache/emakit/seed-venv}"
+EMAKIT_SEED_REQUIREMENTS="$EMAKIT_ROOT/scripts/requirements-seed.txt"
 
 # Debian packages the build needs (compiler, CMake, LibTorch 1.13, fmt, Catch2 v2, Google
 # Benchmark, ccache, python3-venv for the reference packages, CLI11 for the examples), the
@@ -82,27 +88,34 @@ emakit_fashion_mnist_ensure() {
 # the stamp file already records this requirements file (and this python). Returns
 #   0 ready, 2 PyPI unreachable (network), 1 any other failure.
 # Sets EMAKIT_PYTHON_STATUS to a one-line reason when it does not return 0.
-emakit_venv_ensure() {
-  local python="$EMAKIT_VENV/bin/python" stamp="$EMAKIT_VENV/.emakit-requirements.sha256"
-  local want
-  want="$(cat "$EMAKIT_REQUIREMENTS" <(python3 -c 'import sys; print(sys.version)' 2>/dev/null) \
+emakit_venv_ensure() { emakit_venv_ensure_at "$EMAKIT_VENV" "$EMAKIT_REQUIREMENTS"; }
+
+# emakit_seed_venv_ensure: the same for $EMAKIT_SEED_VENV and scripts/requirements-seed.txt.
+emakit_seed_venv_ensure() { emakit_venv_ensure_at "$EMAKIT_SEED_VENV" "$EMAKIT_SEED_REQUIREMENTS"; }
+
+# emakit_venv_ensure_at VENV REQUIREMENTS: emakit_venv_ensure for any venv and requirements file.
+emakit_venv_ensure_at() {
+  local venv="$1" requirements="$2"
+  local python="$venv/bin/python" stamp="$venv/.emakit-requirements.sha256"
+  local want rel="${2#"$EMAKIT_ROOT"/}"
+  want="$(cat "$requirements" <(python3 -c 'import sys; print(sys.version)' 2>/dev/null) \
           | sha256sum | cut -d' ' -f1)"
   if [[ -x "$python" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
     return 0
   fi
   if [[ "${EMAKIT_NO_INSTALL:-0}" == 1 ]]; then
     if [[ -x "$python" ]] && "$python" -c 'import torch' 2>/dev/null; then return 0; fi
-    EMAKIT_PYTHON_STATUS="no usable venv at $EMAKIT_VENV (EMAKIT_NO_INSTALL=1)"
+    EMAKIT_PYTHON_STATUS="no usable venv at $venv (EMAKIT_NO_INSTALL=1)"
     return 1
   fi
   if [[ ! -x "$python" ]]; then
-    emakit_say "creating the Python venv $EMAKIT_VENV"
-    python3 -m venv "$EMAKIT_VENV" || { EMAKIT_PYTHON_STATUS="python3 -m venv failed"; return 1; }
+    emakit_say "creating the Python venv $venv"
+    python3 -m venv "$venv" || { EMAKIT_PYTHON_STATUS="python3 -m venv failed"; return 1; }
   fi
-  local log="$EMAKIT_VENV/.emakit-pip.log"
-  emakit_say "installing scripts/requirements.txt into $EMAKIT_VENV (log: $log)"
+  local log="$venv/.emakit-pip.log"
+  emakit_say "installing $rel into $venv (log: $log)"
   if "$python" -m pip install --disable-pip-version-check --retries 2 --timeout 30 \
-       -r "$EMAKIT_REQUIREMENTS" >"$log" 2>&1; then
+       -r "$requirements" >"$log" 2>&1; then
     printf '%s\n' "$want" >"$stamp"
     return 0
   fi
@@ -110,7 +123,7 @@ emakit_venv_ensure() {
     EMAKIT_PYTHON_STATUS="PyPI cannot be reached (pip install failed on the network; see $log)"
     return 2
   fi
-  EMAKIT_PYTHON_STATUS="pip install -r scripts/requirements.txt failed (see $log)"
+  EMAKIT_PYTHON_STATUS="pip install -r $rel failed (see $log)"
   return 1
 }
 

@@ -12,6 +12,9 @@
 #   EMAKIT_VARIANTS=torch1.13 ./scripts/test.sh   (known: torch1.13 torch2 asan)
 #   EMAKIT_CTEST_ARGS="-L unit" ./scripts/test.sh
 #   EMAKIT_FUZZ_SECONDS=0 ./scripts/test.sh   without the fuzz run (scripts/fuzz.sh)
+#   EMAKIT_SEED_PACKAGES=1 ./scripts/test.sh  also installs the seed venv (luxonis-train,
+#       nvalchemi-toolkit; scripts/requirements-seed.txt, ~3 min and 6.9 GB cold) and runs their
+#       conformance generators for real; without it their recorded fixtures are replayed
 #
 # Exit status: 0 when every variant that ran built and passed all its tests.
 set -euo pipefail
@@ -41,6 +44,19 @@ else
   fi
 fi
 
+# The seed packages' venv, only when asked: otherwise their conformance tests replay the
+# fixtures recorded in tests/conformance/fixtures (./scripts/seed_fixtures.sh regenerates them).
+unset EMAKIT_SEED_PYTHON
+if [[ "${EMAKIT_SEED_PACKAGES:-0}" == 1 ]]; then
+  seed_rc=0
+  emakit_seed_venv_ensure || seed_rc=$?
+  if ((seed_rc == 0)); then
+    export EMAKIT_SEED_PYTHON="$EMAKIT_SEED_VENV/bin/python"
+  else
+    emakit_die "EMAKIT_SEED_PACKAGES=1 but the seed venv is unavailable: $EMAKIT_PYTHON_STATUS"
+  fi
+fi
+
 declare -A result=()
 
 # run_variant NAME DESCRIPTION CMAKE_ARGS...: configure, build and ctest build/NAME; records
@@ -50,7 +66,8 @@ run_variant() {
   local dir="build/$name" log
   emakit_say "[$name] configure ($what)"
   if ! cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE="$EMAKIT_BUILD_TYPE" \
-         -DEMAKIT_BUILD_TESTS=ON -DEMAKIT_BUILD_EXAMPLES=ON -DEMAKIT_PYTHON="${EMAKIT_PYTHON:-}" "$@"; then
+         -DEMAKIT_BUILD_TESTS=ON -DEMAKIT_BUILD_EXAMPLES=ON -DEMAKIT_PYTHON="${EMAKIT_PYTHON:-}" \
+         -DEMAKIT_SEED_PYTHON="${EMAKIT_SEED_PYTHON:-}" "$@"; then
     result[$name]="FAILED: configure ($what)"
     return 1
   fi

@@ -213,6 +213,17 @@ TEST_CASE("Loading a state of another config is an error naming the field and bo
   emakit::FixedEma d(*model, emakit::Fixed(0.999), emakit::StepSchedule().update_every(3));
   CHECK_THROWS_WITH(d.load_state_dict(a.state_dict()),
                     Contains("config.schedule.update_every") && Contains("1") && Contains("3"));
+  // The buffer mode is part of the config (nvalchemi's EMAHook refuses another use_buffers too).
+  emakit::FixedEma e(*model, emakit::Fixed(0.999), {}, emakit::EmaOptions().buffers(emakit::BufferMode::copy));
+  const auto before = snapshot(e.averages());
+  CHECK_THROWS_WITH(e.load_state_dict(a.state_dict()),
+                    Contains("config.options.buffers") && Contains("average") && Contains("copy"));
+  CHECK(same_averages(e.averages(), before));
+  // A state written before the buffer mode was saved has no such key: it loads, unchecked.
+  emakit::StateDict older;
+  for (const auto& item : a.state_dict())
+    if (item.key() != "config.options.buffers") older.insert(item.key(), item.value());
+  CHECK(e.load_state_dict(older).clean());
 }
 
 TEST_CASE("Strict load rejects missing, unexpected and mismatched tensors and changes nothing", "[ema][state][errors]") {

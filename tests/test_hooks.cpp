@@ -647,3 +647,27 @@ TEST_CASE("Hook: a side-stream EMA is waited for before the optimizer step, or r
   plain.update();
   CHECK(same(averages_of(plain.averages()), averages_of(hook.ema<emakit::FixedEma>("model").averages())));
 }
+
+TEST_CASE("Hook: a checkpoint of another config is refused also before the EMA is made, and nothing loads", "[hooks][errors]") {
+  torch::manual_seed(10);
+  TempDir dir;
+  TinyNet saved_model;
+  EmaHook saver;
+  saver.add(*saved_model, Recipe(emakit::Fixed(0.85)));
+  saver.setup();
+  saver.after_optimizer_step();
+  saver.save_checkpoint(dir.path / "a.pt");
+
+  TinyNet model;
+  const Weights before = weights_of(*model);
+  EmaHook hook;  // its EMA is made at the first eligible step: the state would be pending
+  hook.add(*model, Recipe(emakit::Fixed(0.9)), {.creation = Creation::at_first_eligible_step});
+  CHECK_THROWS_WITH(hook.load_checkpoint(dir.path / "a.pt"),
+                    Contains("config.decay.beta") && Contains("0.85") && Contains("0.9"));
+  CHECK(same(weights_of(*model), before));  // the model's weights were not loaded either
+  EmaHook other_buffers;
+  other_buffers.add(*model, Recipe(emakit::Fixed(0.85), emakit::StepSchedule(), emakit::EmaOptions().buffers(emakit::BufferMode::copy)),
+                    {.creation = Creation::at_first_eligible_step});
+  CHECK_THROWS_WITH(other_buffers.load_checkpoint(dir.path / "a.pt"), Contains("config.options.buffers"));
+  CHECK(same(weights_of(*model), before));
+}

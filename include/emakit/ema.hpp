@@ -626,6 +626,8 @@ class Ema {
   //   emakit.format                       int64, the layout version
   //   config.decay / config.schedule      the policy's name, as uint8 UTF-8 bytes
   //   config.decay.<field>, config.schedule.<field>   float64 option values
+  //   config.options.buffers              int64, EmaOptions::buffers (0 average, 1 copy, 2 ignore);
+  //                                       absent in older states: then not checked
   //   counters.calls, counters.step, counters.num_updates, counters.last_update_step   int64
   //   counters.last_decay                 float64
   //   average.<name>                      the EMA's tensors (shared, not copied)
@@ -635,6 +637,7 @@ class Ema {
     out.insert("emakit.format", at::scalar_tensor(state_format_version, at::kLong));
     write_config(out, "decay", decay_);
     write_config(out, "schedule", schedule_);
+    out.insert("config.options.buffers", at::scalar_tensor(static_cast<std::int64_t>(options_.buffers()), at::kLong));
     out.insert("counters.calls", at::scalar_tensor(calls_, at::kLong));
     out.insert("counters.step", at::scalar_tensor(step_, at::kLong));
     out.insert("counters.num_updates", at::scalar_tensor(num_updates_, at::kLong));
@@ -675,6 +678,30 @@ class Ema {
   LoadReport check_state_dict(const StateDict& state, LoadMode mode = LoadMode::strict) const {
     ensure_bound("check_state_dict");
     return plan_load(state, mode).report;
+  }
+
+  // The checks of a state's format and config (policies, fields, buffer mode) against these
+  // policies and options, without an Ema: a hook that has not made its EMA yet checks a
+  // checkpoint with them. Throws naming the first difference.
+  static void check_state_config(const StateDict& state, const Decay& decay, const Schedule& schedule,
+                                 const EmaOptions& options) {
+    check_format(state);
+    check_config(state, "decay", decay);
+    check_config(state, "schedule", schedule);
+    if (const at::Tensor* b = state.find("config.options.buffers"); b != nullptr) {
+      auto name = [](std::int64_t v) {
+        return v == 0 ? std::string("average") : v == 1 ? std::string("copy") : v == 2 ? std::string("ignore")
+                                                                                   : fmt::format("{} (unknown)", v);
+      };
+      if (b->numel() != 1 || c10::isFloatingType(b->scalar_type()))
+        detail::fail("'config.options.buffers' must be one integer, got a {} tensor of shape {}",
+                     c10::toString(b->scalar_type()), detail::shape_string(b->sizes()));
+      const std::int64_t theirs = b->item<std::int64_t>();
+      const auto ours = static_cast<std::int64_t>(options.buffers());
+      if (theirs != ours)
+        detail::fail("config differs: config.options.buffers (EmaOptions::buffers) is {} in the state, {} in this EMA",
+                     name(theirs), name(ours));
+    }
   }
 
   // For an EMA made after its trainer had already run (a hook that creates it lazily): counts
@@ -743,9 +770,7 @@ class Ema {
   };
 
   LoadPlan plan_load(const StateDict& state, LoadMode mode) const {
-    check_format(state);
-    check_config(state, "decay", decay_);
-    check_config(state, "schedule", schedule_);
+    check_state_config(state, decay_, schedule_, options_);
     LoadPlan plan{{}, {}, read_counters(state)};
     LoadReport& report = plan.report;
     const auto& slots = kernel_.slots();
@@ -1101,6 +1126,7 @@ class Ema {
   }
 
   static bool known_key(const std::string& key) {
+    if (key == "config.options.buffers") return true;  // checked by check_state_config()
     static const char* const fixed[] = {"emakit.format",        "counters.calls",           "counters.step",
                                         "counters.num_updates", "counters.last_update_step", "counters.last_decay",
                                         "counters.non_finite_updates"};

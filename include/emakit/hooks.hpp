@@ -384,7 +384,9 @@ class HookEntry final : public HookEntryBase {
       };
     }
     // No EMA here yet (it is made at creation, with this state applied), or none in the run that
-    // saved the checkpoint: this model goes back to "not made yet" with that run's counters.
+    // saved the checkpoint: this model goes back to "not made yet" with that run's counters. A
+    // state of another config is refused now, as with an EMA (nvalchemi's EMAHook does the same).
+    if (state) ema_type::check_state_config(*state, recipe_.decay, recipe_.schedule, recipe_.options);
     return [this, copies = std::move(copies), state = std::move(state), calls, step, mode]() mutable {
       write_weights(copies);
       ema_.reset();

@@ -227,7 +227,10 @@ inline Ema<ExponentialRamp> luxonis_model_ema(std::vector<SourceTensor> tensors,
 // luxonis-train EMACallback(decay=0.5, decay_tau=2000), for emakit::EmaHook: made at setup (fit
 // start), one update per accumulation window at the window's first micro-batch
 // (batch_idx % accumulate == 0), the EMA weights swapped in for validation and test and kept at
-// train end, checkpoints holding the EMA weights: the defaults of HookOptions.
+// train end, checkpoints holding the EMA weights: the defaults of HookOptions. Lightning's
+// batch_idx restarts every epoch and `accumulate` counts calls across epochs: with an epoch length
+// that is not a multiple of the window, use accumulate = 1 and call the hook only at
+// batch_idx % window == 0 (checked against the real callback, tests/conformance).
 struct LuxonisEmaCallbackOptions {
   double decay = 0.5;
   double decay_tau = 2000.0;

@@ -96,3 +96,13 @@ def run(out, scenario, make, update, peer_state, counters, steps, skip_steps=(),
     meta.update({"buffer." + name: torch.tensor(1) for name in buffers})
     torch.save(meta, os.path.join(folder, "meta.pt"))
     print("wrote", folder, steps, "steps")
+
+
+def write_versions(out, packages):
+    """OUT/versions.txt: 'name==version' of each package the generator drove, one a line, so that
+    a recorded fixture can be checked against scripts/requirements-seed.txt (stale fixtures)."""
+    from importlib.metadata import version
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "versions.txt"), "w") as f:
+        for name in packages:
+            f.write(f"{name}=={version(name).split('+')[0]}\n")

@@ -101,23 +101,4 @@ TEST_CASE("AveragedModel SWA (equal-weight mean) without buffers", "[conformance
   replay(*dir, sources, ema, false, averaged_model_counters);
 }
 
-TEST_CASE("luxonis-train ModelEma: ramped decay over the whole state dict", "[conformance][luxonis]") {
-  const auto dir = scenario_dir("luxonis_peer", "dynamic_decay");
-  if (!dir) return;
-  auto sources = sources_from(*dir);
-  auto ema = emakit::luxonis_model_ema(sources, {.decay = 0.99, .decay_tau = 5.0});
-  replay(*dir, sources, ema, false, [](const auto& e, const Dict& rec) {
-    CHECK(e.num_updates() == rec.at("counter.updates").template item<std::int64_t>());
-  });
-}
-
-TEST_CASE("nvalchemi EMAHook: start_step, update_every and vetoed steps", "[conformance][nvalchemi]") {
-  const auto dir = scenario_dir("nvalchemi_peer", "vetoed_start_every");
-  if (!dir) return;
-  auto sources = sources_from(*dir);
-  // The hook's steps are the trainer's: every step completes, a vetoed one too (will_skip).
-  auto ema = emakit::ema_hook(sources, {.decay = 0.9, .update_every = 2, .start_step = 3, .use_buffers = false});
-  replay(*dir, sources, ema, /*pass_step=*/true, [](const auto& e, const Dict& rec) {
-    CHECK(e.num_updates() == rec.at("counter.num_updates").template item<std::int64_t>());
-  });
-}
+// luxonis-train and nvalchemi-toolkit: test_seed_packages.cpp.
