@@ -8,7 +8,9 @@
 # Installs what is missing first (Debian packages, the venv with scripts/requirements.txt).
 # If PyPI cannot be reached, only the 1.13 run happens (and decides the exit status).
 #
-#   ./scripts/test.sh                       every variant, then the fuzz run
+#   ./scripts/test.sh                       every variant, then the fuzz run (what CI runs)
+#   ./scripts/test.sh --quick               a developer's edit loop: LibTorch 1.13, unit tests only,
+#                                           no sanitizers, no fuzzing, no venv install
 #   EMAKIT_VARIANTS=torch1.13 ./scripts/test.sh   (known: torch1.13 torch2 asan)
 #   EMAKIT_CTEST_ARGS="-L unit" ./scripts/test.sh
 #   EMAKIT_FUZZ_SECONDS=0 ./scripts/test.sh   without the fuzz run (scripts/fuzz.sh)
@@ -16,11 +18,24 @@
 #       nvalchemi-toolkit; scripts/requirements-seed.txt, ~3 min and 6.9 GB cold) and runs their
 #       conformance generators for real; without it their recorded fixtures are replayed
 #
+# Each stage prints how long it took, and the summary says it again per run.
+#
 # Exit status: 0 when every variant that ran built and passed all its tests.
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$EMAKIT_ROOT"
+
+quick=0
+case "${1:-}" in
+  "") ;;
+  --quick)
+    quick=1
+    : "${EMAKIT_VARIANTS:=torch1.13}" "${EMAKIT_CTEST_ARGS:=-L unit}" "${EMAKIT_FUZZ_SECONDS:=0}"
+    ;;
+  *) emakit_die "unknown argument '$1' (known: --quick)" ;;
+esac
+started=$SECONDS
 
 read -r -a variants <<<"${EMAKIT_VARIANTS:-torch1.13 torch2 asan}"
 read -r -a ctest_extra <<<"${EMAKIT_CTEST_ARGS:-}"
@@ -32,14 +47,18 @@ emakit_fashion_mnist_ensure
 # The venv serves both runs: the conformance tests compare against the Python packages
 # (EMAKIT_PYTHON), and the torch2 run links the wheel's LibTorch.
 venv_rc=0
-emakit_venv_ensure || venv_rc=$?
+if ((quick == 1)); then
+  EMAKIT_NO_INSTALL=1 emakit_venv_ensure || venv_rc=$?  # the venv if it is there; never installed
+else
+  emakit_venv_ensure || venv_rc=$?
+fi
 if ((venv_rc == 0)); then
   export EMAKIT_PYTHON="$EMAKIT_VENV/bin/python"
 else
   unset EMAKIT_PYTHON
   if ((venv_rc == 2)); then
     printf '==> PyPI cannot be reached: skipping the LibTorch 2.x (torch wheel) run and the Python conformance checks; testing LibTorch 1.13 only.\n'
-  else
+  elif ((quick == 0)); then
     emakit_warn "Python venv unavailable: $EMAKIT_PYTHON_STATUS; skipping the torch wheel run"
   fi
 fi
@@ -57,13 +76,14 @@ if [[ "${EMAKIT_SEED_PACKAGES:-0}" == 1 ]]; then
   fi
 fi
 
-declare -A result=()
+emakit_say "set-up (Debian packages, data, venvs) took $((SECONDS - started)) s"
+declare -A result=() took=()
 
 # run_variant NAME DESCRIPTION CMAKE_ARGS...: configure, build and ctest build/NAME; records
 # one summary line in result[NAME]; returns non-zero on failure.
 run_variant() {
   local name="$1" what="$2"; shift 2
-  local dir="build/$name" log
+  local dir="build/$name" log t0=$SECONDS t1 t2
   emakit_say "[$name] configure ($what)"
   if ! cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE="$EMAKIT_BUILD_TYPE" \
          -DEMAKIT_BUILD_TESTS=ON -DEMAKIT_BUILD_EXAMPLES=ON -DEMAKIT_PYTHON="${EMAKIT_PYTHON:-}" \
@@ -72,15 +92,18 @@ run_variant() {
     return 1
   fi
   emakit_say "[$name] build (-j$EMAKIT_JOBS)"
+  t1=$SECONDS
   if ! cmake --build "$dir" -j "$EMAKIT_JOBS"; then
     result[$name]="FAILED: build ($what)"
     return 1
   fi
-  emakit_say "[$name] ctest"
+  emakit_say "[$name] ctest (configure $((t1 - t0)) s, build $((SECONDS - t1)) s)"
+  t2=$SECONDS
   log="$dir/ctest.log"
   local ctest_rc=0
   (cd "$dir" && ctest -j "$EMAKIT_JOBS" --output-on-failure "${ctest_extra[@]}") 2>&1 \
     | tee "$log" || ctest_rc=$?
+  took[$name]="configure $((t1 - t0)) s, build $((t2 - t1)) s, ctest $((SECONDS - t2)) s"
   result[$name]="$(emakit_ctest_summary "$log" "$ctest_rc" "$what")" || return 1
 }
 
@@ -89,8 +112,9 @@ run_variant() {
 run_script() {
   local name="$1" script="$2" log="build/$1.summary.log" line
   mkdir -p build
-  local rc=0
+  local rc=0 t0=$SECONDS
   "$EMAKIT_ROOT/scripts/$script" 2>&1 | tee "$log" || rc=$?
+  took[$name]="$((SECONDS - t0)) s"
   line="$(grep -E "^==> \[$name\] (PASSED|FAILED)" "$log" | tail -n1 | sed -E "s/^==> \[$name\] //" || true)"
   if ((rc == 0)) && [[ "$line" == PASSED* ]]; then
     result[$name]="$line"
@@ -152,10 +176,13 @@ if [[ "${EMAKIT_FUZZ_SECONDS:-60}" != 0 ]]; then
   run_script fuzz fuzz.sh || status=1
 fi
 
-printf '\n==> emakit test summary\n'
+printf '\n==> emakit test summary (%d s in all)\n' "$((SECONDS - started))"
 for variant in "${ran[@]}"; do
   printf '==>   %-10s %s\n' "$variant" "${result[$variant]}"
+  [[ -n "${took[$variant]:-}" ]] && printf '==>   %-10s   took %s\n' "" "${took[$variant]}"
 done
+((quick == 0)) || printf '==> quick mode: LibTorch 1.13 unit tests only; the full run is ./scripts/test.sh\n'
+
 if ((status == 0)); then
   printf '==> OVERALL: PASSED\n'
 else

@@ -425,6 +425,16 @@ TEST_CASE("Unknown records, foreign globals and tensors larger than their data a
   // An opcode outside the subset (INST, a class built from a name).
   const auto inst = with("inst.pt", [](Records& r) { record(r, "data.pkl") = std::string("\x80\x02(ios\nsystem\n.", 15); });
   REQUIRE_THROWS_WITH(emakit::load(ema, inst), Contains("opcode 0x69") && Contains("outside the accepted subset"));
+  // A memo index far past anything made (one flipped byte of a LONG_BINPUT): LibTorch's
+  // unpickler would reserve gigabytes for it.
+  const auto memo = with("memo.pt", [](Records& r) {
+    Pickle p;
+    p.op('N').op('r');
+    p.bytes += std::string("\x00\x00\x00\x40", 4);  // LONG_BINPUT 0x40000000
+    p.op('.');
+    record(r, "data.pkl") = p.bytes;
+  });
+  REQUIRE_THROWS_WITH(emakit::load(ema, memo), Contains("data.pkl") && Contains("memo index 1073741824"));
   // A tensor record cut short: the pickle claims more elements than the record holds.
   const auto short_data = with("short.pt", [](Records& r) { record(r, "data/0").resize(1); });
   REQUIRE_THROWS_WITH(emakit::load(ema, short_data), Contains("the record data/0 holds 1 bytes"));

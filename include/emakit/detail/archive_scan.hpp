@@ -435,8 +435,17 @@ inline std::pair<Value::Kind, std::size_t> check_pickle(std::span<const char> by
         push(global(std::move(module), std::move(name)));
         break;
       }
-      case 'q': memo[static_cast<std::uint32_t>(le(1))] = top(); break;  // BINPUT
-      case 'r': memo[static_cast<std::uint32_t>(le(4))] = top(); break;  // LONG_BINPUT
+      case 'q':    // BINPUT
+      case 'r': {  // LONG_BINPUT
+        // A pickler numbers its memo entries 0, 1, 2, ...: never more of them than values made.
+        // LibTorch's unpickler reserves memory for an index as large as it is told (a flipped
+        // byte: gigabytes), so a larger one is refused here.
+        const auto key = static_cast<std::uint32_t>(le(op == 'q' ? 1 : 4));
+        if (key > values.size())
+          bad(fmt::format("a memo index {} past the {} values made so far", key, values.size()));
+        memo[key] = top();
+        break;
+      }
       case 'h':                                                           // BINGET
       case 'j': {                                                         // LONG_BINGET
         const auto key = static_cast<std::uint32_t>(le(op == 'h' ? 1 : 4));
