@@ -36,6 +36,27 @@ inline Dict load_dict(const fs::path& path) {
 }
 
 // The folder of a scenario, or nullopt after printing why it is skipped.
+// Every parameter and buffer of a module, by its full name.
+inline std::map<std::string, at::Tensor> tensors_of(torch::nn::Module& m) {
+  std::map<std::string, at::Tensor> out;
+  for (auto& p : m.named_parameters()) out.emplace(p.key(), p.value());
+  for (auto& b : m.named_buffers()) out.emplace(b.key(), b.value());
+  return out;
+}
+
+// Writes rec[prefix + name] into each tensor of the module.
+inline void load_into(torch::nn::Module& m, const Dict& rec, const std::string& prefix) {
+  torch::NoGradGuard no_grad;
+  for (auto& [name, t] : tensors_of(m)) t.copy_(rec.at(prefix + name));
+}
+
+// max |ours - peer| / max(|peer|, 1), in double.
+inline double rel_diff(const at::Tensor& ours, const at::Tensor& peer) {
+  return ((ours.to(at::kDouble) - peer.to(at::kDouble)).abs() / peer.to(at::kDouble).abs().clamp_min(1.0))
+      .max()
+      .item<double>();
+}
+
 inline std::optional<fs::path> scenario_dir(const std::string& peer, const std::string& scenario) {
   const char* root = std::getenv("EMAKIT_CONFORMANCE_DIR");
   if (root == nullptr) {

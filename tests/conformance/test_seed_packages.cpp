@@ -51,24 +51,6 @@ struct NetImpl : torch::nn::Cloneable<NetImpl> {
 };
 TORCH_MODULE(Net);
 
-std::map<std::string, at::Tensor> tensors_of(torch::nn::Module& m) {
-  std::map<std::string, at::Tensor> out;
-  for (auto& p : m.named_parameters()) out.emplace(p.key(), p.value());
-  for (auto& b : m.named_buffers()) out.emplace(b.key(), b.value());
-  return out;
-}
-
-void load_into(torch::nn::Module& m, const Dict& rec, const std::string& prefix) {
-  torch::NoGradGuard no_grad;
-  for (auto& [name, t] : tensors_of(m)) t.copy_(rec.at(prefix + name));
-}
-
-double rel_diff(const at::Tensor& ours, const at::Tensor& peer) {
-  return ((ours.to(at::kDouble) - peer.to(at::kDouble)).abs() / peer.to(at::kDouble).abs().clamp_min(1.0))
-      .max()
-      .item<double>();
-}
-
 struct Stats {
   double max_rel = 0;
   int compared = 0;
@@ -213,6 +195,20 @@ Stats replay_callback(const fs::path& dir, double decay, double tau, bool call_a
   report(dir.filename().string() + (call_at_window_start ? " (hook at batch_idx % n == 0)" : " (hook, accumulate)"),
          steps, s);
   return s;
+}
+
+// A checkpoint of an EmaHook with nvalchemi's config `base` after one step, at a file of its own
+// (named by `tag`); the caller removes it.
+fs::path nvalchemi_checkpoint(const emakit::EmaHookOptions& base, const std::string& tag) {
+  torch::manual_seed(3);
+  Net net;
+  emakit::EmaHook saver;
+  saver.add(*net, emakit::ema_hook_recipe(base));
+  saver.setup();
+  saver.after_optimizer_step();
+  const fs::path file = fs::temp_directory_path() / ("emakit_nvalchemi_" + tag + "_" + std::to_string(::getpid()) + ".pt");
+  saver.save_checkpoint(file);
+  return file;
 }
 
 }  // namespace
@@ -396,14 +392,7 @@ TEST_CASE("nvalchemi EMAHook: a state with another config is refused, naming the
   const Dict errors = load_dict(*dir / "errors.pt");
   CHECK(errors.at("pending_before_creation").item<std::int64_t>() == 1);
   const emakit::EmaHookOptions base{.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = false};
-  torch::manual_seed(3);
-  Net net;
-  emakit::EmaHook saver;
-  saver.add(*net, emakit::ema_hook_recipe(base));
-  saver.setup();
-  saver.after_optimizer_step();
-  const fs::path file = fs::temp_directory_path() / ("emakit_nvalchemi_cfg_" + std::to_string(::getpid()) + ".pt");
-  saver.save_checkpoint(file);
+  const fs::path file = nvalchemi_checkpoint(base, "cfg");
   struct Case {
     const char* field;
     emakit::EmaHookOptions options;
@@ -440,15 +429,7 @@ TEST_CASE("nvalchemi EMAHook: a conflicting config is refused at load also befor
   if (!dir) return;
   const Dict errors = load_dict(*dir / "errors.pt");
   REQUIRE(errors.at("message.decay").numel() > 0);  // EMAHook raised for a pending state too
-  const emakit::EmaHookOptions base{.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = false};
-  torch::manual_seed(3);
-  Net net;
-  emakit::EmaHook saver;
-  saver.add(*net, emakit::ema_hook_recipe(base));
-  saver.setup();
-  saver.after_optimizer_step();
-  const fs::path file = fs::temp_directory_path() / ("emakit_nvalchemi_cfg2_" + std::to_string(::getpid()) + ".pt");
-  saver.save_checkpoint(file);
+  const fs::path file = nvalchemi_checkpoint({.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = false}, "cfg2");
   Net other;
   emakit::EmaHook hook;
   hook.add(*other, emakit::ema_hook_recipe({.decay = 0.9, .update_every = 3, .start_step = 4, .use_buffers = false}),
@@ -511,14 +492,7 @@ TEST_CASE("nvalchemi EMAHook: a state saved with another use_buffers is refused"
   if (!dir) return;
   const Dict errors = load_dict(*dir / "errors.pt");
   REQUIRE(errors.at("message.use_buffers").numel() > 0);  // EMAHook raised
-  torch::manual_seed(3);
-  Net net;
-  emakit::EmaHook saver;
-  saver.add(*net, emakit::ema_hook_recipe({.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = false}));
-  saver.setup();
-  saver.after_optimizer_step();
-  const fs::path file = fs::temp_directory_path() / ("emakit_nvalchemi_cfg3_" + std::to_string(::getpid()) + ".pt");
-  saver.save_checkpoint(file);
+  const fs::path file = nvalchemi_checkpoint({.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = false}, "cfg3");
   Net other;
   emakit::EmaHook hook;
   hook.add(*other, emakit::ema_hook_recipe({.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = true}));

@@ -73,24 +73,6 @@ TORCH_MODULE(Model);
 
 using ModuleEmaPytorch = emakit::Ema<emakit::InversePowerWarmup, emakit::StepSchedule, emakit::ModuleStorage<ModelImpl>>;
 
-std::map<std::string, at::Tensor> tensors_of(torch::nn::Module& m) {
-  std::map<std::string, at::Tensor> out;
-  for (auto& p : m.named_parameters()) out.emplace(p.key(), p.value());
-  for (auto& b : m.named_buffers()) out.emplace(b.key(), b.value());
-  return out;
-}
-
-void load_into(torch::nn::Module& m, const Dict& rec, const std::string& prefix) {
-  torch::NoGradGuard no_grad;
-  for (auto& [name, t] : tensors_of(m)) t.copy_(rec.at(prefix + name));
-}
-
-double rel_diff(const at::Tensor& ours, const at::Tensor& peer) {
-  return ((ours.to(at::kDouble) - peer.to(at::kDouble)).abs() / peer.to(at::kDouble).abs().clamp_min(1.0))
-      .max()
-      .item<double>();
-}
-
 // Every tensor of `m` against rec[prefix + name]: integers exact, floats within 1e-6 relative.
 double compare_module(torch::nn::Module& m, const Dict& rec, const std::string& prefix) {
   double worst = 0;
