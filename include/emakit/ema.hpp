@@ -447,6 +447,7 @@ class Ema {
     const Decision decision = schedule_.decide(in);
     check_decision(decision, info);
     UpdateResult result{decision.action, decision.step, std::nan(""), {}};
+    if (decision.action != Action::skipped) kernel_.check_sources();  // re-plans if a source moved
     if (decision.action != Action::skipped && options_.skip_non_finite()) {
       const std::size_t bad = kernel_.first_non_finite(decision.action == Action::copied);
       if (bad != detail::UpdateKernel::npos) result.non_finite = kernel_.name(bad);
@@ -462,13 +463,11 @@ class Ema {
       }
     }
     if (decision.action == Action::copied) {
-      kernel_.check_sources();
       kernel_.copy();
       result.decay = 0.0;
     } else if (decision.action == Action::averaged) {
       const DecayInput d_in{decision.step, num_updates_ + 1, decision.step - last_update_step_};
       const double weight = lerp_weight(d_in);
-      kernel_.check_sources();
       kernel_.average(weight);
       result.decay = 1.0 - weight;
     }

@@ -501,6 +501,8 @@ class UpdateKernel {
     generic_copies_ = std::move(other.generic_copies_);
     lanes_ = std::move(other.lanes_);
     offload_lanes_ = std::move(other.offload_lanes_);
+    finite_checks_[0] = std::move(other.finite_checks_[0]);
+    finite_checks_[1] = std::move(other.finite_checks_[1]);
     return *this;
   }
   UpdateKernel(const UpdateKernel&) = delete;
@@ -585,55 +587,37 @@ class UpdateKernel {
 
   // The first slot, in slot order, whose source the next update reads (copying: every slot;
   // averaging: averaged slots and copies that follow averages) and that holds a NaN or an
-  // infinity; npos if none. Sources on a device (or every source, on the foreach CPU path) are
-  // checked together: one _foreach_norm(inf) per (device, dtype), a max-abs that cannot overflow,
-  // reduced to one flag on the device and read with one host sync. CPU sources of the fused path
-  // are scanned on the host. Only when something is found are the per-tensor flags read (one
-  // more sync per group), to name the first.
+  // infinity; npos if none. Call after check_sources(): the groups are those of the last plan.
+  // Sources on a device (or every source, on the foreach CPU path) are checked together: one
+  // _foreach_norm(inf) per (device, dtype), a max-abs that cannot overflow, reduced to one flag on
+  // the device and read with one host sync. CPU sources of the fused path are scanned on the
+  // host. Only when something is found are the per-tensor flags read (one more sync per group),
+  // to name the first.
   std::size_t first_non_finite(bool copying) const {
-    auto read = [&](const Slot& s) {
-      const auto type = s.source.scalar_type();
-      return (copying || s.averaged || s.follows_averages) && s.source.numel() > 0 &&
-             (c10::isFloatingType(type) || c10::isComplexType(type));
-    };
-    struct Group {
-      c10::Device device;
-      c10::ScalarType dtype;
-      std::vector<at::Tensor> sources;
-      std::vector<std::size_t> slots;
-      at::Tensor finite;  // per source
-    };
-    std::vector<Group> groups;
+    const FiniteChecks& checks = finite_checks_[copying ? 1 : 0];
     std::size_t first = npos;  // of the host-scanned sources
-    for (std::size_t i = 0; i < slots_.size(); ++i) {
-      const Slot& s = slots_[i];
-      if (!read(s)) continue;
-      if (s.source.is_cpu() && cpu_path_ == CpuPath::fused) {
-        if (first == npos && !all_finite(s.source)) first = i;
-        continue;
+    for (const std::size_t i : checks.scanned)
+      if (!all_finite(slots_[i].source)) {
+        first = i;
+        break;
       }
-      auto g = std::find_if(groups.begin(), groups.end(), [&](const Group& x) {
-        return x.device == s.source.device() && x.dtype == s.source.scalar_type();
-      });
-      if (g == groups.end()) g = groups.insert(groups.end(), Group{s.source.device(), s.source.scalar_type(), {}, {}, {}});
-      g->sources.push_back(s.source);
-      g->slots.push_back(i);
-    }
-    if (groups.empty()) return first;
+    if (checks.groups.empty()) return first;
     c10::NoGradGuard no_grad;
-    at::Tensor all;  // every source of every group is finite
-    for (auto& g : groups) {
-      g.finite = at::stack(at::_foreach_norm(g.sources, std::numeric_limits<double>::infinity())).isfinite();
-      const at::Tensor f = g.finite.all();
+    std::vector<at::Tensor> finite;  // per group, per source
+    at::Tensor all;                  // every source of every group is finite
+    for (const auto& g : checks.groups) {
+      finite.push_back(at::stack(at::_foreach_norm(g.sources, std::numeric_limits<double>::infinity())).isfinite());
+      const at::Tensor f = finite.back().all();
       all = all.defined() ? all.logical_and(f.to(all.device())) : f;
     }
     if (all.item<bool>()) return first;
-    for (const auto& g : groups) {
-      const at::Tensor finite = g.finite.to(at::kCPU);
-      const bool* ok = finite.data_ptr<bool>();
-      for (std::size_t j = 0; j < g.slots.size(); ++j)
+    for (std::size_t k = 0; k < checks.groups.size(); ++k) {
+      const at::Tensor flags = finite[k].to(at::kCPU);
+      const bool* ok = flags.data_ptr<bool>();
+      const auto& slots = checks.groups[k].slots;
+      for (std::size_t j = 0; j < slots.size(); ++j)
         if (!ok[j]) {
-          first = std::min(first, g.slots[j]);
+          first = std::min(first, slots[j]);
           break;
         }
     }
@@ -658,6 +642,44 @@ class UpdateKernel {
     std::vector<at::Tensor> inputs;
     std::vector<at::Tensor> sources;  // staged lists only
   };
+
+  // What first_non_finite() reads, planned: sources scanned on the host, and the others grouped by
+  // (device, dtype) for one _foreach_norm each.
+  struct FiniteGroup {
+    c10::Device device;
+    c10::ScalarType dtype;
+    std::vector<at::Tensor> sources;
+    std::vector<std::size_t> slots;
+  };
+  struct FiniteChecks {
+    std::vector<std::size_t> scanned;
+    std::vector<FiniteGroup> groups;
+  };
+
+  // finite_checks_[0] for averaging updates, [1] for copies.
+  void plan_finite_checks() {
+    for (int copying = 0; copying < 2; ++copying) {
+      FiniteChecks& checks = finite_checks_[copying];
+      checks = FiniteChecks{};
+      for (std::size_t i = 0; i < slots_.size(); ++i) {
+        const Slot& s = slots_[i];
+        const auto type = s.source.scalar_type();
+        const bool read = (copying == 1 || s.averaged || s.follows_averages) && s.source.numel() > 0 &&
+                          (c10::isFloatingType(type) || c10::isComplexType(type));
+        if (!read) continue;
+        if (s.source.is_cpu() && cpu_path_ == CpuPath::fused) {
+          checks.scanned.push_back(i);
+          continue;
+        }
+        auto g = std::find_if(checks.groups.begin(), checks.groups.end(), [&](const FiniteGroup& x) {
+          return x.device == s.source.device() && x.dtype == type;
+        });
+        if (g == checks.groups.end()) g = checks.groups.insert(checks.groups.end(), FiniteGroup{s.source.device(), type, {}, {}});
+        g->sources.push_back(s.source);
+        g->slots.push_back(i);
+      }
+    }
+  }
 
   void run(bool averaging, double weight) {
     c10::NoGradGuard no_grad;
@@ -824,6 +846,7 @@ class UpdateKernel {
       }
     }
     plan_staging(to_stage);
+    plan_finite_checks();
   }
 
   // Averaged slots whose sources the foreach lerp cannot read in place, by (device, dtype,
@@ -983,6 +1006,7 @@ class UpdateKernel {
   mutable std::vector<Lane> lanes_;          // one per CUDA device the update touches
   std::vector<std::size_t> offload_lanes_;   // lanes whose device-to-host copies the CPU pass reads
   mutable std::future<void> host_;           // the CPU pass of an offloaded side-stream update
+  FiniteChecks finite_checks_[2];            // see first_non_finite()
 };
 
 }  // namespace emakit::detail
