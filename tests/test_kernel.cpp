@@ -3,7 +3,9 @@
 // on CPU tensors: its lists, its bounded staging pool and its non-finite check, with the aten
 // ops each update dispatches counted (RecordFunction).
 #include <emakit/aliases.hpp>
-#include <emakit/detail/kernel.hpp>
+#include <emakit/detail/cpu_pass.hpp>
+#include <emakit/detail/simd.hpp>
+#include <emakit/detail/update_kernel.hpp>
 
 #include "helpers.hpp"
 

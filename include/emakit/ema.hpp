@@ -26,7 +26,7 @@
 #include <emakit/decay.hpp>
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/crc32.hpp>
-#include <emakit/detail/kernel.hpp>
+#include <emakit/detail/update_kernel.hpp>
 #include <emakit/fwd.hpp>
 #include <emakit/options.hpp>
 #include <emakit/schedule.hpp>

@@ -1,0 +1,186 @@
+// The fused CPU pass: every CPU tensor of an update in one parallel region. The tensors are laid
+// end to end as segments, weighted by the bytes each element moves (12 for fp32 <- fp32, 10 for
+// fp32 <- bf16, ...), and at::parallel_for splits that line into one equal share per thread,
+// cutting tensors where it falls: balanced for one huge tensor and for thousands of small ones.
+// Each segment runs one of the loops of detail/simd.hpp, typed for its (average, source) dtypes;
+// copied tensors are segments too (memcpy). No temporaries, no allocation.
+#pragma once
+
+#include <emakit/detail/aten_compat.hpp>
+#include <emakit/detail/check.hpp>
+#include <emakit/detail/simd.hpp>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+namespace emakit::detail {
+
+// Which (average dtype, source dtype) pairs the fused CPU pass reads directly.
+inline bool fused_pair(c10::ScalarType a, c10::ScalarType s) {
+  using c10::ScalarType;
+  switch (a) {
+    case ScalarType::Float: return s == ScalarType::Float || s == ScalarType::BFloat16 || s == ScalarType::Half;
+    case ScalarType::Double: return s == ScalarType::Double || s == ScalarType::Float;
+    case ScalarType::BFloat16: return s == ScalarType::BFloat16;
+    case ScalarType::Half: return s == ScalarType::Half;
+    default: return false;
+  }
+}
+
+// Calls f(A*, S*) typed for a fused pair.
+template <class F>
+void dispatch_pair(c10::ScalarType a, c10::ScalarType s, F&& f) {
+  using c10::ScalarType;
+  if (a == ScalarType::Float) {
+    if (s == ScalarType::Float) return f(static_cast<float*>(nullptr), static_cast<const float*>(nullptr));
+    if (s == ScalarType::BFloat16) return f(static_cast<float*>(nullptr), static_cast<const c10::BFloat16*>(nullptr));
+    if (s == ScalarType::Half) return f(static_cast<float*>(nullptr), static_cast<const c10::Half*>(nullptr));
+  } else if (a == ScalarType::Double) {
+    if (s == ScalarType::Double) return f(static_cast<double*>(nullptr), static_cast<const double*>(nullptr));
+    if (s == ScalarType::Float) return f(static_cast<double*>(nullptr), static_cast<const float*>(nullptr));
+  } else if (a == ScalarType::BFloat16 && s == ScalarType::BFloat16) {
+    return f(static_cast<c10::BFloat16*>(nullptr), static_cast<const c10::BFloat16*>(nullptr));
+  } else if (a == ScalarType::Half && s == ScalarType::Half) {
+    return f(static_cast<c10::Half*>(nullptr), static_cast<const c10::Half*>(nullptr));
+  }
+  fail("internal: no fused CPU pass for {} from {}", c10::toString(a), c10::toString(s));
+}
+
+// Work on one tensor: fn(a, x, begin, end, weight) over elements [begin, end).
+using SegmentFn = void (*)(void*, const void*, std::int64_t, std::int64_t, double) noexcept;
+
+template <class A, class S>
+void lerp_segment(void* a, const void* x, std::int64_t begin, std::int64_t end, double w) noexcept {
+  lerp_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin,
+                   static_cast<opmath_t<A>>(w));
+}
+
+template <class A, class S>
+void copy_segment(void* a, const void* x, std::int64_t begin, std::int64_t end, double) noexcept {
+  copy_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin);
+}
+
+#if EMAKIT_AVX2_CLONES
+template <class A, class S>
+__attribute__((target("avx2"))) void lerp_segment_avx2(void* a, const void* x, std::int64_t begin, std::int64_t end,
+                                                       double w) noexcept {
+  lerp_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin,
+                   static_cast<opmath_t<A>>(w));
+}
+
+template <class A, class S>
+__attribute__((target("avx2"))) void copy_segment_avx2(void* a, const void* x, std::int64_t begin, std::int64_t end,
+                                                       double) noexcept {
+  copy_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin);
+}
+#endif
+
+// The segment functions of a fused pair, for the best ISA this CPU runs.
+template <class A, class S>
+std::pair<SegmentFn, SegmentFn> segment_fns() noexcept {
+#if EMAKIT_AVX2_CLONES
+  if (use_avx2()) return {&lerp_segment_avx2<A, S>, &copy_segment_avx2<A, S>};
+#endif
+  return {&lerp_segment<A, S>, &copy_segment<A, S>};
+}
+
+// Same-dtype copy of any element type, as bytes (element size E).
+template <std::size_t E>
+void byte_copy_segment(void* a, const void* x, std::int64_t begin, std::int64_t end, double) noexcept {
+  std::memcpy(static_cast<char*>(a) + begin * static_cast<std::int64_t>(E),
+              static_cast<const char*>(x) + begin * static_cast<std::int64_t>(E),
+              static_cast<std::size_t>(end - begin) * E);
+}
+
+inline SegmentFn byte_copy_fn(std::size_t element_size) {
+  switch (element_size) {
+    case 1: return &byte_copy_segment<1>;
+    case 2: return &byte_copy_segment<2>;
+    case 4: return &byte_copy_segment<4>;
+    case 8: return &byte_copy_segment<8>;
+    case 16: return &byte_copy_segment<16>;
+    default: return nullptr;
+  }
+}
+
+// The CPU tensors of one update laid end to end. `cost` is bytes moved per element; a thread's
+// share is a range of the summed cost, mapped back to element ranges of the segments it covers.
+class CpuPass {
+ public:
+  // Elements per cut: shares start on multiples of this (64 bytes of fp32), so that two threads
+  // write the same cache line at most once per cut.
+  static constexpr std::int64_t align_elements = 16;
+
+  struct Segment {
+    SegmentFn fn;
+    std::size_t slot;        // index into the kernel's slots
+    std::int64_t n;          // elements
+    std::int64_t cost;       // bytes moved per element
+    std::int64_t begin = 0;  // first cost unit (prefix sum)
+    // The tensors whose data the segment reads and writes: each thread takes the data pointers
+    // of the segments it runs, so that refreshing them is parallel too. Without tensors (tests),
+    // the raw pointers a and x are used.
+    const at::Tensor* average = nullptr;
+    const at::Tensor* input = nullptr;
+    void* a = nullptr;
+    const void* x = nullptr;
+  };
+
+  void clear() {
+    segments_.clear();
+    total_ = 0;
+  }
+  void add(SegmentFn fn, std::size_t slot, std::int64_t n, std::int64_t cost, const at::Tensor* average = nullptr,
+           const at::Tensor* input = nullptr) {
+    if (n == 0) return;
+    segments_.push_back(Segment{fn, slot, n, cost, total_, average, input});
+    total_ += n * cost;
+  }
+  bool empty() const noexcept { return segments_.empty(); }
+  std::int64_t total_cost() const noexcept { return total_; }
+  std::vector<Segment>& segments() noexcept { return segments_; }
+
+  // Runs every segment, split over at::parallel_for's threads; below `grain` cost units it runs
+  // on the calling thread (a parallel region costs a few microseconds).
+  void run(double weight, std::int64_t grain) const {
+    if (segments_.empty()) return;
+    at::parallel_for(0, total_, grain, [&](std::int64_t begin, std::int64_t end) { run_share(begin, end, weight); });
+  }
+
+  // The segments' work between cost units [c0, c1).
+  void run_share(std::int64_t c0, std::int64_t c1, double weight) const {
+    auto it = std::upper_bound(segments_.begin(), segments_.end(), c0,
+                               [](std::int64_t c, const Segment& s) { return c < s.begin; });
+    if (it != segments_.begin()) --it;
+    for (; it != segments_.end() && it->begin < c1; ++it) {
+      const std::int64_t lo = element_at(*it, c0);
+      const std::int64_t hi = element_at(*it, c1);
+      if (lo >= hi) continue;
+      void* a = it->average != nullptr ? it->average->data_ptr() : it->a;
+      const void* x = it->input != nullptr ? read_ptr(*it->input) : it->x;
+      it->fn(a, x, lo, hi, weight);
+    }
+  }
+
+ private:
+  // The first element of `s` at or after cost unit c, rounded up to align_elements: the same
+  // function on both sides of a cut, so shares never overlap and never leave a gap.
+  static std::int64_t element_at(const Segment& s, std::int64_t c) noexcept {
+    if (c <= s.begin) return 0;
+    const std::int64_t e = (c - s.begin + s.cost - 1) / s.cost;
+    const std::int64_t aligned = (e + align_elements - 1) / align_elements * align_elements;
+    return std::min(s.n, aligned);
+  }
+
+  std::vector<Segment> segments_;
+  std::int64_t total_ = 0;
+};
+
+}  // namespace emakit::detail

@@ -1,0 +1,278 @@
+// The update kernel: the one place where averaged tensors change. It owns the tensor pairs
+// (Slot), plans them (detail/update_plan.hpp), runs the plan on each update and is the only door
+// through which anything waits for an update to finish.
+//   - each update: the fused CPU pass (detail/cpu_pass.hpp) for CPU averages; for other devices one
+//     foreach call per list (detail/aten_compat.hpp), staged lists through their pool.
+//   - the side stream (EmaOptions::side_stream): a CUDA device's work on parameters runs on a
+//     stream of its own that first waits for the current stream (the optimizer step). Buffers
+//     (Slot::buffer: BatchNorm statistics, written by the next forward pass) stay on the current
+//     stream, so only the next optimizer step has to wait (wait_sources()). See
+//     detail/device_sync.hpp.
+//   - CPU offload (CUDA model, CPU average): each source is copied into a pinned staging tensor in
+//     its own dtype, with non-blocking copies the host waits for once. With the side stream as
+//     well, the CPU pass runs on a host thread after the copies land, so update() returns at once;
+//     wait_sources() orders the device after the copies only, settle() joins the host pass too.
+// Every read of the averages goes through settle() (slots() calls it).
+// An update allocates nothing and looks up no names (a skip_non_finite check allocates a few
+// scalars: one flag per foreach list, reduced on the device, read with one host sync).
+#pragma once
+
+#include <emakit/detail/aten_compat.hpp>
+#include <emakit/detail/check.hpp>
+#include <emakit/detail/device_sync.hpp>
+#include <emakit/detail/non_finite.hpp>
+#include <emakit/detail/update_plan.hpp>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/GradMode.h>
+
+#include <cstdint>
+#include <exception>
+#include <future>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace emakit::detail {
+
+// How often this thread went through the kernel's two doors, settle() and wait_sources(): tests
+// check with it that every accessor of the averages settles.
+struct SyncCounts {
+  std::uint64_t settles = 0;
+  std::uint64_t waits = 0;
+};
+inline SyncCounts& sync_counts() noexcept {
+  thread_local SyncCounts counts;
+  return counts;
+}
+
+class UpdateKernel {
+ public:
+  // The parallel grain of the CPU pass, in elements of fp32 <- fp32 (12 bytes each): below it an
+  // update runs on one thread.
+  static constexpr std::int64_t chunk_elements = std::int64_t{1} << 15;
+  // The default bound of a staging pool (EmaOptions::staging_bytes).
+  static constexpr std::int64_t default_staging_bytes = std::int64_t{64} << 20;
+  // Staging pieces start on multiples of this many elements (see UpdatePlan).
+  static constexpr std::int64_t staging_align = UpdatePlan::staging_align;
+  static constexpr std::size_t npos = static_cast<std::size_t>(-1);
+
+  using CpuPath = detail::CpuPath;
+
+  UpdateKernel() = default;
+  // side_stream: run the work of each CUDA device on a side stream (see the top of this file).
+  // staging_bytes: the bound of each staging pool.
+  explicit UpdateKernel(std::vector<Slot> slots, CpuPath cpu_path = CpuPath::fused, bool side_stream = false,
+                        std::int64_t staging_bytes = default_staging_bytes)
+      : slots_(std::move(slots)), cpu_path_(cpu_path), side_stream_(side_stream), staging_bytes_(staging_bytes) {
+    if (staging_bytes_ < 1) fail("the staging bound must be at least 1 byte, got {}", staging_bytes_);
+    for (auto& s : slots_) s.shape.assign(s.source.sizes().begin(), s.source.sizes().end());
+    plan();
+  }
+  // Moves settle pending side-stream or host work first: it refers to the tensors being moved.
+  UpdateKernel(UpdateKernel&& other) noexcept { *this = std::move(other); }
+  UpdateKernel& operator=(UpdateKernel&& other) noexcept {
+    if (this == &other) return *this;
+    settle_noexcept();
+    other.settle_noexcept();
+    slots_ = std::move(other.slots_);
+    cpu_path_ = other.cpu_path_;
+    side_stream_ = other.side_stream_;
+    staging_bytes_ = other.staging_bytes_;
+    plan_ = std::move(other.plan_);
+    lanes_ = std::move(other.lanes_);
+    finite_checks_[0] = std::move(other.finite_checks_[0]);
+    finite_checks_[1] = std::move(other.finite_checks_[1]);
+    return *this;
+  }
+  UpdateKernel(const UpdateKernel&) = delete;
+  UpdateKernel& operator=(const UpdateKernel&) = delete;
+  // Pending side-stream work writes tensors this kernel holds: the current stream waits for it
+  // before they can be freed and reused.
+  ~UpdateKernel() { settle_noexcept(); }
+
+  // The slots, after settle(): whatever reads or writes the averages through them is ordered
+  // after the last update. This is the one door to the averages.
+  const std::vector<Slot>& slots() const {
+    settle();
+    return slots_;
+  }
+  std::vector<Slot>& slots() {
+    settle();
+    return slots_;
+  }
+  std::size_t size() const noexcept { return slots_.size(); }
+  const std::string& name(std::size_t i) const { return slots_.at(i).name; }
+
+  bool side_stream() const noexcept { return side_stream_; }
+  // Bytes of the staging pools (the bounded conversion area of the foreach path).
+  std::int64_t pool_bytes() const noexcept { return plan_.pool_bytes; }
+  // Foreach lists of the last plan by kind, for tests: lerp (sources read in place), staged
+  // (chunks through a pool), copy.
+  struct Census {
+    std::size_t lerp = 0, staged = 0, copy = 0;
+  };
+  Census census() const noexcept {
+    Census c;
+    for (const auto& l : plan_.lists) (l.kind == ListKind::lerp ? c.lerp : l.kind == ListKind::staged ? c.staged : c.copy) += 1;
+    return c;
+  }
+
+  // What must finish before anything writes what the last update reads, i.e. before the next
+  // optimizer step writes the model: each CUDA device's current stream waits for its side
+  // stream (asynchronous for the host). An offloaded update's host pass is not waited for: it
+  // reads pinned copies, which the side stream has made by then. A no-op without a side stream.
+  void wait_sources() const {
+    sync_counts().waits += 1;
+    for (auto& lane : lanes_) lane.wait();
+  }
+
+  // Everything of the last update has finished: joins the host pass of an offloaded update
+  // (rethrowing its error) and orders each device's current stream after the side stream. Every
+  // read or write of the averages goes through it (slots()).
+  void settle() const {
+    sync_counts().settles += 1;
+    join_host();
+    wait_sources();
+  }
+
+  // Throws if a source changed shape since bind; re-plans (after settle()) if one moved, changed
+  // dtype or got new memory. Returns true when it re-planned.
+  bool check_sources() {
+    bool stale = false;
+    for (const auto& s : slots_) {
+      if (!s.source.defined())
+        fail("tensor '{}' of the model is no longer defined; make a new Ema for the changed model", s.name);
+      if (!s.source.sizes().equals(s.shape))
+        fail("tensor '{}' changed shape from {} to {} since the EMA was bound; make a new Ema for the changed model",
+             s.name, shape_string(s.shape), shape_string(s.source.sizes()));
+      stale = stale || s.source.device() != s.source_device || s.source.scalar_type() != s.source_dtype ||
+              s.source.is_contiguous() != s.source_contiguous || read_ptr(s.source) != s.source_memory ||
+              read_ptr(s.average) != s.average_memory;
+    }
+    if (stale) {
+      settle();
+      plan();
+    }
+    return stale;
+  }
+
+  // ema = lerp(ema, model, weight) for averaged slots; copy for the copied ones.
+  void average(double weight) { run(/*averaging=*/true, weight); }
+
+  // ema = model for every slot.
+  void copy() { run(/*averaging=*/false, 1.0); }
+
+  // The first slot, in slot order, whose source the next update reads (copying: every slot;
+  // averaging: averaged slots and copies that follow averages) and that holds a NaN or an
+  // infinity; npos if none. Call after check_sources(): the checks are those of the last plan
+  // (see detail/non_finite.hpp).
+  std::size_t first_non_finite(bool copying) const { return finite_checks_[copying ? 1 : 0].first(slots_); }
+
+ private:
+  void plan() {
+    plan_ = UpdatePlan(slots_, cpu_path_, side_stream_, staging_bytes_);
+    lanes_.clear();
+    for (const auto& dev : plan_.lanes) lanes_.emplace_back(dev, side_stream_);
+    finite_checks_[0] = NonFiniteCheck(slots_, /*copying=*/false, cpu_path_);
+    finite_checks_[1] = NonFiniteCheck(slots_, /*copying=*/true, cpu_path_);
+  }
+
+  void run(bool averaging, double weight) {
+    c10::NoGradGuard no_grad;
+    join_host();  // the previous offloaded pass must finish before this one touches its buffers
+    for (std::size_t k = 0; k < lanes_.size(); ++k) {
+      run_lists(averaging, weight, k, /*current=*/true);  // buffers, before the side stream starts
+      Lane& lane = lanes_[k];
+      auto guard = lane.begin();
+      run_lists(averaging, weight, k, /*current=*/false);
+      lane.finish();
+    }
+    run_lists(averaging, weight, no_lane, /*current=*/true);  // CPU foreach path, devices without streams
+    run_lists(averaging, weight, no_lane, /*current=*/false);
+    if (plan_.offload_lanes.empty()) {
+      run_cpu(averaging, weight);
+    } else if (side_stream_) {
+      // The host waits for the device-to-host copies on a thread of its own, then runs the pass.
+      host_ = std::async(std::launch::async, [this, averaging, weight] {
+        c10::NoGradGuard no_grad_here;
+        for (auto k : plan_.offload_lanes) lanes_[k].synchronize_host();
+        run_cpu(averaging, weight);
+      });
+    } else {
+      for (auto k : plan_.offload_lanes) lanes_[k].synchronize_host();
+      run_cpu(averaging, weight);
+    }
+  }
+
+  // On the current stream (current = true) or the lane's stream: offload staging copies and the
+  // foreach lists of lane k (no_lane: of no lane).
+  void run_lists(bool averaging, double weight, std::size_t k, bool current) {
+    for (auto i : plan_.staged) {
+      Slot& s = slots_[i];
+      if (plan_.lane_of(s) == k && plan_.on_current(s) == current) stage_copy(s);
+    }
+    for (auto& l : plan_.lists) {
+      if (l.lane != k || l.current != current) continue;
+      switch (l.kind) {
+        case ListKind::lerp:
+          if (averaging) {
+            foreach_lerp(l.averages, l.inputs, weight);
+          } else {
+            foreach_copy(l.averages, l.inputs);
+          }
+          break;
+        case ListKind::staged:
+          if (averaging) {
+            foreach_copy(l.inputs, l.sources);
+            foreach_lerp(l.averages, l.inputs, weight);
+          } else {
+            foreach_copy(l.averages, l.sources);  // copy_ converts: the pool is not needed
+          }
+          break;
+        case ListKind::copy:
+          if (!averaging || l.follows_averages) foreach_copy(l.averages, l.inputs);
+          break;
+      }
+    }
+  }
+
+  void run_cpu(bool averaging, double weight) {
+    (averaging ? plan_.average_pass : plan_.copy_pass).run(weight, chunk_elements * 12);
+    if (averaging) {
+      for (auto i : plan_.generic) slots_[i].average.lerp_(slots_[i].input(), weight);
+      for (auto i : plan_.generic_copies)
+        if (slots_[i].follows_averages) slots_[i].average.copy_(slots_[i].input());
+    } else {
+      for (auto i : plan_.generic) slots_[i].average.copy_(slots_[i].input());
+      for (auto i : plan_.generic_copies) slots_[i].average.copy_(slots_[i].input());
+    }
+  }
+
+  static void stage_copy(Slot& s) {
+    // Non-blocking only into pinned memory: the host waits for the lane before reading it.
+    const bool non_blocking = s.staging.is_cpu() && s.source.is_cuda() && s.staging.is_pinned();
+    s.staging.copy_(s.source, non_blocking);
+  }
+
+  void join_host() const {
+    if (host_.valid()) host_.get();  // rethrows an error of the host pass
+  }
+  void settle_noexcept() const noexcept {
+    try {
+      settle();
+    } catch (...) {  // a failed pass was already reported by update(), or cannot be anymore
+    }
+  }
+
+  std::vector<Slot> slots_;
+  CpuPath cpu_path_ = CpuPath::fused;
+  bool side_stream_ = false;
+  std::int64_t staging_bytes_ = default_staging_bytes;
+  UpdatePlan plan_;
+  mutable std::vector<Lane> lanes_;  // one per CUDA device of the plan (plan_.lanes), in its order
+  mutable std::future<void> host_;   // the CPU pass of an offloaded side-stream update
+  NonFiniteCheck finite_checks_[2];  // [0] for averaging updates, [1] for copies
+};
+
+}  // namespace emakit::detail
