@@ -42,7 +42,7 @@ torch::Tensor kernel_lerp(const torch::Tensor& a, const torch::Tensor& x, double
   slots[0].source = x;
   emakit::detail::UpdateKernel kernel(std::move(slots), path);
   kernel.average(w);
-  return kernel.slots()[0].average;
+  return kernel.settled_slots()[0].average;
 }
 
 }  // namespace
@@ -261,7 +261,7 @@ TEST_CASE("copy() makes every average equal to its source, for every dtype pair 
       slots[1].averaged = false;
       emakit::detail::UpdateKernel kernel(std::move(slots));
       kernel.copy();
-      for (const auto& s : kernel.slots()) CHECK(torch::equal(s.average, s.source.to(pair.average)));
+      for (const auto& s : kernel.settled_slots()) CHECK(torch::equal(s.average, s.source.to(pair.average)));
     }
   }
 }
@@ -539,10 +539,11 @@ TEST_CASE("The foreach path: one lerp per (device, dtype), other dtypes through 
     CHECK(ops.total() == static_cast<int>(lists.lerp + 2 * lists.staged));  // nothing else, no copy per tensor
 #endif
     check_no_allocation(ops);
+    const auto& averaged = kernel.settled_slots();
     for (std::size_t i = 0; i < model.size(); ++i) {
       const auto& [name, t] = model[i];
       INFO(name);
-      const auto& got = kernel.slots()[i].average;
+      const auto& got = averaged[i].average;
       if (!t.is_floating_point()) {
         CHECK(torch::equal(got, t));
         continue;
@@ -561,9 +562,10 @@ TEST_CASE("The foreach path: one lerp per (device, dtype), other dtypes through 
     CHECK(copies["aten::_foreach_copy_"] == static_cast<int>(lists.lerp + lists.staged));
 #endif
     check_no_allocation(copies);
+    const auto& copied = kernel.settled_slots();
     for (std::size_t i = 0; i < model.size(); ++i) {
       INFO(model[i].first);
-      CHECK(torch::equal(kernel.slots()[i].average, model[i].second.to(kernel.slots()[i].average.scalar_type())));
+      CHECK(torch::equal(copied[i].average, model[i].second.to(copied[i].average.scalar_type())));
     }
   }
 }
@@ -620,8 +622,9 @@ TEST_CASE("The foreach path equals ATen's lerp for generated models and staging 
     const double w = 0.05 + 0.9 * static_cast<double>(pick(100)) / 100.0;
     const OpCensus ops = census_of([&] { kernel.average(w); });
     check_no_allocation(ops);
+    const auto& averaged = kernel.settled_slots();
     for (std::size_t i = 0; i < sources.size(); ++i) {
-      const auto& s = kernel.slots()[i];
+      const auto& s = averaged[i];
       INFO(s.name);
       if (!s.averaged) {
         CHECK(torch::equal(s.average, sources[i]));
@@ -691,4 +694,51 @@ TEST_CASE("skip_non_finite on the fused CPU path dispatches nothing", "[kernel]"
 TEST_CASE("A staging bound below one byte is an error naming the value", "[kernel][errors]") {
   CHECK_THROWS_WITH(emakit::EmaOptions().staging_bytes(0), Catch::Contains("staging_bytes") && Catch::Contains("got 0"));
   CHECK_THROWS_WITH(UpdateKernel({}, UpdateKernel::CpuPath::foreach, false, -5), Catch::Contains("got -5"));
+}
+
+// ---- waiting is a named call ---------------------------------------------------------------
+
+TEST_CASE("slots() waits for nothing, settled_slots() settles once", "[kernel][sync]") {
+  torch::manual_seed(12);
+  std::vector<Slot> slots;
+  for (int i = 0; i < 3; ++i) slots.push_back(make_slot("t" + std::to_string(i), torch::randn({10 + i}), torch::kFloat));
+  UpdateKernel kernel(std::move(slots));
+  auto& counts = emakit::detail::sync_counts();
+  const auto before = counts;
+  kernel.average(0.5);
+  for (std::size_t i = 0; i < kernel.size(); ++i) CHECK(kernel.slots()[i].average.defined());
+  CHECK(counts.settles == before.settles);
+  CHECK(counts.waits == before.waits);
+  const auto& settled = kernel.settled_slots();
+  CHECK(&settled == &kernel.slots());
+  CHECK(counts.settles == before.settles + 1);
+  CHECK(counts.waits == before.waits + 1);  // settle() orders the streams as wait_sources() does
+}
+
+TEST_CASE("Each read of an Ema settles once whatever its number of tensors, and update() not at all", "[kernel][sync]") {
+  torch::manual_seed(13);
+  emakit_test::TinyNet model;
+  emakit::FixedEma ema(*model, emakit::Fixed(0.9));
+  auto& counts = emakit::detail::sync_counts();
+  auto settles_of = [&](auto&& f) {
+    const auto before = counts.settles;
+    f();
+    return counts.settles - before;
+  };
+  const auto names = ema.names(emakit::Role::average);
+  REQUIRE(names.size() > 1);
+  emakit_test::perturb(*model);
+  CHECK(settles_of([&] { ema.update(); }) == 0);
+  CHECK(settles_of([&] { (void)ema.averages(); }) == 1);
+  CHECK(settles_of([&] { (void)ema.average(names.front()); }) == 1);
+  CHECK(settles_of([&] { (void)ema.storage(); }) == 1);
+  CHECK(settles_of([&] { (void)ema.names(emakit::Role::average); }) == 1);
+  const auto state = ema.state_dict();
+  CHECK(settles_of([&] { (void)ema.state_dict(); }) == 1);
+  CHECK(settles_of([&] { ema.load_state_dict(state); }) == 1);
+  emakit_test::TinyNet other;
+  CHECK(settles_of([&] { ema.copy_to(*other); }) == 1);
+  CHECK(settles_of([&] { ema.copy_from(*other); }) == 1);
+  CHECK(settles_of([&] { auto guard = ema.swap_into(); }) == 1);
+  CHECK(settles_of([&] { ema.settle(); }) == 1);
 }

@@ -540,7 +540,7 @@ class Ema {
   // A tied tensor is there under each of its names, as one tensor.
   StateDict averages() const {
     ensure_bound("averages");
-    const auto& slots = kernel_.slots();
+    const auto& slots = kernel_.settled_slots();
     StateDict out;
     for (const auto& e : entries_) out.insert(e.name, slots[e.slot].average);
     return out;
@@ -549,7 +549,7 @@ class Ema {
   // The EMA tensor named `name` (as in the model's state dict).
   const at::Tensor& average(const std::string& name) const {
     ensure_bound("average");
-    const auto& slots = kernel_.slots();
+    const auto& slots = kernel_.settled_slots();
     for (const auto& e : entries_)
       if (e.name == name) return slots[e.slot].average;
     detail::fail("the EMA has no tensor '{}' (ignored, or not in the model)", name);
@@ -558,7 +558,7 @@ class Ema {
   // Names of the tensors the EMA holds in a role (Role::ignore: none, it holds no such tensor).
   std::vector<std::string> names(Role role) const {
     std::vector<std::string> out;
-    const auto& slots = kernel_.slots();
+    const auto& slots = kernel_.settled_slots();
     for (const auto& e : entries_) {
       const auto& s = slots[e.slot];
       const Role r = s.averaged ? Role::average : s.follows_averages ? Role::copy : Role::follow_copies;
@@ -582,7 +582,7 @@ class Ema {
     detail::check_unit_interval(beta, "switch_model beta");
     check_model_not_swapped("switch_model");
     c10::NoGradGuard no_grad;
-    for (const auto& s : kernel_.slots()) {
+    for (const auto& s : kernel_.settled_slots()) {
       if (beta == 0.0) {
         s.source.copy_(s.average);
       } else if (s.averaged) {
@@ -601,7 +601,7 @@ class Ema {
   [[nodiscard]] SwapGuard swap_into() {
     ensure_bound("swap_into");
     if (swap_->guards > 0) return SwapGuard(swap_);
-    auto& slots = kernel_.slots();
+    const auto& slots = kernel_.settled_slots();
     kernel_.check_sources();
     check_model_unchanged("swap_into");
     if (detail::swap_registry().holder(sources_, swap_.get()) != nullptr)
@@ -643,7 +643,7 @@ class Ema {
     out.insert("counters.last_update_step", at::scalar_tensor(last_update_step_, at::kLong));
     out.insert("counters.last_decay", at::scalar_tensor(last_decay_, at::kDouble));
     out.insert("counters.non_finite_updates", at::scalar_tensor(non_finite_updates_, at::kLong));
-    const auto& slots = kernel_.slots();
+    const auto& slots = kernel_.settled_slots();
     for (const auto& e : entries_) out.insert("average." + e.name, slots[e.slot].average);
     return out;
   }
@@ -661,7 +661,8 @@ class Ema {
     }
     {
       c10::NoGradGuard no_grad;
-      for (const auto& [i, t] : plan.loads) kernel_.slots()[i].average.copy_(*t);
+      const auto& slots = kernel_.settled_slots();
+      for (const auto& [i, t] : plan.loads) slots[i].average.copy_(*t);
     }
     calls_ = plan.counters.calls;
     step_ = plan.counters.step;
@@ -1073,7 +1074,7 @@ class Ema {
   void transfer(const torch::nn::Module& model, bool into_model) const {
     ensure_bound(into_model ? "copy_to" : "copy_from");
     auto theirs = detail::tensors_by_name(model);
-    const auto& slots = kernel_.slots();
+    const auto& slots = kernel_.settled_slots();
     std::vector<std::pair<const detail::Slot*, at::Tensor>> pairs;
     std::vector<bool> seen(slots.size(), false);
     for (const auto& e : entries_) {

@@ -12,7 +12,9 @@
 //     its own dtype, with non-blocking copies the host waits for once. With the side stream as
 //     well, the CPU pass runs on a host thread after the copies land, so update() returns at once;
 //     wait_sources() orders the device after the copies only, settle() joins the host pass too.
-// Every read of the averages goes through settle() (slots() calls it).
+// Waiting is always a named call: slots() hands out the slots as they are, settle() (or
+// settled_slots(), which is settle() then slots()) waits for the last update first. Every reader
+// of the averages, and every writer of them outside an update, calls one of the two once.
 // An update allocates nothing and looks up no names (a skip_non_finite check allocates a few
 // scalars: one flag per foreach list, reduced on the device, read with one host sync).
 #pragma once
@@ -36,7 +38,7 @@
 namespace emakit::detail {
 
 // How often this thread went through the kernel's two doors, settle() and wait_sources(): tests
-// check with it that every accessor of the averages settles.
+// check with it that every accessor of the averages settles, and how often.
 struct SyncCounts {
   std::uint64_t settles = 0;
   std::uint64_t waits = 0;
@@ -91,13 +93,13 @@ class UpdateKernel {
   // before they can be freed and reused.
   ~UpdateKernel() { settle_noexcept(); }
 
-  // The slots, after settle(): whatever reads or writes the averages through them is ordered
-  // after the last update. This is the one door to the averages.
-  const std::vector<Slot>& slots() const {
-    settle();
-    return slots_;
-  }
-  std::vector<Slot>& slots() {
+  // The slots as they are: waits for nothing. Their names, roles and model tensors (source) can
+  // be read at any time; an average read or written through them may race with an update still
+  // running: readers of the averages use settled_slots().
+  const std::vector<Slot>& slots() const noexcept { return slots_; }
+  // settle(), then the slots: whatever reads or writes the averages through them is ordered after
+  // the last update. Call it once per read, not per tensor.
+  const std::vector<Slot>& settled_slots() const {
     settle();
     return slots_;
   }
@@ -129,7 +131,7 @@ class UpdateKernel {
 
   // Everything of the last update has finished: joins the host pass of an offloaded update
   // (rethrowing its error) and orders each device's current stream after the side stream. Every
-  // read or write of the averages goes through it (slots()).
+  // read or write of the averages outside an update goes through it (or settled_slots()).
   void settle() const {
     sync_counts().settles += 1;
     join_host();
