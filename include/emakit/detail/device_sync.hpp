@@ -33,8 +33,6 @@ class Lane {
       : device_(device), ready_(device.type()), done_(device.type()), use_side_(side_stream) {}
 
   c10::Device device() const noexcept { return device_; }
-  bool side_stream() const noexcept { return use_side_; }
-  bool pending() const noexcept { return pending_; }
 
   // The stream the lane's work runs on: the side stream, or the device's current stream.
   c10::Stream stream() {

@@ -106,7 +106,6 @@ class UpdateKernel {
   std::size_t size() const noexcept { return slots_.size(); }
   const std::string& name(std::size_t i) const { return slots_.at(i).name; }
 
-  bool side_stream() const noexcept { return side_stream_; }
   // Bytes of the staging pools (the bounded conversion area of the foreach path).
   std::int64_t pool_bytes() const noexcept { return plan_.pool_bytes; }
   // Foreach lists of the last plan by kind, for tests: lerp (sources read in place), staged
@@ -139,8 +138,8 @@ class UpdateKernel {
   }
 
   // Throws if a source changed shape since bind; re-plans (after settle()) if one moved, changed
-  // dtype or got new memory. Returns true when it re-planned.
-  bool check_sources() {
+  // dtype or got new memory.
+  void check_sources() {
     bool stale = false;
     for (const auto& s : slots_) {
       if (!s.source.defined())
@@ -156,7 +155,6 @@ class UpdateKernel {
       settle();
       plan();
     }
-    return stale;
   }
 
   // ema = lerp(ema, model, weight) for averaged slots; copy for the copied ones.
