@@ -603,6 +603,21 @@ RANK_CASE("swap_refuses_update") {
   const auto result = sharded.update();
   RANK_CHECK(result.action == emakit::Action::averaged, "update() after the guard ended did not average");
   RANK_CHECK(same(emakit::gather_averages(sharded), plain.averages(), why), "one step after the swap: {}", why);
+  // One tensor: the ranks but one hold nothing of the average, and are refused all the same.
+  auto single = std::make_shared<torch::nn::Module>();
+  single->register_parameter("w", torch::arange(6, torch::kFloat));
+  emakit::ShardedEma lone(*single, emakit::Fixed(0.9), {}, {}, emakit::ShardedStorage(group, 20s));
+  lone.update();
+  const auto single_own = emakit_test::model_snapshot(*single);
+  {
+    auto swapped = emakit::swap_gathered_into(lone, *single);
+    const std::string m = error_of([&] { lone.update(); });
+    RANK_CHECK(m == plain_error, "update() during the gathered swap of a rank holding {} bytes: '{}'",
+               lone.storage().held_bytes(), m);
+  }
+  RANK_CHECK(emakit_test::same_snapshot(emakit_test::model_snapshot(*single), single_own),
+             "the one-tensor model was not restored");
+  RANK_CHECK(lone.calls() == 1, "the refused update counted a call: {}", lone.calls());
   std::printf("rank %d: update() during the gathered swap refused: %s\n", args.rank, plain_error.c_str());
   return 0;
 }
