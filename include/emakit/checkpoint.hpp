@@ -60,6 +60,8 @@ inline void write_archive(torch::serialize::OutputArchive& archive, const std::f
 // Writes the EMA (the layout of torch::save(ema, path)) to `path` atomically.
 template <DecayPolicy D, SchedulePolicy S, StoragePolicy St>
 void save(const Ema<D, S, St>& ema, const std::filesystem::path& path) {
+  // A storage that holds part of the average here (ShardedStorage) writes the whole EMA its own way.
+  if constexpr (CheckpointingStorage<St, Ema<D, S, St>>) return ema.storage().save_checkpoint(ema, path);
   torch::serialize::OutputArchive archive;
   ema.save(archive);
   detail::write_archive(archive, path);
@@ -70,6 +72,7 @@ void save(const Ema<D, S, St>& ema, const std::filesystem::path& path) {
 // keeps the current values. On any error the EMA is unchanged.
 template <DecayPolicy D, SchedulePolicy S, StoragePolicy St>
 void load(Ema<D, S, St>& ema, const std::filesystem::path& path, LoadMode mode = LoadMode::strict) {
+  if constexpr (CheckpointingStorage<St, Ema<D, S, St>>) return ema.storage().load_checkpoint(ema, path, mode);
   torch::serialize::InputArchive archive;
   detail::read_archive(archive, path, "emakit::load");
   try {

@@ -14,9 +14,11 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
+#include <torch/ordered_dict.h>
 
 #include <concepts>
 #include <cstdint>
+#include <filesystem>
 #include <optional>
 #include <span>
 #include <string>
@@ -100,6 +102,35 @@ concept StoragePolicy =
     std::move_constructible<S> &&
     requires(S& s, const torch::nn::Module* model, std::span<const TensorSpec> specs) {
       { s.create(model, specs) } -> std::same_as<std::vector<at::Tensor>>;
+    };
+
+// ---- optional capabilities of a storage policy ----------------------------------------------
+
+// A storage that holds only part of the average in this process (ShardedStorage: this rank's
+// share) may say how to reach the whole. Ema and emakit::save / emakit::load detect each
+// capability and call it instead of their single-process path; `E` is the Ema type. Each call may
+// be a collective (every process of the group calls it).
+//
+//   s.gather(ema, to)                    the whole average by name on rank `to` (all_ranks: on
+//                                        every rank), empty elsewhere; Ema::swap_gathered_into()
+//                                        puts it into a model under the Ema's own SwapGuard
+//   s.save_checkpoint(ema, path)         what emakit::save(ema, path) writes: the whole EMA
+//   s.load_checkpoint(ema, path, mode)   what emakit::load(ema, path, mode) reads
+
+// gather(ema, all_ranks), gather_averages(ema, all_ranks): every rank receives the whole average.
+inline constexpr int all_ranks = -1;
+enum class LoadMode : std::uint8_t;  // strict or lenient (ema.hpp)
+
+template <class S, class E>
+concept GatheringStorage = requires(const S& s, const E& ema, int to) {
+  { s.gather(ema, to) } -> std::same_as<torch::OrderedDict<std::string, at::Tensor>>;
+};
+
+template <class S, class E>
+concept CheckpointingStorage =
+    requires(const S& s, const E& saved, E& loaded, const std::filesystem::path& path, LoadMode mode) {
+      s.save_checkpoint(saved, path);
+      s.load_checkpoint(loaded, path, mode);
     };
 
 // ---- optional parts of a policy -----------------------------------------------------------

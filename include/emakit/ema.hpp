@@ -619,6 +619,37 @@ class Ema {
     return guard;
   }
 
+  // For a storage that holds only part of the average here (GatheringStorage: ShardedStorage):
+  // gathers the whole average (a collective) and puts it into `model`, matched by name, until the
+  // guard's scope ends. This Ema's own swap, as swap_into(): update() is refused while it is open.
+  [[nodiscard]] SwapGuard swap_gathered_into(torch::nn::Module& model) const
+    requires GatheringStorage<Storage, Ema>
+  {
+    ensure_bound("swap_gathered_into");
+    const StateDict full = storage_.gather(*this, all_ranks);
+    auto theirs = detail::tensors_by_name(model);
+    std::vector<at::Tensor> targets;
+    for (const auto& item : full) {
+      auto it = theirs.find(item.key());
+      if (it == theirs.end())
+        detail::fail("swap_gathered_into: the model has no tensor '{}' that the EMA holds", item.key());
+      if (!it->second.sizes().equals(item.value().sizes()))
+        detail::fail("swap_gathered_into: tensor '{}' has shape {} in the model but {} in the EMA", item.key(),
+                     detail::shape_string(it->second.sizes()), detail::shape_string(item.value().sizes()));
+      targets.push_back(it->second);
+    }
+    if (swap_->guards > 0 || detail::swap_registry().holder(targets, nullptr) != nullptr)
+      detail::fail("swap_gathered_into: the model already holds an EMA's weights (a SwapGuard is open); end that "
+                   "guard's scope first");
+    c10::NoGradGuard no_grad;
+    swap_->backup.clear();
+    for (const auto& t : targets) swap_->backup.push_back(t.detach().clone());
+    swap_->targets = std::move(targets);
+    SwapGuard guard = detail::open_swap(swap_);
+    for (std::size_t i = 0; i < full.size(); ++i) swap_->targets[i].copy_(full[i].value());
+    return guard;
+  }
+
   // ---- state ------------------------------------------------------------------------------
 
   // Config, counters and averaged tensors. Keys:

@@ -177,6 +177,21 @@ TEST_CASE("sharded EMA: bad inputs are errors that name the value", "[distribute
   require_all_passed(launch("bad_inputs", 2, dir.path));
 }
 
+TEST_CASE("sharded EMA: update() during a gathered swap is refused as during a plain swap, the model and EMA "
+          "intact after",
+          "[distributed]") {
+  TempDir dir;
+  require_all_passed(launch("swap_refuses_update", 2, dir.path));
+}
+
+TEST_CASE("sharded EMA: emakit::save and emakit::load write and read a sharded checkpoint, strictly",
+          "[distributed]") {
+  TempDir dir;
+  require_all_passed(launch("save_load_dispatch", 2, dir.path));
+  CHECK(std::filesystem::exists(dir.path / "via-save" / "index.pt"));
+  CHECK(count_files(dir.path / "via-save") == 3);  // 2 rank files and the index
+}
+
 #if EMAKIT_HAVE_GLOO
 // ---- the rank side --------------------------------------------------------------------------
 namespace {
@@ -540,6 +555,89 @@ RANK_CASE("bad_inputs") {
   // A load of a folder that holds nothing names the index it looked for.
   m = error_of([&] { emakit::load_sharded(ema, std::filesystem::path(args.dir) / "nothing-here"); });
   RANK_CHECK(m.find("no index") != std::string::npos, "{}", m);
+  return 0;
+}
+
+
+// A gathered swap is the Ema's own SwapGuard: update() is refused with the plain swap's error,
+// changes nothing, and works again once the guard has ended.
+RANK_CASE("swap_refuses_update") {
+  auto group = make_group(args);
+  Net model = make_net();
+  emakit::FixedEma plain(*model, emakit::Fixed(0.9));
+  emakit::ShardedEma sharded(*model, emakit::Fixed(0.9), {}, {}, emakit::ShardedStorage(group, 20s));
+  for (std::int64_t s = 1; s <= 4; ++s) {
+    step_model(*model, s);
+    plain.update();
+    sharded.update();
+  }
+  std::string plain_error;
+  {
+    auto swapped = plain.swap_into();
+    plain_error = error_of([&] { plain.update(); });
+  }
+  RANK_CHECK(plain_error.find("would average the EMA with itself") != std::string::npos, "{}", plain_error);
+  const auto own = emakit_test::model_snapshot(*model);
+  const auto share = emakit_test::snapshot(sharded.averages());
+  const auto calls = sharded.calls();
+  std::string why;
+  {
+    auto swapped = emakit::swap_gathered_into(sharded, *model);
+    RANK_CHECK(swapped.active(), "the gathered swap's guard is not active");
+    const std::string m = error_of([&] { sharded.update(); });
+    RANK_CHECK(m == plain_error, "update() during the gathered swap: '{}', during a plain swap: '{}'", m, plain_error);
+    RANK_CHECK(sharded.calls() == calls, "the refused update counted a call: {} -> {}", calls, sharded.calls());
+    RANK_CHECK(emakit_test::same_averages(sharded.averages(), share), "the refused update changed the averages");
+    for (const auto& p : model->named_parameters())
+      RANK_CHECK(emakit_test::bitwise_equal(p.value(), plain.average(p.key()).to(p.value().scalar_type())),
+                 "the model does not hold the EMA weights during the swap: {}", p.key());
+    // A second gathered swap while this one is open is refused too (a collective: every rank).
+    const std::string again = error_of([&] { (void)emakit::swap_gathered_into(sharded, *model); });
+    RANK_CHECK(again.find("already holds an EMA's weights") != std::string::npos, "{}", again);
+  }
+  RANK_CHECK(emakit_test::same_snapshot(emakit_test::model_snapshot(*model), own), "the model was not restored");
+  RANK_CHECK(emakit_test::same_averages(sharded.averages(), share), "the swap changed the averages");
+  RANK_CHECK(same(emakit::gather_averages(sharded), plain.averages(), why), "after the swap: {}", why);
+  step_model(*model, 5);
+  plain.update();
+  const auto result = sharded.update();
+  RANK_CHECK(result.action == emakit::Action::averaged, "update() after the guard ended did not average");
+  RANK_CHECK(same(emakit::gather_averages(sharded), plain.averages(), why), "one step after the swap: {}", why);
+  // One tensor: the ranks but one hold nothing of the average, and are refused all the same.
+  auto single = std::make_shared<torch::nn::Module>();
+  single->register_parameter("w", torch::arange(6, torch::kFloat));
+  emakit::ShardedEma lone(*single, emakit::Fixed(0.9), {}, {}, emakit::ShardedStorage(group, 20s));
+  lone.update();
+  const auto single_own = emakit_test::model_snapshot(*single);
+  {
+    auto swapped = emakit::swap_gathered_into(lone, *single);
+    const std::string m = error_of([&] { lone.update(); });
+    RANK_CHECK(m == plain_error, "update() during the gathered swap of a rank holding {} bytes: '{}'",
+               lone.storage().held_bytes(), m);
+  }
+  RANK_CHECK(emakit_test::same_snapshot(emakit_test::model_snapshot(*single), single_own),
+             "the one-tensor model was not restored");
+  RANK_CHECK(lone.calls() == 1, "the refused update counted a call: {}", lone.calls());
+  std::printf("rank %d: update() during the gathered swap refused: %s\n", args.rank, plain_error.c_str());
+  return 0;
+}
+
+// emakit::save / emakit::load of a sharded EMA go through ShardedStorage's checkpoint hooks: the
+// folder save_sharded writes, read back by load_sharded's path.
+RANK_CASE("save_load_dispatch") {
+  auto group = make_group(args);
+  Subject s(args, group, "whole", 0);
+  s.train(1, 6);
+  const auto dir = std::filesystem::path(args.dir) / "via-save";
+  emakit::save(*s.sharded, dir);
+  Subject fresh(args, group, "whole", 6);
+  std::string m = error_of([&] { emakit::load(*fresh.sharded, dir, emakit::LoadMode::lenient); });
+  RANK_CHECK(m.find("loads strictly only") != std::string::npos, "{}", m);
+  RANK_CHECK(fresh.sharded->step() == 0, "a refused load changed the step to {}", fresh.sharded->step());
+  emakit::load(*fresh.sharded, dir);
+  std::string why;
+  RANK_CHECK(same(emakit::gather_averages(*fresh.sharded), s.plain.averages(), why), "after emakit::load: {}", why);
+  RANK_CHECK(fresh.sharded->step() == 6, "step {} after emakit::load", fresh.sharded->step());
   return 0;
 }
 

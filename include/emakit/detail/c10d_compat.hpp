@@ -6,21 +6,14 @@
 //                  for the tensor's device type; ProcessGroupGloo is a Backend and must be wrapped.
 //
 // Everything else emakit calls (broadcast, allgather, gather, Work::wait with a timeout, Store)
-// has the same signature in both. This header needs no Gloo headers.
+// has the same signature in both (detail/collectives.hpp uses it directly). This header needs no
+// Gloo headers.
 #pragma once
 
-#include <emakit/detail/atomic_file.hpp>
-
-#include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
-#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/version.h>
-
-#include <chrono>
-#include <exception>
-#include <string>
 
 #if TORCH_VERSION_MAJOR >= 2
 #define EMAKIT_C10D_BACKENDS 1
@@ -47,26 +40,6 @@ c10::intrusive_ptr<c10d::ProcessGroup> as_process_group(c10::intrusive_ptr<Backe
   (void)store, (void)rank, (void)world, (void)device;
   return c10::static_intrusive_pointer_cast<c10d::ProcessGroup>(backend);
 #endif
-}
-
-// The first line of an exception's message (c10::Error appends a C++ backtrace).
-inline std::string first_line(const std::exception& e) {
-  std::string s = e.what();
-  if (const auto nl = s.find('\n'); nl != std::string::npos) s.resize(nl);
-  return s;
-}
-
-// Waits for a collective, at most `timeout`; a timeout or a failure of the collective (a peer
-// that died closes its connections) throws std::runtime_error naming `what` and this rank.
-inline void wait_collective(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout,
-                            const std::string& what, int rank) {
-  try {
-    work->wait(timeout);
-  } catch (const std::exception& e) {
-    fail_runtime("{}: the collective failed on rank {} within the timeout of {} ms (a rank died, stalled or "
-                 "left the group; the process group cannot be used any more): {}",
-                 what, rank, timeout.count(), first_line(e));
-  }
 }
 
 }  // namespace emakit::detail

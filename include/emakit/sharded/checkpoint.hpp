@@ -1,0 +1,300 @@
+// Sharded checkpoints: save_sharded / load_sharded (and emakit::save / emakit::load of a sharded
+// EMA, through ShardedStorage's checkpoint hooks). Collectives.
+//
+// In `dir`, each rank writes
+//   rank-<r>-of-<N>.<id>.pt   what torch::save(ema) writes for its share (state + CRC-32 per
+//                             tensor) plus the save id, its rank and N; <id> is the save id in
+//                             16 hex digits (sharded_file_name)
+// atomically, and after every rank succeeded rank 0 writes index.pt: the save id, N, the config
+// and counters, and for each tensor its shape, dtype and which rank holds which flat range.
+// The index is the commit point: a new save writes files under its own id and leaves those of
+// the index in place, so a save that fails or is killed half-way leaves the previous checkpoint
+// whole; once the new index is written, every rank removes the other saves' files.
+// Loading with any world size reads the files that hold the ranges this rank now holds. A missing
+// file, a file of another save (mixed set), a damaged file or another model is an error naming
+// the file, on every rank; a failed load leaves the EMA unchanged on every rank.
+#pragma once
+
+#include <emakit/checkpoint.hpp>
+#include <emakit/concepts.hpp>
+#include <emakit/detail/atomic_file.hpp>  // fail_runtime; check.hpp alone once the error helpers are merged there
+#include <emakit/detail/check.hpp>
+#include <emakit/detail/collectives.hpp>
+#include <emakit/ema.hpp>
+#include <emakit/sharded/storage.hpp>
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <c10/core/ScalarType.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <random>
+#include <set>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace emakit {
+
+// The file names of a sharded checkpoint.
+inline constexpr std::string_view sharded_index_name = "index.pt";
+// A rank's file, rank-<r>-of-<N>.<id>.pt, carries the save's id (16 hex digits), so a save never
+// overwrites the files that the current index names: the index, written last, is the commit point.
+inline std::string sharded_file_name(int rank, int world, std::int64_t save_id) {
+  return fmt::format("rank-{}-of-{}.{:016x}.pt", rank, world, static_cast<std::uint64_t>(save_id));
+}
+// The layout version of sharded checkpoints.
+inline constexpr std::int64_t sharded_format_version = 1;
+
+namespace detail {
+
+inline std::int64_t scalar_long(const std::vector<std::pair<std::string, at::Tensor>>& items, const std::string& key,
+                                const std::string& where) {
+  for (const auto& [k, t] : items)
+    if (k == key) {
+      if (t.numel() != 1 || c10::isFloatingType(t.scalar_type()))
+        fail("{}: '{}' is not one integer; the checkpoint is damaged", where, key);
+      return t.item<std::int64_t>();
+    }
+  fail("{}: the checkpoint has no '{}'; it is damaged or not a sharded emakit checkpoint", where, key);
+}
+
+// Reads a dictionary and checks each tensor against the archive's checksums under `sums_key`.
+inline std::vector<std::pair<std::string, at::Tensor>> read_checked(torch::serialize::InputArchive& archive,
+                                                                   const std::string& key, Checksums& sums,
+                                                                   const std::string& prefix,
+                                                                   const std::string& where) {
+  auto items = read_tensor_dict(archive, key, where);
+  if (!items) fail("{}: the checkpoint has no '{}'; it is not a sharded emakit checkpoint", where, key);
+  for (const auto& [k, t] : *items) sums.check(prefix + k, t, where);
+  return *items;
+}
+
+}  // namespace detail
+
+// Writes `dir`/rank-<r>-of-<N>.<id>.pt on every rank and `dir`/index.pt on rank 0, each atomically.
+// Collective; an error on any rank is an error on every rank (and then no new index is written).
+template <DecayPolicy D, SchedulePolicy S>
+void save_sharded(const Ema<D, S, ShardedStorage>& ema, const std::filesystem::path& dir) {
+  const std::string what = fmt::format("emakit::save_sharded('{}')", dir.string());
+  const auto& st = ema.storage();
+  std::int64_t proposal = 0;
+  if (st.rank() == 0) {
+    std::random_device device;
+    std::mt19937_64 gen((static_cast<std::uint64_t>(device()) << 32) ^ device() ^
+                        static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
+    proposal = static_cast<std::int64_t>(gen() >> 1) + 1;
+  }
+  const std::int64_t save_id = st.check_agreement(ema, what, proposal);
+  auto shard_info = [&](int rank) {
+    return std::vector<std::pair<std::string, at::Tensor>>{
+        {"format", at::scalar_tensor(sharded_format_version, at::kLong)},
+        {"save_id", at::scalar_tensor(save_id, at::kLong)},
+        {"rank", at::scalar_tensor(static_cast<std::int64_t>(rank), at::kLong)},
+        {"world", at::scalar_tensor(static_cast<std::int64_t>(st.world()), at::kLong)}};
+  };
+  detail::all_or_none(st.communicator(), what, [&] {
+    std::filesystem::create_directories(dir);
+    torch::serialize::OutputArchive archive;
+    ema.save(archive);  // this rank's state, with a CRC-32 per tensor
+    archive.write("emakit_shard", detail::tensor_dict(shard_info(st.rank()), /*copy=*/false));
+    detail::write_archive(archive, dir / sharded_file_name(st.rank(), st.world(), save_id));
+  });
+  detail::all_or_none(st.communicator(), what, [&] {
+    if (st.rank() != 0) return;
+    std::vector<std::pair<std::string, at::Tensor>> state, layout;
+    detail::Checksums sums;
+    for (const auto& item : ema.state_dict()) {
+      if (item.key().rfind("average.", 0) == 0) continue;
+      state.emplace_back(item.key(), item.value());
+      sums.add("state/" + item.key(), item.value());
+    }
+    for (const auto& e : st.layout()) {
+      at::Tensor shape = at::empty({static_cast<std::int64_t>(e.full_shape.size())}, at::kLong);
+      std::copy(e.full_shape.begin(), e.full_shape.end(), shape.data_ptr<std::int64_t>());
+      at::Tensor pieces = at::empty({static_cast<std::int64_t>(e.pieces.size()), 3}, at::kLong);
+      auto* p = pieces.data_ptr<std::int64_t>();
+      for (const auto& piece : e.pieces) {
+        *p++ = piece.rank;
+        *p++ = piece.offset;
+        *p++ = piece.length;
+      }
+      layout.emplace_back("shape." + e.name, shape);
+      layout.emplace_back("dtype." + e.name, detail::string_tensor(c10::toString(e.dtype)));
+      layout.emplace_back("pieces." + e.name, pieces);
+    }
+    for (const auto& [k, t] : layout) sums.add("layout/" + k, t);
+    torch::serialize::OutputArchive archive;
+    archive.write("emakit_shard", detail::tensor_dict(shard_info(0), /*copy=*/false));
+    archive.write("emakit_state", detail::tensor_dict(state, /*copy=*/false));
+    archive.write("emakit_layout", detail::tensor_dict(layout, /*copy=*/false));
+    archive.write("emakit_checksums", detail::tensor_dict(sums.saved, /*copy=*/false));
+    detail::write_archive(archive, dir / std::string(sharded_index_name));
+  });
+  // Committed: the files of earlier saves (and of saves that failed half-way) can go. Every rank
+  // removes what it sees, so a folder that is not shared between machines is cleaned as well.
+  detail::all_or_none(st.communicator(), what, [&] {
+    const std::string keep = fmt::format(".{:016x}.pt", static_cast<std::uint64_t>(save_id));
+    for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+      const std::string name = entry.path().filename().string();
+      if (name.rfind("rank-", 0) == 0 && name.ends_with(".pt") && !name.ends_with(keep)) {
+        std::error_code ignored;  // another rank may have removed it already
+        std::filesystem::remove(entry.path(), ignored);
+      }
+    }
+  });
+}
+
+// Loads a checkpoint of save_sharded() written with any world size: each rank reads the index and
+// the files holding the ranges it holds now. Collective. Everything is read and checked on every
+// rank before anything is written: a failed load leaves the EMA unchanged on every rank.
+template <DecayPolicy D, SchedulePolicy S>
+void load_sharded(Ema<D, S, ShardedStorage>& ema, const std::filesystem::path& dir) {
+  const std::string what = fmt::format("emakit::load_sharded('{}')", dir.string());
+  const auto& st = ema.storage();
+  StateDict state;
+  detail::all_or_none(st.communicator(), what, [&] {
+    const auto index_path = dir / std::string(sharded_index_name);
+    const std::string index_where = fmt::format("load_sharded: '{}'", index_path.string());
+    if (!std::filesystem::exists(index_path))
+      detail::fail("load_sharded: the checkpoint in '{}' is incomplete or missing: no index '{}' (written last by "
+                   "rank 0 of save_sharded)",
+                   dir.string(), index_path.string());
+    torch::serialize::InputArchive index;
+    detail::read_archive(index, index_path, "load_sharded");
+    detail::Checksums sums;
+    sums.load(index, "emakit_checksums", index_where);
+    auto info = detail::read_tensor_dict(index, "emakit_shard", index_where);
+    if (!info) detail::fail("{}: no 'emakit_shard'; it is not the index of a sharded emakit checkpoint", index_where);
+    const auto format = detail::scalar_long(*info, "format", index_where);
+    if (format != sharded_format_version)
+      detail::fail("{}: sharded checkpoint format {}, this emakit reads format {}", index_where, format,
+                   sharded_format_version);
+    const std::int64_t save_id = detail::scalar_long(*info, "save_id", index_where);
+    const std::int64_t old_world = detail::scalar_long(*info, "world", index_where);
+    if (old_world <= 0) detail::fail("{}: world size {}; the index is damaged", index_where, old_world);
+    const auto saved_state = detail::read_checked(index, "emakit_state", sums, "state/", index_where);
+    const auto layout_items = detail::read_checked(index, "emakit_layout", sums, "layout/", index_where);
+    std::map<std::string, at::Tensor> layout(layout_items.begin(), layout_items.end());
+    auto layout_of = [&](const std::string& kind, const std::string& name) -> const at::Tensor* {
+      auto it = layout.find(kind + "." + name);
+      return it == layout.end() ? nullptr : &it->second;
+    };
+    // The same tensors, shapes and dtypes as this EMA.
+    std::set<std::string> ours;
+    for (const auto& e : st.layout()) {
+      ours.insert(e.name);
+      const at::Tensor* shape = layout_of("shape", e.name);
+      if (shape == nullptr) detail::fail("{}: the checkpoint has no tensor '{}' that this EMA holds", index_where, e.name);
+      if (shape->scalar_type() != at::kLong || shape->dim() != 1)
+        detail::fail("{}: the shape of '{}' is damaged", index_where, e.name);
+      const std::vector<std::int64_t> saved(shape->data_ptr<std::int64_t>(),
+                                            shape->data_ptr<std::int64_t>() + shape->numel());
+      if (saved != e.full_shape)
+        detail::fail("{}: tensor '{}' has shape {} in the checkpoint, {} in this EMA", index_where, e.name,
+                     detail::shape_string(saved), detail::shape_string(e.full_shape));
+      const at::Tensor* dtype = layout_of("dtype", e.name);
+      const std::string saved_dtype = dtype ? detail::tensor_string(*dtype) : std::string("<none>");
+      if (saved_dtype != c10::toString(e.dtype))
+        detail::fail("{}: tensor '{}' has dtype {} in the checkpoint, {} in this EMA", index_where, e.name, saved_dtype,
+                     c10::toString(e.dtype));
+    }
+    for (const auto& [key, t] : layout_items)
+      if (key.rfind("shape.", 0) == 0 && !ours.count(key.substr(6)))
+        detail::fail("{}: the checkpoint holds tensor '{}', which this EMA does not", index_where, key.substr(6));
+
+    // The files that hold what this rank holds now, each read and checked once.
+    std::map<std::int64_t, std::map<std::string, at::Tensor>> files;
+    auto file_of = [&](std::int64_t r) -> const std::map<std::string, at::Tensor>& {
+      if (auto it = files.find(r); it != files.end()) return it->second;
+      const auto path = dir / sharded_file_name(static_cast<int>(r), static_cast<int>(old_world), save_id);
+      const std::string where = fmt::format("load_sharded: '{}'", path.string());
+      if (!std::filesystem::exists(path))
+        detail::fail("load_sharded: the checkpoint in '{}' is incomplete: '{}' is missing (the index names {} ranks)",
+                     dir.string(), path.string(), old_world);
+      torch::serialize::InputArchive archive;
+      detail::read_archive(archive, path, "load_sharded");
+      auto shard = detail::read_tensor_dict(archive, "emakit_shard", where);
+      if (!shard) detail::fail("{}: no 'emakit_shard'; it is not a file of a sharded emakit checkpoint", where);
+      const std::int64_t id = detail::scalar_long(*shard, "save_id", where);
+      if (id != save_id)
+        detail::fail("{}: belongs to another save than the index '{}' (save ids {} and {}): the folder mixes files "
+                     "of different checkpoints",
+                     where, index_path.string(), id, save_id);
+      if (detail::scalar_long(*shard, "rank", where) != r || detail::scalar_long(*shard, "world", where) != old_world)
+        detail::fail("{}: holds rank {} of {}, not what its name says", where, detail::scalar_long(*shard, "rank", where),
+                     detail::scalar_long(*shard, "world", where));
+      detail::Checksums file_sums;
+      file_sums.load(archive, "emakit_checksums", where);
+      auto items = detail::read_checked(archive, "emakit_state", file_sums, "", where);
+      return files.emplace(r, std::map<std::string, at::Tensor>(items.begin(), items.end())).first->second;
+    };
+
+    for (const auto& item : saved_state) state.insert(item.first, item.second);
+    c10::NoGradGuard no_grad;
+    for (const auto& e : st.layout()) {
+      if (!e.local.defined()) continue;
+      const auto* mine = e.piece_of(st.rank());
+      at::Tensor local = at::empty(e.local.sizes(), at::TensorOptions().dtype(e.dtype));
+      if (mine != nullptr) {
+        at::Tensor flat = detail::byte_view(local);
+        const at::Tensor* pieces_entry = layout_of("pieces", e.name);
+        if (pieces_entry == nullptr) detail::fail("{}: no pieces for '{}'; the index is damaged", index_where, e.name);
+        const at::Tensor& saved_pieces = *pieces_entry;
+        if (saved_pieces.dim() != 2 || saved_pieces.size(1) != 3 || saved_pieces.scalar_type() != at::kLong)
+          detail::fail("{}: the pieces of '{}' are damaged", index_where, e.name);
+        const auto* q = saved_pieces.data_ptr<std::int64_t>();
+        std::int64_t covered = 0;
+        for (std::int64_t k = 0; k < saved_pieces.size(0); ++k, q += 3) {
+          const std::int64_t r = q[0], off = q[1], len = q[2];
+          const std::int64_t lo = std::max(off, mine->offset), hi = std::min(off + len, mine->offset + mine->length);
+          if (lo >= hi) continue;
+          if (r < 0 || r >= old_world) detail::fail("{}: '{}' names rank {} of {}", index_where, e.name, r, old_world);
+          const auto& file = file_of(r);
+          const auto path = dir / sharded_file_name(static_cast<int>(r), static_cast<int>(old_world), save_id);
+          auto it = file.find("average." + e.name);
+          if (it == file.end())
+            detail::fail("load_sharded: '{}' lacks 'average.{}', which the index says it holds", path.string(), e.name);
+          if (it->second.numel() != len || it->second.scalar_type() != e.dtype)
+            detail::fail("load_sharded: '{}' holds 'average.{}' with {} elements of {}, the index says {} of {}",
+                         path.string(), e.name, it->second.numel(), c10::toString(it->second.scalar_type()), len,
+                         c10::toString(e.dtype));
+          const auto es = e.element_size();
+          flat.narrow(0, (lo - mine->offset) * es, (hi - lo) * es)
+              .copy_(detail::byte_view(it->second.contiguous()).narrow(0, (lo - off) * es, (hi - lo) * es));
+          covered += hi - lo;
+        }
+        if (covered != mine->length)
+          detail::fail("{}: the saved pieces of '{}' cover {} of the {} elements this rank holds", index_where, e.name,
+                       covered, mine->length);
+      }
+      state.insert("average." + e.name, local);
+    }
+    ema.check_state_dict(state);
+  });
+  ema.load_state_dict(state);
+}
+
+template <class E>
+void ShardedStorage::save_checkpoint(const E& ema, const std::filesystem::path& dir) const {
+  save_sharded(ema, dir);
+}
+
+template <class E>
+void ShardedStorage::load_checkpoint(E& ema, const std::filesystem::path& dir, LoadMode mode) const {
+  if (mode != LoadMode::strict)
+    detail::fail("emakit::load('{}'): a sharded checkpoint loads strictly only; LoadMode::lenient is not supported",
+                 dir.string());
+  load_sharded(ema, dir);
+}
+
+}  // namespace emakit
