@@ -4,7 +4,7 @@
 //   fmt::print("{}\n", ema);
 //   // Ema(decay=InversePowerWarmup(beta=0.9999, inv_gamma=1, power=0.6666666666666666, min_value=0,
 //   //     update_after_step=0), schedule=StepSchedule(start_step=0, warmup=none, ...),
-//   //     storage=FlatStorage, tensors=4 averaged + 1 copied, calls=10, step=10, updates=10, decay=0.77)
+//   //     storage=FlatStorage, tensors=4 averaged + 1 copied, calls=10, step=10, updates=10, decay_now=0.77)
 #pragma once
 
 #include <emakit/concepts.hpp>

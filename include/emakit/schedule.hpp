@@ -1,6 +1,6 @@
 // Schedule policies: at each call of Ema::update(), skip, copy the model, or average.
 //
-// StepSchedule covers every reference behaviour with five options:
+// StepSchedule covers every reference behaviour with six options:
 //
 // | option        | meaning                                                                   |
 // |---------------|---------------------------------------------------------------------------|
@@ -9,7 +9,9 @@
 // | update_every  | only steps with (step - every_offset) % update_every == 0 are eligible     |
 // | every_offset  | 0: steps N, 2N, ... (EMAHook); 1: steps 1, N+1, 2N+1, ... (ema-pytorch)    |
 // | accumulate    | update() is called per micro-batch; one optimizer step per `accumulate`    |
-// |               | calls, at the window's end (default) or start (luxonis-train)              |
+// |               | calls                                                                      |
+// | window_edge   | where in an accumulation window the step happens: end (default) or start   |
+// |               | (luxonis-train)                                                            |
 //
 // A call with `vetoed` set (the optimizer skipped its step, e.g. a gradient-scaler overflow)
 // never changes the average and completes no step.
