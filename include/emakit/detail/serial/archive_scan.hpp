@@ -41,7 +41,7 @@
 // real unpickler), so every opcode's operands are known when it is checked.
 #pragma once
 
-#include <emakit/detail/atomic_file.hpp>
+#include <emakit/detail/serial/atomic_file.hpp>
 
 #include <c10/util/Exception.h>
 #include <caffe2/serialize/inline_container.h>

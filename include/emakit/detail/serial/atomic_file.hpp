@@ -18,6 +18,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <emakit/detail/check.hpp>
+
 #include <fmt/format.h>
 
 #include <atomic>
@@ -33,14 +35,6 @@
 #include <utility>
 
 namespace emakit::detail {
-
-// Throws std::runtime_error with a formatted message, prefixed by "emakit: ".
-template <class... Args>
-[[noreturn]] void fail_runtime(fmt::format_string<Args...> format, Args&&... args) {
-  throw std::runtime_error("emakit: " + fmt::format(format, std::forward<Args>(args)...));
-}
-
-inline std::string errno_text(int error) { return std::strerror(error); }
 
 // A file descriptor closed by its destructor.
 class FileDescriptor {

@@ -1,11 +1,24 @@
-// CRC-32 (IEEE 802.3, the polynomial of zlib and PNG), slicing-by-8: the checksum of post-hoc EMA
-// snapshot files. It equals Python's zlib.crc32, so a file can be checked without emakit.
+// The one checksum of emakit's files: CRC-32 (IEEE 802.3, the polynomial of zlib and PNG),
+// slicing-by-8. It equals Python's zlib.crc32, so a snapshot file can be checked without emakit.
+// Archives keep one per tensor (Checksums): LibTorch's archive reader does not check the zip
+// format's own CRC-32s, so a damaged file would otherwise load as different weights.
 #pragma once
+
+#include <emakit/detail/check.hpp>
+#include <emakit/detail/serial/tensor_dict.hpp>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <torch/serialize/input-archive.h>
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
 namespace emakit::detail {
 
@@ -41,5 +54,44 @@ inline std::uint32_t crc32(const void* data, std::size_t n, std::uint32_t crc = 
   for (; n > 0; --n, ++p) c = t[0][(c ^ *p) & 0xFFU] ^ (c >> 8);
   return ~c;
 }
+
+// The checksum of a tensor as saved: CRC-32 of its dtype, shape and bytes.
+inline std::int64_t tensor_checksum(const at::Tensor& t) {
+  const at::Tensor c = t.detach().cpu().contiguous();
+  std::uint32_t crc = 0;
+  const auto type = static_cast<std::int32_t>(c.scalar_type());
+  crc = crc32(&type, sizeof(type), crc);
+  for (const std::int64_t d : c.sizes()) crc = crc32(&d, sizeof(d), crc);
+  crc = crc32(c.data_ptr(), c.nbytes(), crc);
+  return static_cast<std::int64_t>(crc);
+}
+
+// Checksums by name: collected while saving (written with tensor_dict()), read back and checked
+// while loading, before anything is written.
+struct Checksums {
+  std::vector<std::pair<std::string, at::Tensor>> saved;
+  std::unordered_map<std::string, std::int64_t> read;
+
+  void add(const std::string& name, const at::Tensor& t) {
+    saved.emplace_back(name, at::scalar_tensor(tensor_checksum(t), at::kLong));
+  }
+  void load(torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
+    auto items = read_tensor_dict(archive, key, where);
+    if (!items)
+      fail("{}: the checkpoint has no '{}'; it is damaged, or was written before emakit kept checksums", where, key);
+    for (const auto& [name, t] : *items) {
+      if (t.numel() != 1 || t.scalar_type() != at::kLong)
+        fail("{}: checksum '{}' is not one int64; the checkpoint is damaged", where, name);
+      read.emplace(name, t.item<std::int64_t>());
+    }
+  }
+  void check(const std::string& name, const at::Tensor& t, const std::string& where) const {
+    auto it = read.find(name);
+    if (it == read.end())
+      fail("{}: the checkpoint has no checksum for '{}'; it is damaged or was not written by emakit", where, name);
+    if (it->second != tensor_checksum(t))
+      fail("{}: '{}' does not match its checksum; the checkpoint is damaged", where, name);
+  }
+};
 
 }  // namespace emakit::detail

@@ -1,5 +1,5 @@
-// The post-hoc EMA snapshot file (format version 1): reading and writing. The format is
-// documented in posthoc.hpp and README.md ("Post-hoc EMA"); this file is its only implementation.
+// The post-hoc EMA snapshot file (formats::snapshot): reading and writing. This comment is the
+// format's description and this file its only implementation; posthoc.hpp and README.md point here.
 //
 // Everything is little-endian. A file is
 //
@@ -29,9 +29,10 @@
 // 8 int32, 9 int16, 10 int8, 11 uint8, 12 bool.
 #pragma once
 
-#include <emakit/detail/atomic_file.hpp>
 #include <emakit/detail/check.hpp>
-#include <emakit/detail/crc32.hpp>
+#include <emakit/detail/serial/atomic_file.hpp>
+#include <emakit/detail/serial/checksum.hpp>
+#include <emakit/detail/serial/formats.hpp>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -83,7 +84,7 @@ struct SnapshotInfo {
 namespace detail {
 
 inline constexpr std::array<char, 8> snapshot_magic = {'E', 'M', 'A', 'K', 'I', 'T', 'P', 'H'};
-inline constexpr std::uint32_t snapshot_format_version = 1;
+inline constexpr auto snapshot_format_version = static_cast<std::uint32_t>(formats::snapshot.version);
 inline constexpr std::uint64_t snapshot_alignment = 64;
 inline constexpr std::uint32_t snapshot_max_header = 1U << 30;
 

@@ -8,7 +8,7 @@
 // into the file instead of building the archive in memory.
 #pragma once
 
-#include <emakit/detail/atomic_file.hpp>
+#include <emakit/detail/serial/atomic_file.hpp>
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
