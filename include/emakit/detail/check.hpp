@@ -1,43 +1,20 @@
-// Errors and checks: every emakit error is thrown from here, with a message that names the bad
-// value and what was expected. std::invalid_argument (fail) for bad input, std::runtime_error
-// (fail_runtime) for what the system refused (a file, a collective).
+// Checks of options and tensors, with messages that name the bad value and what was expected
+// (the errors themselves: detail/errors.hpp).
 #pragma once
+
+#include <emakit/detail/errors.hpp>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/isfinite.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/ArrayRef.h>
-#include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <cstdint>
-#include <cstring>
-#include <stdexcept>
 #include <string>
-#include <string_view>
 
 namespace emakit::detail {
-
-// Throws std::invalid_argument with a formatted message, prefixed by "emakit: ".
-template <class... Args>
-[[noreturn]] void fail(fmt::format_string<Args...> format, Args&&... args) {
-  throw std::invalid_argument("emakit: " + fmt::format(format, std::forward<Args>(args)...));
-}
-
-// Throws std::runtime_error with a formatted message, prefixed by "emakit: ".
-template <class... Args>
-[[noreturn]] void fail_runtime(fmt::format_string<Args...> format, Args&&... args) {
-  throw std::runtime_error("emakit: " + fmt::format(format, std::forward<Args>(args)...));
-}
-
-// The system's text for an errno value.
-inline std::string errno_text(int error) { return std::strerror(error); }
-
-// The first line of an error message: c10::Error appends a C++ backtrace (and LibTorch's
-// messages their context) on the lines after it.
-inline std::string first_line(std::string_view message) { return std::string(message.substr(0, message.find('\n'))); }
-inline std::string first_line(const c10::Error& e) { return first_line(e.what_without_backtrace()); }
 
 // `what` is the option's full name, e.g. "Fixed::beta".
 inline void check_unit_interval(double value, const char* what) {  // [0, 1)
@@ -83,8 +60,5 @@ inline bool all_finite(const at::Tensor& t) {
   }
   return at::isfinite(t).all().item<bool>();
 }
-
-// Formats a shape as [2, 3].
-inline std::string shape_string(c10::IntArrayRef sizes) { return fmt::format("[{}]", fmt::join(sizes, ", ")); }
 
 }  // namespace emakit::detail

@@ -18,7 +18,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <emakit/detail/check.hpp>
+#include <emakit/detail/errors.hpp>
 
 #include <fmt/format.h>
 
