@@ -41,7 +41,7 @@
 // real unpickler), so every opcode's operands are known when it is checked.
 #pragma once
 
-#include <emakit/detail/serial/atomic_file.hpp>
+#include <emakit/detail/errors.hpp>
 
 #include <c10/util/Exception.h>
 #include <caffe2/serialize/inline_container.h>
@@ -52,6 +52,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -254,88 +255,99 @@ struct PickleRules {
   std::function<std::int64_t(const std::string&)> data_record_size;  // size of data/<key>, -1 if missing
 };
 
-// Runs `bytes` on an abstract stack; refuses anything outside the accepted subset. Returns the
-// root value's kind and, for a tuple, its length.
-inline std::pair<Value::Kind, std::size_t> check_pickle(std::span<const char> bytes, const PickleRules& rules,
-                                                        const Refuse& refuse) {
-  const std::string& record = rules.record;
-  std::vector<Value> values;             // arena: ids index it; no ownership cycles
-  std::vector<std::size_t> stack;        // value ids
-  std::vector<std::size_t> marks;        // stack sizes at MARK
-  std::map<std::uint32_t, std::size_t> memo;
-  std::size_t pos = 0;
-  std::size_t op_at = 0;
-  unsigned char op = 0;
+// The abstract unpickler: the state a real unpickler keeps (values, stack, marks, memo), with one
+// handler per accepted opcode in a table (opcode_table below). An opcode without a handler is
+// refused. Every handler checks its operands before it changes the state.
+class PickleChecker {
+ public:
+  PickleChecker(std::span<const char> bytes, const PickleRules& rules, const Refuse& refuse)
+      : bytes_(bytes), rules_(rules), refuse_(refuse) {}
 
-  auto bad = [&](std::string_view why) {
-    refuse("{} at byte {} (opcode 0x{:02x}): {}; only tensors and plain values are accepted", record, op_at, op, why);
-  };
-  auto need = [&](std::size_t n) -> const char* {
-    if (bytes.size() - pos < n) bad("the pickle ends inside an operand");
-    const char* p = bytes.data() + pos;
-    pos += n;
+  // Runs the pickle to STOP; returns the root value's kind and, for a tuple, its length.
+  std::pair<Value::Kind, std::size_t> run();
+
+ private:
+  using Handler = void (PickleChecker::*)();
+  struct OpcodeTable;
+
+  [[noreturn]] void bad(std::string_view why) const {
+    refuse_("{} at byte {} (opcode 0x{:02x}): {}; only tensors and plain values are accepted", rules_.record, op_at_,
+            op_, why);
+  }
+  const char* need(std::size_t n) {
+    if (bytes_.size() - pos_ < n) bad("the pickle ends inside an operand");
+    const char* p = bytes_.data() + pos_;
+    pos_ += n;
     return p;
-  };
-  auto le = [&](std::size_t n) {
+  }
+  std::uint64_t le(std::size_t n) {
     const auto* p = reinterpret_cast<const unsigned char*>(need(n));
     std::uint64_t v = 0;
     for (std::size_t i = n; i-- > 0;) v = (v << 8) | p[i];
     return v;
-  };
-  auto make = [&](Value v) {
-    if (values.size() >= (std::size_t{1} << 24)) bad("more than 16M values");
-    values.push_back(std::move(v));
-    return values.size() - 1;
-  };
-  auto push = [&](Value v) { stack.push_back(make(std::move(v))); };
-  auto floor_ = [&]() { return marks.empty() ? std::size_t{0} : marks.back(); };
-  auto pop = [&]() {
-    if (stack.size() <= floor_()) bad("the stack is empty");
-    const std::size_t id = stack.back();
-    stack.pop_back();
+  }
+  std::size_t make(Value v) {
+    if (values_.size() >= (std::size_t{1} << 24)) bad("more than 16M values");
+    values_.push_back(std::move(v));
+    return values_.size() - 1;
+  }
+  void push(Value v) { stack_.push_back(make(std::move(v))); }
+  std::size_t floor() const { return marks_.empty() ? std::size_t{0} : marks_.back(); }
+  std::size_t pop() {
+    if (stack_.size() <= floor()) bad("the stack is empty");
+    const std::size_t id = stack_.back();
+    stack_.pop_back();
     return id;
-  };
-  auto pop_mark = [&]() {
-    if (marks.empty()) bad("no MARK to pop to");
-    const std::size_t at = marks.back();
-    marks.pop_back();
-    std::vector<std::size_t> items(stack.begin() + static_cast<std::ptrdiff_t>(at), stack.end());
-    stack.resize(at);
+  }
+  std::vector<std::size_t> pop_mark() {
+    if (marks_.empty()) bad("no MARK to pop to");
+    const std::size_t at = marks_.back();
+    marks_.pop_back();
+    std::vector<std::size_t> items(stack_.begin() + static_cast<std::ptrdiff_t>(at), stack_.end());
+    stack_.resize(at);
     return items;
-  };
-  auto top = [&]() -> std::size_t {
-    if (stack.size() <= floor_()) bad("the stack is empty");
-    return stack.back();
-  };
-  auto as_int = [&](std::size_t id, std::string_view what) {
-    if (values[id].kind != Value::Kind::integer)
-      bad(fmt::format("{} is a {}, not an int", what, kind_name(values[id].kind)));
-    return values[id].integer;
-  };
-  auto ints = [&](std::size_t id, std::string_view what) {
-    if (values[id].kind != Value::Kind::tuple)
-      bad(fmt::format("{} is a {}, not a tuple of ints", what, kind_name(values[id].kind)));
-    if (values[id].items.size() > 64) bad(fmt::format("{} has {} entries (at most 64)", what, values[id].items.size()));
+  }
+  std::size_t top() const {
+    if (stack_.size() <= floor()) bad("the stack is empty");
+    return stack_.back();
+  }
+  std::int64_t as_int(std::size_t id, std::string_view what) const {
+    if (values_[id].kind != Value::Kind::integer)
+      bad(fmt::format("{} is a {}, not an int", what, kind_name(values_[id].kind)));
+    return values_[id].integer;
+  }
+  std::vector<std::int64_t> ints(std::size_t id, std::string_view what) const {
+    if (values_[id].kind != Value::Kind::tuple)
+      bad(fmt::format("{} is a {}, not a tuple of ints", what, kind_name(values_[id].kind)));
+    if (values_[id].items.size() > 64) bad(fmt::format("{} has {} entries (at most 64)", what, values_[id].items.size()));
     std::vector<std::int64_t> out;
-    for (const std::size_t item : values[id].items) {
+    for (const std::size_t item : values_[id].items) {
       out.push_back(as_int(item, what));
       if (out.back() < 0) bad(fmt::format("{} holds the negative value {}", what, out.back()));
     }
     return out;
-  };
+  }
+  std::string read_line() {
+    const auto* begin = bytes_.data() + pos_;
+    const auto* nl = static_cast<const char*>(std::memchr(begin, '\n', bytes_.size() - pos_));
+    if (nl == nullptr) bad("a GLOBAL name without its newline");
+    std::string s(begin, nl);
+    pos_ += s.size() + 1;
+    return s;
+  }
 
   // A tensor view of `storage`: offset, sizes, strides inside it.
-  auto rebuild_tensor = [&](const std::vector<std::size_t>& args) {
+  Value rebuild_tensor(const std::vector<std::size_t>& args) const {
     if (args.size() != 6 && args.size() != 7)
       bad(fmt::format("_rebuild_tensor_v2 takes 6 or 7 arguments, not {}", args.size()));
-    const Value& storage = values[args[0]];
+    const Value& storage = values_[args[0]];
     if (storage.kind != Value::Kind::storage)
       bad(fmt::format("_rebuild_tensor_v2's first argument is a {}, not a storage", kind_name(storage.kind)));
     const std::int64_t offset = as_int(args[1], "the storage offset");
     const auto sizes = ints(args[2], "the tensor's sizes");
     const auto strides = ints(args[3], "the tensor's strides");
-    if (values[args[4]].kind != Value::Kind::boolean) bad("requires_grad is not a bool");
-    if (values[args[5]].kind != Value::Kind::dict) bad("the backward hooks are not a dict");
+    if (values_[args[4]].kind != Value::Kind::boolean) bad("requires_grad is not a bool");
+    if (values_[args[5]].kind != Value::Kind::dict) bad("the backward hooks are not a dict");
     if (sizes.size() != strides.size())
       bad(fmt::format("the tensor has {} sizes and {} strides", sizes.size(), strides.size()));
     if (sizes.size() > 64) bad(fmt::format("the tensor has {} dimensions (at most 64)", sizes.size()));
@@ -354,16 +366,17 @@ inline std::pair<Value::Kind, std::size_t> check_pickle(std::span<const char> by
       bad(fmt::format("the tensor (offset {}, sizes [{}], strides [{}]) reaches past its storage of {} elements", offset,
                       fmt::join(sizes, ", "), fmt::join(strides, ", "), storage.integer));
     return Value{.kind = Value::Kind::tensor};
-  };
+  }
 
-  auto persistent = [&](std::size_t id) {
-    const Value& pid = values[id];
+  // ('storage', torch.<T>Storage, key, location, numel), its record large enough.
+  Value persistent(std::size_t id) const {
+    const Value& pid = values_[id];
     if (pid.kind != Value::Kind::tuple || pid.items.size() != 5)
       bad("a persistent id must be ('storage', torch.<T>Storage, key, location, numel)");
-    const Value& tag = values[pid.items[0]];
-    const Value& cls = values[pid.items[1]];
-    const Value& key = values[pid.items[2]];
-    const Value& location = values[pid.items[3]];
+    const Value& tag = values_[pid.items[0]];
+    const Value& cls = values_[pid.items[1]];
+    const Value& key = values_[pid.items[2]];
+    const Value& location = values_[pid.items[3]];
     if (tag.kind != Value::Kind::string || tag.text != "storage") bad("a persistent id that is not a 'storage'");
     if (cls.kind != Value::Kind::global || cls.integer <= 0) bad("a storage whose type is not torch.<T>Storage");
     if (key.kind != Value::Kind::string || !is_digits(key.text)) bad("a storage key that is not a number");
@@ -374,7 +387,7 @@ inline std::pair<Value::Kind, std::size_t> check_pickle(std::span<const char> by
                       shown(location.kind == Value::Kind::string ? location.text : "?")));
     const std::int64_t numel = as_int(pid.items[4], "the storage's element count");
     if (numel < 0) bad(fmt::format("the storage's element count {} is negative", numel));
-    const std::int64_t have = rules.data_record_size(key.text);
+    const std::int64_t have = rules_.data_record_size(key.text);
     if (have < 0) bad(fmt::format("the storage names the record data/{}, which the archive lacks", key.text));
     std::uint64_t want = 0;
     if (__builtin_mul_overflow(static_cast<std::uint64_t>(numel), static_cast<std::uint64_t>(cls.integer), &want) ||
@@ -382,9 +395,10 @@ inline std::pair<Value::Kind, std::size_t> check_pickle(std::span<const char> by
       bad(fmt::format("the storage claims {} elements of {} bytes, but the record data/{} holds {} bytes", numel,
                       cls.integer, key.text, have));
     return Value{.kind = Value::Kind::storage, .integer = numel, .itemsize = cls.integer};
-  };
+  }
 
-  auto global = [&](std::string module, std::string name) {
+  // A global the accepted subset names (see the table at the top of this file).
+  Value global(const std::string& module, const std::string& name) const {
     Value v{.kind = Value::Kind::global, .text = module + "." + name};
     if (module == "torch._utils" && name == "_rebuild_tensor_v2") return v;
     if (module == "collections" && name == "OrderedDict") return v;
@@ -397,195 +411,205 @@ inline std::pair<Value::Kind, std::size_t> check_pickle(std::span<const char> by
       return v;
     }
     if ((module == "__torch__" || module.starts_with("__torch__.")) && module != "__torch__.torch" &&
-        !module.starts_with("__torch__.torch.") && rules.classes != nullptr && rules.classes->count(v.text) != 0)
+        !module.starts_with("__torch__.torch.") && rules_.classes != nullptr && rules_.classes->count(v.text) != 0)
       return v;
     if (module == "__torch__" || module.starts_with("__torch__."))
       bad(fmt::format("the class '{}' has no declaration-only code file {}", shown(v.text), code_record(module)));
     bad(fmt::format("the global '{}'", shown(v.text)));
-    return v;  // not reached: bad() throws
-  };
+  }
 
-  auto read_line = [&]() {
-    const auto* begin = bytes.data() + pos;
-    const auto* nl = static_cast<const char*>(std::memchr(begin, '\n', bytes.size() - pos));
-    if (nl == nullptr) bad("a GLOBAL name without its newline");
-    std::string s(begin, nl);
-    pos += s.size() + 1;
-    return s;
-  };
+  // ---- one handler per opcode ----
 
-  if (bytes.size() < 2 || static_cast<unsigned char>(bytes[0]) != 0x80)
-    refuse("{} is not a pickle (it does not start with the PROTO opcode)", record);
-  while (true) {
-    if (pos >= bytes.size()) {
-      op_at = pos;
-      bad("the pickle ends without STOP");
+  void proto() {  // PROTO
+    const auto v = le(1);
+    if (op_at_ != 0 || v < 2 || v > 5) bad(fmt::format("PROTO {} (expected protocol 2..5, first)", v));
+  }
+  void global_op() {  // GLOBAL module\nname\n
+    std::string module = read_line();
+    std::string name = read_line();
+    push(global(module, name));
+  }
+  void binput() {  // BINPUT, LONG_BINPUT
+    // A pickler numbers its memo entries 0, 1, 2, ...: never more of them than values made.
+    // LibTorch's unpickler reserves memory for an index as large as it is told (a flipped
+    // byte: gigabytes), so a larger one is refused here.
+    const auto key = static_cast<std::uint32_t>(le(op_ == 'q' ? 1 : 4));
+    if (key > values_.size()) bad(fmt::format("a memo index {} past the {} values made so far", key, values_.size()));
+    memo_[key] = top();
+  }
+  void binget() {  // BINGET, LONG_BINGET
+    const auto key = static_cast<std::uint32_t>(le(op_ == 'h' ? 1 : 4));
+    const auto it = memo_.find(key);
+    if (it == memo_.end()) bad(fmt::format("the memo has no entry {}", key));
+    stack_.push_back(it->second);
+  }
+  void empty_tuple() { push(Value{.kind = Value::Kind::tuple}); }
+  void empty_dict() { push(Value{.kind = Value::Kind::dict}); }
+  void empty_list() { push(Value{.kind = Value::Kind::list}); }
+  void mark() {
+    if (marks_.size() >= 1000) bad("more than 1000 nested MARKs");
+    marks_.push_back(stack_.size());
+  }
+  void tuple() { push(Value{.kind = Value::Kind::tuple, .items = pop_mark()}); }
+  void small_tuple() {  // TUPLE1..3
+    const std::size_t n = op_ - 0x84;
+    std::vector<std::size_t> items(n);
+    for (std::size_t i = n; i-- > 0;) items[i] = pop();
+    push(Value{.kind = Value::Kind::tuple, .items = std::move(items)});
+  }
+  void none() { push(Value{}); }
+  void boolean() { push(Value{.kind = Value::Kind::boolean, .integer = op_ == 0x88}); }
+  void binint1() { push(Value{.kind = Value::Kind::integer, .integer = static_cast<std::int64_t>(le(1))}); }
+  void binint2() { push(Value{.kind = Value::Kind::integer, .integer = static_cast<std::int64_t>(le(2))}); }
+  void binint() {
+    push(Value{.kind = Value::Kind::integer, .integer = static_cast<std::int32_t>(static_cast<std::uint32_t>(le(4)))});
+  }
+  void long1() {  // n little-endian two's complement bytes
+    const auto n = static_cast<std::size_t>(le(1));
+    if (n > 8) bad(fmt::format("an integer of {} bytes (at most 8)", n));
+    std::uint64_t v = n == 0 ? 0 : le(n);
+    if (n > 0 && n < 8 && (v >> (8 * n - 1)) != 0) v |= ~std::uint64_t{0} << (8 * n);  // sign-extend
+    push(Value{.kind = Value::Kind::integer, .integer = static_cast<std::int64_t>(v)});
+  }
+  void binfloat() {
+    need(8);
+    push(Value{.kind = Value::Kind::real});
+  }
+  void unicode() {  // BINUNICODE, SHORT_BINUNICODE
+    const auto n = le(op_ == 'X' ? 4 : 1);
+    if (n > bytes_.size()) bad(fmt::format("a string of {} bytes in a pickle of {}", n, bytes_.size()));
+    const char* p = need(static_cast<std::size_t>(n));
+    push(Value{.kind = Value::Kind::string, .text = std::string(p, static_cast<std::size_t>(n))});
+  }
+  void append() {
+    (void)pop();
+    if (values_[top()].kind != Value::Kind::list) bad("APPEND to something other than a list");
+  }
+  void appends() {
+    (void)pop_mark();
+    if (values_[top()].kind != Value::Kind::list) bad("APPENDS to something other than a list");
+  }
+  void setitems() {  // SETITEM, SETITEMS
+    std::vector<std::size_t> items;
+    if (op_ == 's') {
+      const std::size_t value = pop();
+      items = {pop(), value};
+    } else {
+      items = pop_mark();
     }
-    op_at = pos;
-    op = static_cast<unsigned char>(bytes[pos++]);
-    switch (op) {
-      case 0x80: {  // PROTO
-        const auto v = le(1);
-        if (op_at != 0 || v < 2 || v > 5) bad(fmt::format("PROTO {} (expected protocol 2..5, first)", v));
-        break;
-      }
-      case 'c': {  // GLOBAL module\nname\n
-        std::string module = read_line();
-        std::string name = read_line();
-        push(global(std::move(module), std::move(name)));
-        break;
-      }
-      case 'q':    // BINPUT
-      case 'r': {  // LONG_BINPUT
-        // A pickler numbers its memo entries 0, 1, 2, ...: never more of them than values made.
-        // LibTorch's unpickler reserves memory for an index as large as it is told (a flipped
-        // byte: gigabytes), so a larger one is refused here.
-        const auto key = static_cast<std::uint32_t>(le(op == 'q' ? 1 : 4));
-        if (key > values.size())
-          bad(fmt::format("a memo index {} past the {} values made so far", key, values.size()));
-        memo[key] = top();
-        break;
-      }
-      case 'h':                                                           // BINGET
-      case 'j': {                                                         // LONG_BINGET
-        const auto key = static_cast<std::uint32_t>(le(op == 'h' ? 1 : 4));
-        const auto it = memo.find(key);
-        if (it == memo.end()) bad(fmt::format("the memo has no entry {}", key));
-        stack.push_back(it->second);
-        break;
-      }
-      case ')': push(Value{.kind = Value::Kind::tuple}); break;
-      case '}': push(Value{.kind = Value::Kind::dict}); break;
-      case ']': push(Value{.kind = Value::Kind::list}); break;
-      case '(':
-        if (marks.size() >= 1000) bad("more than 1000 nested MARKs");
-        marks.push_back(stack.size());
-        break;
-      case 't': push(Value{.kind = Value::Kind::tuple, .items = pop_mark()}); break;
-      case 0x85:
-      case 0x86:
-      case 0x87: {  // TUPLE1..3
-        const std::size_t n = op - 0x84;
-        std::vector<std::size_t> items(n);
-        for (std::size_t i = n; i-- > 0;) items[i] = pop();
-        push(Value{.kind = Value::Kind::tuple, .items = std::move(items)});
-        break;
-      }
-      case 'N': push(Value{}); break;
-      case 0x88:
-      case 0x89: push(Value{.kind = Value::Kind::boolean, .integer = op == 0x88}); break;
-      case 'K': push(Value{.kind = Value::Kind::integer, .integer = static_cast<std::int64_t>(le(1))}); break;
-      case 'M': push(Value{.kind = Value::Kind::integer, .integer = static_cast<std::int64_t>(le(2))}); break;
-      case 'J':
-        push(Value{.kind = Value::Kind::integer,
-                   .integer = static_cast<std::int32_t>(static_cast<std::uint32_t>(le(4)))});
-        break;
-      case 0x8a: {  // LONG1: n little-endian two's complement bytes
-        const auto n = static_cast<std::size_t>(le(1));
-        if (n > 8) bad(fmt::format("an integer of {} bytes (at most 8)", n));
-        std::uint64_t v = n == 0 ? 0 : le(n);
-        if (n > 0 && n < 8 && (v >> (8 * n - 1)) != 0) v |= ~std::uint64_t{0} << (8 * n);  // sign-extend
-        push(Value{.kind = Value::Kind::integer, .integer = static_cast<std::int64_t>(v)});
-        break;
-      }
-      case 'G': need(8); push(Value{.kind = Value::Kind::real}); break;
-      case 'X':
-      case 0x8c: {  // BINUNICODE, SHORT_BINUNICODE
-        const auto n = le(op == 'X' ? 4 : 1);
-        if (n > bytes.size()) bad(fmt::format("a string of {} bytes in a pickle of {}", n, bytes.size()));
-        const char* p = need(static_cast<std::size_t>(n));
-        push(Value{.kind = Value::Kind::string, .text = std::string(p, static_cast<std::size_t>(n))});
-        break;
-      }
-      case 'a': {  // APPEND
-        const std::size_t item = pop();
-        const std::size_t list = top();
-        if (values[list].kind != Value::Kind::list) bad("APPEND to something other than a list");
-        (void)item;
-        break;
-      }
-      case 'e': {  // APPENDS
-        (void)pop_mark();
-        const std::size_t list = top();
-        if (values[list].kind != Value::Kind::list) bad("APPENDS to something other than a list");
-        break;
-      }
-      case 's':
-      case 'u': {  // SETITEM, SETITEMS
-        std::vector<std::size_t> items;
-        if (op == 's') {
-          const std::size_t value = pop();
-          items = {pop(), value};
-        } else {
-          items = pop_mark();
-        }
-        if (items.size() % 2 != 0) bad("SETITEMS with an odd number of keys and values");
-        const std::size_t dict = top();
-        if (values[dict].kind != Value::Kind::dict) bad("SETITEM on something other than a dict");
-        for (std::size_t i = 0; i < items.size(); i += 2) {
-          const auto k = values[items[i]].kind;
-          if (k != Value::Kind::string && k != Value::Kind::integer && k != Value::Kind::boolean &&
-              k != Value::Kind::real && k != Value::Kind::tensor)
-            bad(fmt::format("a dict key that is a {}", kind_name(k)));
-        }
-        break;
-      }
-      case 'Q': push(persistent(pop())); break;  // BINPERSID
-      case 'R': {                                // REDUCE
-        const std::size_t args = pop();
-        const std::size_t callable = pop();
-        if (values[callable].kind != Value::Kind::global) bad("REDUCE of something that is not a global");
-        if (values[args].kind != Value::Kind::tuple) bad("REDUCE with arguments that are not a tuple");
-        const std::string name = values[callable].text;
-        const auto& a = values[args].items;  // read before push() moves the arena
-        if (name == "torch._utils._rebuild_tensor_v2") {
-          push(rebuild_tensor(a));
-        } else if (name == "collections.OrderedDict") {
-          if (!a.empty()) bad("OrderedDict called with arguments");
-          push(Value{.kind = Value::Kind::dict});
-        } else if (name == "torch.jit._pickle.restore_type_tag") {
-          // (value, "Dict[str, Tensor]"): the value with its TorchScript type; the type is parsed
-          // by LibTorch's type parser, which only names types.
-          if (a.size() != 2 || values[a[1]].kind != Value::Kind::string) bad("restore_type_tag without (value, type)");
-          const std::string& type = values[a[1]].text;
-          if (type.size() > 256 || !is_type_text(type)) bad(fmt::format("the type tag '{}'", shown(type)));
-          stack.push_back(a[0]);  // the same value, shared
-        } else if (name.starts_with("torch.jit._pickle.build_")) {
-          if (a.size() != 1 || values[a[0]].kind != Value::Kind::list) bad(fmt::format("{} without one list", name));
-          push(Value{.kind = Value::Kind::list});
-        } else {
-          bad(fmt::format("the global '{}' called", shown(name)));
-        }
-        break;
-      }
-      case 0x81: {  // NEWOBJ
-        const std::size_t args = pop();
-        const std::size_t cls = pop();
-        if (values[cls].kind != Value::Kind::global || !values[cls].text.starts_with("__torch__"))
-          bad("NEWOBJ of something other than a declared __torch__ class");
-        if (values[args].kind != Value::Kind::tuple || !values[args].items.empty())
-          bad("NEWOBJ with constructor arguments");
-        push(Value{.kind = Value::Kind::object, .text = values[cls].text});
-        break;
-      }
-      case 'b': {  // BUILD
-        const std::size_t state = pop();
-        const std::size_t target = top();
-        if (values[state].kind != Value::Kind::dict) bad("BUILD with a state that is not a dict");
-        if (values[target].kind != Value::Kind::object && values[target].kind != Value::Kind::dict)
-          bad(fmt::format("BUILD of a {}", kind_name(values[target].kind)));
-        break;
-      }
-      case '.': {  // STOP
-        if (!marks.empty()) bad("STOP inside a MARK");
-        if (stack.size() != 1) bad(fmt::format("STOP with {} values on the stack (expected 1)", stack.size()));
-        if (pos != bytes.size()) bad(fmt::format("{} bytes after STOP", bytes.size() - pos));
-        const Value& root = values[stack.back()];
-        return {root.kind, root.items.size()};
-      }
-      default: bad("an opcode outside the accepted subset");
+    if (items.size() % 2 != 0) bad("SETITEMS with an odd number of keys and values");
+    if (values_[top()].kind != Value::Kind::dict) bad("SETITEM on something other than a dict");
+    for (std::size_t i = 0; i < items.size(); i += 2) {
+      const auto k = values_[items[i]].kind;
+      if (k != Value::Kind::string && k != Value::Kind::integer && k != Value::Kind::boolean && k != Value::Kind::real &&
+          k != Value::Kind::tensor)
+        bad(fmt::format("a dict key that is a {}", kind_name(k)));
     }
   }
+  void binpersid() { push(persistent(pop())); }
+  void reduce() {
+    const std::size_t args = pop();
+    const std::size_t callable = pop();
+    if (values_[callable].kind != Value::Kind::global) bad("REDUCE of something that is not a global");
+    if (values_[args].kind != Value::Kind::tuple) bad("REDUCE with arguments that are not a tuple");
+    const std::string name = values_[callable].text;
+    const auto a = values_[args].items;  // a copy: push() may move the arena
+    if (name == "torch._utils._rebuild_tensor_v2") {
+      push(rebuild_tensor(a));
+    } else if (name == "collections.OrderedDict") {
+      if (!a.empty()) bad("OrderedDict called with arguments");
+      push(Value{.kind = Value::Kind::dict});
+    } else if (name == "torch.jit._pickle.restore_type_tag") {
+      // (value, "Dict[str, Tensor]"): the value with its TorchScript type; the type is parsed
+      // by LibTorch's type parser, which only names types.
+      if (a.size() != 2 || values_[a[1]].kind != Value::Kind::string) bad("restore_type_tag without (value, type)");
+      const std::string& type = values_[a[1]].text;
+      if (type.size() > 256 || !is_type_text(type)) bad(fmt::format("the type tag '{}'", shown(type)));
+      stack_.push_back(a[0]);  // the same value, shared
+    } else if (name.starts_with("torch.jit._pickle.build_")) {
+      if (a.size() != 1 || values_[a[0]].kind != Value::Kind::list) bad(fmt::format("{} without one list", name));
+      push(Value{.kind = Value::Kind::list});
+    } else {
+      bad(fmt::format("the global '{}' called", shown(name)));
+    }
+  }
+  void newobj() {
+    const std::size_t args = pop();
+    const std::size_t cls = pop();
+    if (values_[cls].kind != Value::Kind::global || !values_[cls].text.starts_with("__torch__"))
+      bad("NEWOBJ of something other than a declared __torch__ class");
+    if (values_[args].kind != Value::Kind::tuple || !values_[args].items.empty()) bad("NEWOBJ with constructor arguments");
+    push(Value{.kind = Value::Kind::object, .text = values_[cls].text});
+  }
+  void build() {
+    const std::size_t state = pop();
+    const std::size_t target = top();
+    if (values_[state].kind != Value::Kind::dict) bad("BUILD with a state that is not a dict");
+    if (values_[target].kind != Value::Kind::object && values_[target].kind != Value::Kind::dict)
+      bad(fmt::format("BUILD of a {}", kind_name(values_[target].kind)));
+  }
+  void stop() {
+    if (!marks_.empty()) bad("STOP inside a MARK");
+    if (stack_.size() != 1) bad(fmt::format("STOP with {} values on the stack (expected 1)", stack_.size()));
+    if (pos_ != bytes_.size()) bad(fmt::format("{} bytes after STOP", bytes_.size() - pos_));
+    stopped_ = true;
+  }
+
+  std::span<const char> bytes_;
+  const PickleRules& rules_;
+  const Refuse& refuse_;
+  std::vector<Value> values_;       // arena: ids index it; no ownership cycles
+  std::vector<std::size_t> stack_;  // value ids
+  std::vector<std::size_t> marks_;  // stack sizes at MARK
+  std::map<std::uint32_t, std::size_t> memo_;
+  std::size_t pos_ = 0;
+  std::size_t op_at_ = 0;
+  unsigned char op_ = 0;
+  bool stopped_ = false;
+};
+
+// The accepted opcodes (pickle protocol 2) and their handlers; every other byte is refused.
+struct PickleChecker::OpcodeTable {
+  std::array<Handler, 256> handler{};
+  constexpr OpcodeTable() {
+    const std::pair<unsigned char, Handler> accepted[] = {
+        {0x80, &PickleChecker::proto},       {'c', &PickleChecker::global_op},    {'q', &PickleChecker::binput},
+        {'r', &PickleChecker::binput},       {'h', &PickleChecker::binget},       {'j', &PickleChecker::binget},
+        {')', &PickleChecker::empty_tuple},  {'}', &PickleChecker::empty_dict},   {']', &PickleChecker::empty_list},
+        {'(', &PickleChecker::mark},         {'t', &PickleChecker::tuple},        {0x85, &PickleChecker::small_tuple},
+        {0x86, &PickleChecker::small_tuple}, {0x87, &PickleChecker::small_tuple}, {'N', &PickleChecker::none},
+        {0x88, &PickleChecker::boolean},     {0x89, &PickleChecker::boolean},     {'K', &PickleChecker::binint1},
+        {'M', &PickleChecker::binint2},      {'J', &PickleChecker::binint},       {0x8a, &PickleChecker::long1},
+        {'G', &PickleChecker::binfloat},     {'X', &PickleChecker::unicode},      {0x8c, &PickleChecker::unicode},
+        {'a', &PickleChecker::append},       {'e', &PickleChecker::appends},      {'s', &PickleChecker::setitems},
+        {'u', &PickleChecker::setitems},     {'Q', &PickleChecker::binpersid},    {'R', &PickleChecker::reduce},
+        {0x81, &PickleChecker::newobj},      {'b', &PickleChecker::build},        {'.', &PickleChecker::stop},
+    };
+    for (const auto& [op, h] : accepted) handler[op] = h;
+  }
+};
+
+inline std::pair<Value::Kind, std::size_t> PickleChecker::run() {
+  static constexpr OpcodeTable table;
+  if (bytes_.size() < 2 || static_cast<unsigned char>(bytes_[0]) != 0x80)
+    refuse_("{} is not a pickle (it does not start with the PROTO opcode)", rules_.record);
+  while (!stopped_) {
+    op_at_ = pos_;
+    if (pos_ >= bytes_.size()) bad("the pickle ends without STOP");
+    op_ = static_cast<unsigned char>(bytes_[pos_++]);
+    const Handler h = table.handler[op_];
+    if (h == nullptr) bad("an opcode outside the accepted subset");
+    (this->*h)();
+  }
+  const Value& root = values_[stack_.back()];
+  return {root.kind, root.items.size()};
+}
+
+// Runs `bytes` on an abstract stack; refuses anything outside the accepted subset. Returns the
+// root value's kind and, for a tuple, its length.
+inline std::pair<Value::Kind, std::size_t> check_pickle(std::span<const char> bytes, const PickleRules& rules,
+                                                        const Refuse& refuse) {
+  return PickleChecker(bytes, rules, refuse).run();
 }
 
 // ---- the archive -----------------------------------------------------------------------
@@ -605,7 +629,11 @@ inline std::int64_t record_size(caffe2::serialize::PyTorchStreamReader& reader, 
 #endif
 }
 
-inline void check_records(caffe2::serialize::PyTorchStreamReader& reader, const Refuse& refuse) {
+// What data.pkl holds: a module (torch::serialize::OutputArchive) or a dict (Python's torch.save
+// of a plain dict, which also writes the records .format_version and .storage_alignment).
+enum class Root : std::uint8_t { module, dict };
+
+inline void check_records(caffe2::serialize::PyTorchStreamReader& reader, const Refuse& refuse, Root root) {
   const auto names = reader.getAllRecords();
   std::set<std::string> classes;
   std::vector<std::string> code, debug;
@@ -614,6 +642,7 @@ inline void check_records(caffe2::serialize::PyTorchStreamReader& reader, const 
     if (n == "data.pkl" || n == "constants.pkl" || n == "version" || n == ".data/version" || n == "byteorder" ||
         n == ".data/serialization_id")
       continue;
+    if (root == Root::dict && (n == ".format_version" || n == ".storage_alignment")) continue;
     if (n.starts_with("data/") && is_digits(n.substr(5))) continue;
     if (n.starts_with("code/")) {
       std::string_view path = n.substr(5);
@@ -667,36 +696,36 @@ inline void check_records(caffe2::serialize::PyTorchStreamReader& reader, const 
   }
   const auto bytes = record_bytes(reader, "data.pkl");
   const auto [kind, n] = check_pickle(bytes, PickleRules{"data.pkl", &classes, data_size}, refuse);
-  if (kind != Value::Kind::object) refuse("data.pkl holds a {}, not a module", kind_name(kind));
+  if (root == Root::module && kind != Value::Kind::object) refuse("data.pkl holds a {}, not a module", kind_name(kind));
+  if (root == Root::dict && kind != Value::Kind::dict) refuse("data.pkl holds a {}, not a dict", kind_name(kind));
 }
 
 // Opens the zip with LibTorch's reader; its errors become refusals.
 template <class Open>
-void scan(const Open& open, const Refuse& refuse) {
+void scan(const Open& open, const Refuse& refuse, Root root = Root::module) {
   std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
   try {
     reader = open();
   } catch (const c10::Error& e) {
-    std::string reason = e.what_without_backtrace();
-    if (const auto nl = reason.find('\n'); nl != std::string::npos) reason.resize(nl);
-    refuse("it is not a readable zip archive (truncated or damaged?): {}", reason);
+    refuse("it is not a readable zip archive (truncated or damaged?): {}", first_line(e));
   }
   try {
-    check_records(*reader, refuse);
+    check_records(*reader, refuse, root);
   } catch (const c10::Error& e) {
-    std::string reason = e.what_without_backtrace();
-    if (const auto nl = reason.find('\n'); nl != std::string::npos) reason.resize(nl);
-    refuse("a record cannot be read (truncated or damaged?): {}", reason);
+    refuse("a record cannot be read (truncated or damaged?): {}", first_line(e));
   }
 }
 
 }  // namespace archive_scan
 
 // Throws std::invalid_argument "emakit: <what>: refusing '<path>': <reason>" unless the archive at
-// `path` holds only what an emakit checkpoint may hold (see the table above).
-inline void scan_archive_file(const std::filesystem::path& path, std::string_view what) {
+// `path` holds only what an emakit checkpoint may hold (see the table above); with Root::dict, a
+// torch.save file of a plain dict of tensors and plain values.
+inline void scan_archive_file(const std::filesystem::path& path, std::string_view what,
+                              archive_scan::Root root = archive_scan::Root::module) {
   const archive_scan::Refuse refuse{fmt::format("{}: refusing '{}': ", what, path.string())};
-  archive_scan::scan([&] { return std::make_unique<caffe2::serialize::PyTorchStreamReader>(path.string()); }, refuse);
+  archive_scan::scan([&] { return std::make_unique<caffe2::serialize::PyTorchStreamReader>(path.string()); }, refuse,
+                     root);
 }
 
 // The same for bytes in memory (`where` names them in errors).
