@@ -21,7 +21,7 @@
 //   checksum.hpp       CRC-32 and the per-tensor checksums of archives
 //   atomic_file.hpp    the one write path: a temporary file, fsync, rename
 //   archive_scan.hpp   refuses an untrusted archive before LibTorch's loader runs
-//   read.hpp           the one checked read path: scan, then load (archives and torch.save dicts)
+//   archive_file.hpp   the one checked read path (scan, then load) and the archive write
 //   tensor_dict.hpp    name -> tensor dictionaries inside archives
 //   state_reader.hpp   typed reads of counters and config values from a state dict
 //   match.hpp          tensors matched by name, then by shape
