@@ -35,10 +35,14 @@
 // |                   | with numel * itemsize <= the size of record data/<n>; sizes and strides   |
 // |                   | non-negative and the view inside the storage                              |
 // | constants.pkl     | an empty tuple (attribute-only code has no constants)                     |
+// | data.pkl's value  | a module object (OutputArchive files); with Root::dict a dict (Python's    |
+// |                   | torch.save of a plain dict, whose records may add .format_version and     |
+// |                   | .storage_alignment): interop's imports                                    |
 //
 // Anything else is refused with an error naming the file, the record and what was found. The
 // pickles are checked by running them on an abstract stack (values, marks and memo kept as in a
-// real unpickler), so every opcode's operands are known when it is checked.
+// real unpickler), so every opcode's operands are known when it is checked: one handler per
+// accepted opcode (PickleChecker's opcode table), every other opcode refused.
 #pragma once
 
 #include <emakit/detail/errors.hpp>
