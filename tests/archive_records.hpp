@@ -2,7 +2,7 @@
 // checkpoint files (test_checkpoint_files.cpp, test_optimizer_archives.cpp).
 #pragma once
 
-#include <emakit/detail/archive_scan.hpp>
+#include <emakit/detail/serial/archive_scan.hpp>
 
 #include <caffe2/serialize/inline_container.h>
 

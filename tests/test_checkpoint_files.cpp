@@ -2,6 +2,7 @@
 // (many times, a real child process), and crafted archives that carry code, unknown records,
 // foreign globals or tensors larger than their data (refused before LibTorch's loader runs).
 #include <emakit/emakit.hpp>
+#include <emakit/interop.hpp>
 
 #include "archive_records.hpp"
 #include "helpers.hpp"
@@ -22,10 +23,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <string>
 #include <string_view>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -572,4 +575,81 @@ TEST_CASE("A checkpoint of another format version is an error naming both versio
   c10::IValue writer;
   REQUIRE(now.try_read("emakit_version", writer));
   CHECK(writer.toStringRef() == emakit::version_string);
+}
+
+TEST_CASE("import_state checks a torch.save file before LibTorch's unpickler reads it", "[reliability][untrusted]") {
+  torch::manual_seed(17);
+  emakit_test::TinyNet model;
+  auto ema = emakit::averaged_model_ema(*model);
+  emakit_test::TempDir dir;
+  // A dict whose value is a call of os.system: refused at the global, nothing is unpickled.
+  Pickle p;
+  p.op('}').mark().str("n_averaged").global("os", "system").str("true").op('\x85').op('R').op('u').op('.');
+  emakit_test::write_bytes(dir.path / "code.pt", zip_bytes({{"data.pkl", p.bytes}, {"version", "3\n"}}));
+  const auto before = emakit_test::snapshot(ema.averages());
+  REQUIRE_THROWS_WITH(emakit::import_state(ema, emakit::Peer::averaged_model, dir.path / "code.pt"),
+                      Contains("import_state: refusing") && Contains("code.pt") && Contains("os.system"));
+  // A module archive is not a torch.save dict.
+  emakit::save(ema, dir.path / "module.pt");
+  REQUIRE_THROWS_WITH(emakit::import_state(ema, emakit::Peer::averaged_model, (dir.path / "module.pt").string()),
+                      Contains("refusing") && Contains("not a dict"));
+  CHECK(emakit_test::same_averages(ema.averages(), before));
+  // What export_state writes passes the check and loads back.
+  emakit::export_state(ema, emakit::Peer::averaged_model, dir.path / "export.pt");
+  CHECK(emakit::import_state(ema, emakit::Peer::averaged_model, dir.path / "export.pt").clean());
+}
+
+TEST_CASE("The format registry holds the version every writer stores", "[reliability]") {
+  namespace formats = emakit::detail::formats;
+  STATIC_REQUIRE(emakit::state_format_version == formats::ema_state.version);
+  STATIC_REQUIRE(emakit::hook_format_version == formats::hook.version);
+  STATIC_REQUIRE(emakit::detail::snapshot_format_version == formats::snapshot.version);
+  emakit_test::TinyNet model;
+  emakit::FixedEma ema(*model, emakit::Fixed(0.5));
+  CHECK(ema.state_dict()["emakit.format"].item<std::int64_t>() == formats::ema_state.version);
+}
+
+TEST_CASE("match_by_name pairs tensors by name and lists what is missing, misshapen or unexpected, in order",
+          "[reliability]") {
+  using Kind = emakit::detail::NameMatch::Problem::Kind;
+  const std::vector<std::pair<std::string, torch::Tensor>> ours = {
+      {"a", torch::zeros({2})}, {"b", torch::zeros({3})}, {"c", torch::zeros({1})}};
+  const std::unordered_map<std::string, torch::Tensor> theirs = {{"a", torch::ones({2})}, {"b", torch::ones({4})},
+                                                                 {"d", torch::ones({1})}};
+  const auto m = emakit::detail::match_by_name(ours, theirs, /*want_unexpected=*/true);
+  REQUIRE(m.pairs.size() == 1);
+  CHECK(m.pairs[0].name == "a");
+  CHECK(torch::equal(m.pairs[0].theirs, torch::ones({2})));
+  REQUIRE(m.problems.size() == 3);
+  CHECK((m.problems[0].kind == Kind::shape && m.problems[0].name == "b" && m.problems[0].ours_shape == "[3]" &&
+         m.problems[0].theirs_shape == "[4]"));
+  CHECK((m.problems[1].kind == Kind::missing && m.problems[1].name == "c"));
+  CHECK((m.problems[2].kind == Kind::unexpected && m.problems[2].name == "d"));
+  CHECK(emakit::detail::match_by_name(ours, theirs).problems.size() == 2);
+}
+
+TEST_CASE("StateReader reads counters and config values, naming the key of a bad one", "[reliability]") {
+  emakit::StateDict state;
+  state.insert("n", torch::scalar_tensor(7, torch::kLong));
+  state.insert("negative", torch::scalar_tensor(-1, torch::kLong));
+  state.insert("real", torch::scalar_tensor(0.5, torch::kDouble));
+  state.insert("text", emakit::detail::string_tensor("fixed"));
+  const emakit::detail::StateReader in(state);
+  CHECK(in.counter("n") == 7);
+  CHECK(in.number("real") == 0.5);
+  CHECK(in.optional_text("text") == std::optional<std::string>("fixed"));
+  CHECK_FALSE(in.optional_integer("absent").has_value());
+  CHECK_THROWS_WITH(in.counter("absent"), Contains("the state has no 'absent'"));
+  CHECK_THROWS_WITH(in.counter("negative"), Contains("'negative' must be >= 0, got -1"));
+  CHECK_THROWS_WITH(in.counter("real"), Contains("'real' must be one integer"));
+}
+
+TEST_CASE("first_line keeps the first line of an error, without c10's backtrace", "[reliability]") {
+  CHECK(emakit::detail::first_line("one\ntwo") == "one");
+  CHECK(emakit::detail::first_line("single") == "single");
+  try {
+    TORCH_CHECK(false, "the reason");
+  } catch (const c10::Error& e) {
+    CHECK_THAT(emakit::detail::first_line(e), Contains("the reason") && !Contains("\n"));
+  }
 }

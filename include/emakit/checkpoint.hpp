@@ -11,51 +11,21 @@
 // in place. Use emakit::load for files you did not write yourself. EmaHook::load_checkpoint(path)
 // and emakit::load_weights(model, path) check their files the same way (hooks.hpp).
 //
-// What the check accepts is listed in detail/archive_scan.hpp; everything else is an error
+// What the check accepts is listed in detail/serial/archive_scan.hpp; everything else is an error
 // "emakit: <what>: refusing '<path>': <record> ... <what was found>".
 #pragma once
 
-#include <emakit/detail/archive_scan.hpp>
-#include <emakit/detail/atomic_file.hpp>
 #include <emakit/detail/check.hpp>
+#include <emakit/detail/serial/archive_file.hpp>
 #include <emakit/ema.hpp>
 
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
-#include <exception>
 #include <filesystem>
-#include <sstream>
-#include <string>
+#include <stdexcept>
 
 namespace emakit {
-
-namespace detail {
-
-// Opens an archive file for reading. The file is scanned first: one that holds code, unknown
-// records or tensors larger than their data is refused before LibTorch's loader runs anything
-// in it; a missing, truncated or damaged file is an error that names it.
-inline void read_archive(torch::serialize::InputArchive& archive, const std::filesystem::path& path, const char* what) {
-  if (!std::filesystem::exists(path)) fail("{}: no file '{}'", what, path.string());
-  scan_archive_file(path, what);
-  try {
-    archive.load_from(path.string());
-  } catch (const std::exception& e) {
-    std::string reason = e.what();
-    if (const auto nl = reason.find('\n'); nl != std::string::npos) reason.resize(nl);  // c10's backtrace follows
-    fail("{}: '{}' is not a readable checkpoint (truncated or damaged?): {}", what, path.string(), reason);
-  }
-}
-
-// Writes an archive to `path` atomically.
-inline void write_archive(torch::serialize::OutputArchive& archive, const std::filesystem::path& path) {
-  std::ostringstream bytes;
-  archive.save_to(bytes);
-  const std::string data = bytes.str();
-  write_file_atomically(path, std::span<const char>(data.data(), data.size()));
-}
-
-}  // namespace detail
 
 // Writes the EMA (the layout of torch::save(ema, path)) to `path` atomically.
 template <DecayPolicy D, SchedulePolicy S, StoragePolicy St>

@@ -25,7 +25,7 @@
 #include <emakit/concepts.hpp>
 #include <emakit/decay.hpp>
 #include <emakit/detail/check.hpp>
-#include <emakit/detail/crc32.hpp>
+#include <emakit/detail/serial/ema_state.hpp>
 #include <emakit/detail/update_kernel.hpp>
 #include <emakit/fwd.hpp>
 #include <emakit/options.hpp>
@@ -87,23 +87,10 @@ struct UpdateResult {
   std::string non_finite = {};
 };
 
-enum class LoadMode : std::uint8_t {
-  strict,   // any missing, unexpected or mismatched tensor is an error and nothing is loaded
-  lenient,  // such tensors are reported (and warned about) and keep their current values
-};
+// LoadMode, LoadReport and StateDict: detail/serial/ema_state.hpp, with the state's layout.
 
-// What load_state_dict() found besides the tensors it loaded.
-struct LoadReport {
-  std::vector<std::string> missing;     // keys this EMA has and the state lacks
-  std::vector<std::string> unexpected;  // keys the state has and this EMA lacks
-  std::vector<std::string> mismatched;  // "key: why" for shape or dtype mismatches
-  bool clean() const noexcept { return missing.empty() && unexpected.empty() && mismatched.empty(); }
-};
-
-using StateDict = torch::OrderedDict<std::string, at::Tensor>;
-
-// The version of the state-dict layout below; stored as "emakit.format".
-inline constexpr std::int64_t state_format_version = 1;
+// The version of the state-dict layout (detail::formats::ema_state); stored as "emakit.format".
+inline constexpr std::int64_t state_format_version = detail::formats::ema_state.version;
 
 namespace detail {
 
@@ -231,96 +218,7 @@ inline std::unordered_map<std::string, at::Tensor> tensors_by_name(const torch::
   return out;
 }
 
-// A policy's name as checkpoints record it. A policy without `name` is named by its C++ type
-// ("custom:MyDecay"), so that two different custom policies do not load each other's states.
-template <class P>
-std::string_view policy_name() {
-  if constexpr (requires { P::name; }) {
-    return P::name;
-  } else {
-    static const std::string name = std::string("custom:") + c10::demangle_type<P>();
-    return name;
-  }
-}
-
-template <class P>
-std::vector<Field> policy_fields(const P& p) {
-  if constexpr (requires { { p.fields() } -> std::same_as<std::vector<Field>>; })
-    return p.fields();
-  else
-    return {};
-}
-
-inline at::Tensor string_tensor(std::string_view s) {
-  at::Tensor t = at::empty({static_cast<std::int64_t>(s.size())}, at::TensorOptions().dtype(at::kByte));
-  std::copy(s.begin(), s.end(), reinterpret_cast<char*>(t.data_ptr<std::uint8_t>()));
-  return t;
-}
-
 // true while an Ema is bound; a move leaves false behind, so a moved-from Ema is detected.
-// The checksum of a tensor as saved: CRC-32 of its dtype, shape and bytes. LibTorch's archive
-// reader does not check the zip format's own CRC-32s, so emakit's checkpoints keep one per tensor.
-inline std::int64_t tensor_checksum(const at::Tensor& t) {
-  const at::Tensor c = t.detach().cpu().contiguous();
-  std::uint32_t crc = 0;
-  const auto type = static_cast<std::int32_t>(c.scalar_type());
-  crc = crc32(&type, sizeof(type), crc);
-  for (const std::int64_t d : c.sizes()) crc = crc32(&d, sizeof(d), crc);
-  crc = crc32(c.data_ptr(), c.nbytes(), crc);
-  return static_cast<std::int64_t>(crc);
-}
-
-// A name -> tensor dictionary for an archive; `copy`: the archive keeps copies, unchanged when
-// training goes on (else it refers to the tensors themselves, fine for an immediate save).
-inline c10::IValue tensor_dict(const std::vector<std::pair<std::string, at::Tensor>>& items, bool copy = true) {
-  c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
-  for (const auto& [k, t] : items) dict.insert(k, copy ? t.detach().clone() : t);
-  return c10::IValue(dict);
-}
-
-// The dictionary of tensor_dict() under `key`; nullopt when the archive has no such key.
-inline std::optional<std::vector<std::pair<std::string, at::Tensor>>> read_tensor_dict(
-    torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
-  c10::IValue value;
-  if (!archive.try_read(key, value)) return std::nullopt;
-  if (!value.isGenericDict()) fail("{}: '{}' is not a dictionary of tensors; the checkpoint is damaged", where, key);
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& entry : value.toGenericDict()) {
-    if (!entry.key().isString() || !entry.value().isTensor())
-      fail("{}: '{}' holds a non-tensor entry; the checkpoint is damaged", where, key);
-    out.emplace_back(entry.key().toStringRef(), entry.value().toTensor());
-  }
-  return out;
-}
-
-// Checksums by name: collected while saving (written with tensor_dict()), read back and checked
-// while loading, before anything is written.
-struct Checksums {
-  std::vector<std::pair<std::string, at::Tensor>> saved;
-  std::unordered_map<std::string, std::int64_t> read;
-
-  void add(const std::string& name, const at::Tensor& t) {
-    saved.emplace_back(name, at::scalar_tensor(tensor_checksum(t), at::kLong));
-  }
-  void load(torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
-    auto items = read_tensor_dict(archive, key, where);
-    if (!items)
-      fail("{}: the checkpoint has no '{}'; it is damaged, or was written before emakit kept checksums", where, key);
-    for (const auto& [name, t] : *items) {
-      if (t.numel() != 1 || t.scalar_type() != at::kLong)
-        fail("{}: checksum '{}' is not one int64; the checkpoint is damaged", where, name);
-      read.emplace(name, t.item<std::int64_t>());
-    }
-  }
-  void check(const std::string& name, const at::Tensor& t, const std::string& where) const {
-    auto it = read.find(name);
-    if (it == read.end())
-      fail("{}: the checkpoint has no checksum for '{}'; it is damaged or was not written by emakit", where, name);
-    if (it->second != tensor_checksum(t))
-      fail("{}: '{}' does not match its checksum; the checkpoint is damaged", where, name);
-  }
-};
-
 struct BoundFlag {
   bool value = false;
   BoundFlag() = default;
@@ -391,16 +289,6 @@ inline bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
   return x.nbytes() == y.nbytes() && std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
 }
 
-inline std::string tensor_string(const at::Tensor& t) {
-  if (t.scalar_type() != at::kByte || t.dim() != 1) return "<not a string>";
-  const auto c = t.contiguous();
-  const auto* p = c.data_ptr<std::uint8_t>();
-  return std::string(p, p + c.numel());
-}
-
-inline std::string value_string(double v, bool is_integer) {
-  return is_integer ? fmt::format("{}", static_cast<std::int64_t>(v)) : fmt::format("{}", v);
-}
 
 }  // namespace detail
 
@@ -652,30 +540,15 @@ class Ema {
 
   // ---- state ------------------------------------------------------------------------------
 
-  // Config, counters and averaged tensors. Keys:
-  //   emakit.format                       int64, the layout version
-  //   config.decay / config.schedule      the policy's name, as uint8 UTF-8 bytes
-  //   config.decay.<field>, config.schedule.<field>   float64 option values
-  //   config.options.buffers              int64, EmaOptions::buffers (0 average, 1 copy, 2 ignore);
-  //                                       absent in older states: then not checked
-  //   counters.calls, counters.step, counters.num_updates, counters.last_update_step   int64
-  //   counters.last_decay                 float64
-  //   average.<name>                      the EMA's tensors (shared, not copied)
+  // Config, counters and averaged tensors (the keys: detail/serial/ema_state.hpp). The averages
+  // are the EMA's tensors (shared, not copied).
   StateDict state_dict() const {
     ensure_bound("state_dict");
-    StateDict out;
-    out.insert("emakit.format", at::scalar_tensor(state_format_version, at::kLong));
-    write_config(out, "decay", decay_);
-    write_config(out, "schedule", schedule_);
-    out.insert("config.options.buffers", at::scalar_tensor(static_cast<std::int64_t>(options_.buffers()), at::kLong));
-    out.insert("counters.calls", at::scalar_tensor(calls_, at::kLong));
-    out.insert("counters.step", at::scalar_tensor(step_, at::kLong));
-    out.insert("counters.num_updates", at::scalar_tensor(num_updates_, at::kLong));
-    out.insert("counters.last_update_step", at::scalar_tensor(last_update_step_, at::kLong));
-    out.insert("counters.last_decay", at::scalar_tensor(last_decay_, at::kDouble));
-    out.insert("counters.non_finite_updates", at::scalar_tensor(non_finite_updates_, at::kLong));
+    StateDict out = detail::ema_state::encode(
+        decay_, schedule_, options_,
+        {calls_, step_, num_updates_, last_update_step_, last_decay_, non_finite_updates_});
     const auto& slots = kernel_.settled_slots();
-    for (const auto& e : entries_) out.insert("average." + e.name, slots[e.slot].average);
+    for (const auto& e : entries_) out.insert(detail::ema_state::average_key(e.name), slots[e.slot].average);
     return out;
   }
 
@@ -684,7 +557,7 @@ class Ema {
   // load leaves the EMA exactly as it was.
   LoadReport load_state_dict(const StateDict& state, LoadMode mode = LoadMode::strict) {
     ensure_bound("load_state_dict");
-    LoadPlan plan = plan_load(state, mode);
+    detail::ema_state::Plan plan = plan_load(state, mode);
     if (mode == LoadMode::lenient) {
       for (const auto& k : plan.report.missing) TORCH_WARN("emakit: load_state_dict: missing key '", k, "', kept the current value");
       for (const auto& k : plan.report.unexpected) TORCH_WARN("emakit: load_state_dict: unexpected key '", k, "', ignored");
@@ -716,23 +589,7 @@ class Ema {
   // checkpoint with them. Throws naming the first difference.
   static void check_state_config(const StateDict& state, const Decay& decay, const Schedule& schedule,
                                  const EmaOptions& options) {
-    check_format(state);
-    check_config(state, "decay", decay);
-    check_config(state, "schedule", schedule);
-    if (const at::Tensor* b = state.find("config.options.buffers"); b != nullptr) {
-      auto name = [](std::int64_t v) {
-        return v == 0 ? std::string("average") : v == 1 ? std::string("copy") : v == 2 ? std::string("ignore")
-                                                                                   : fmt::format("{} (unknown)", v);
-      };
-      if (b->numel() != 1 || c10::isFloatingType(b->scalar_type()))
-        detail::fail("'config.options.buffers' must be one integer, got a {} tensor of shape {}",
-                     c10::toString(b->scalar_type()), detail::shape_string(b->sizes()));
-      const std::int64_t theirs = b->item<std::int64_t>();
-      const auto ours = static_cast<std::int64_t>(options.buffers());
-      if (theirs != ours)
-        detail::fail("config differs: config.options.buffers (EmaOptions::buffers) is {} in the state, {} in this EMA",
-                     name(theirs), name(ours));
-    }
+    detail::ema_state::check_config(state, decay, schedule, options);
   }
 
   // For an EMA made after its trainer had already run (a hook that creates it lazily): counts
@@ -751,101 +608,18 @@ class Ema {
   // Archive operators (torch::save(ema, path) / torch::load(ema, path)) live below the class.
   // The archive holds the state dict and a CRC-32 per tensor ("emakit_checksums"), checked by
   // load(): a damaged file is an error, never a different average.
-  void save(torch::serialize::OutputArchive& archive) const {
-    std::vector<std::pair<std::string, at::Tensor>> items;
-    detail::Checksums sums;
-    for (const auto& item : state_dict()) {
-      items.emplace_back(item.key(), item.value());
-      sums.add(item.key(), item.value());
-    }
-    archive.write("emakit_state", detail::tensor_dict(items, /*copy=*/false));
-    archive.write("emakit_checksums", detail::tensor_dict(sums.saved, /*copy=*/false));
-    archive.write("emakit_version", c10::IValue(std::string(version_string)));  // the writer's, for messages
-  }
+  void save(torch::serialize::OutputArchive& archive) const { detail::ema_state::save_archive(archive, state_dict()); }
   void load(torch::serialize::InputArchive& archive, LoadMode mode = LoadMode::strict) {
-    const std::string where = "torch::load(ema)";
-    auto items = detail::read_tensor_dict(archive, "emakit_state", where);
-    if (!items)
-      detail::fail("the archive holds no emakit state (no 'emakit_state' dictionary); was it written by "
-                   "torch::save(ema, ...)?");
-    detail::Checksums sums;
-    sums.load(archive, "emakit_checksums", where);
-    StateDict state;
-    for (const auto& [key, t] : *items) {
-      sums.check(key, t, where);
-      state.insert(key, t);
-    }
-    if (state.size() != sums.read.size())
-      detail::fail("{}: the archive holds {} checksums for {} tensors; the checkpoint is damaged", where,
-                   sums.read.size(), state.size());
-    try {
-      load_state_dict(state, mode);
-    } catch (const std::invalid_argument& e) {
-      c10::IValue writer;
-      if (!archive.try_read("emakit_version", writer) || !writer.isString()) throw;
-      throw std::invalid_argument(fmt::format("{} (the file was written by emakit {})", e.what(), writer.toStringRef()));
-    }
+    detail::ema_state::load_archive(archive, [&](const StateDict& state) { load_state_dict(state, mode); });
   }
 
  private:
-  struct Counters {
-    std::int64_t calls, step, num_updates, last_update_step;
-    double last_decay;
-    std::int64_t non_finite_updates = 0;
-  };
-
-  struct LoadPlan {
-    LoadReport report;
-    std::vector<std::pair<std::size_t, const at::Tensor*>> loads;  // slot index, tensor to copy in
-    Counters counters;
-  };
-
-  LoadPlan plan_load(const StateDict& state, LoadMode mode) const {
-    check_state_config(state, decay_, schedule_, options_);
-    LoadPlan plan{{}, {}, read_counters(state)};
-    LoadReport& report = plan.report;
-    const auto& slots = kernel_.slots();
-    std::vector<std::pair<const at::Tensor*, std::string>> chosen(slots.size(), {nullptr, {}});
-    std::unordered_set<std::string> ours;
-    std::vector<std::pair<std::string, std::size_t>> absent;  // (key, slot)
-    for (const auto& e : entries_) {
-      const auto& s = slots[e.slot];
-      std::string key = "average." + e.name;
-      const at::Tensor* t = state.find(key);
-      if (t == nullptr) {
-        absent.emplace_back(key, e.slot);
-      } else if (!t->sizes().equals(s.average.sizes())) {
-        report.mismatched.push_back(fmt::format("{}: shape {} in the state, {} in this EMA", key,
-                                                detail::shape_string(t->sizes()),
-                                                detail::shape_string(s.average.sizes())));
-      } else if (t->scalar_type() != s.average.scalar_type()) {
-        report.mismatched.push_back(fmt::format("{}: dtype {} in the state, {} in this EMA", key,
-                                                c10::toString(t->scalar_type()),
-                                                c10::toString(s.average.scalar_type())));
-      } else if (chosen[e.slot].first == nullptr) {
-        chosen[e.slot] = {t, key};
-        plan.loads.emplace_back(e.slot, t);
-      } else if (!detail::same_view(*t, *chosen[e.slot].first) && !detail::bitwise_equal(*t, *chosen[e.slot].first)) {
-        // A tied tensor is saved under each name; two different values cannot both be loaded.
-        report.mismatched.push_back(fmt::format("{}: differs from '{}', which is the same (tied) tensor in this EMA",
-                                                key, chosen[e.slot].second));
-      }
-      ours.insert(std::move(key));
-    }
-    // A tied tensor loads from any one of its names (a state that lists it once, as a sharded
-    // checkpoint or a deduplicating writer does); it is missing only when no name has it.
-    for (auto& [key, slot] : absent)
-      if (chosen[slot].first == nullptr) report.missing.push_back(std::move(key));
-    for (const auto& item : state) {
-      const auto& key = item.key();
-      if (key.rfind("average.", 0) == 0) {
-        if (ours.count(key) == 0) report.unexpected.push_back(key);
-      } else if (!known_key(key)) {
-        report.unexpected.push_back(key);
-      }
-    }
-    if (mode == LoadMode::strict && !report.clean()) detail::fail("load_state_dict (strict): {}", describe(report));
-    return plan;
+  detail::ema_state::Plan plan_load(const StateDict& state, LoadMode mode) const {
+    std::vector<at::Tensor> averages;
+    for (const auto& slot : kernel_.slots()) averages.push_back(slot.average);
+    return detail::ema_state::plan_load(
+        state, mode, decay_, schedule_, options_, entries_, averages,
+        [](const at::Tensor& a, const at::Tensor& b) { return detail::same_view(a, b) || detail::bitwise_equal(a, b); });
   }
 
   Ema(const torch::nn::Module* model, std::vector<SourceTensor> tensors, Decay decay, Schedule schedule,
@@ -1147,95 +921,6 @@ class Ema {
                      "would not reach the model. Make a new Ema for the changed model",
                      what, e.name);
     }
-  }
-
-  template <class P>
-  static void write_config(StateDict& out, const std::string& axis, const P& p) {
-    out.insert("config." + axis, detail::string_tensor(detail::policy_name<P>()));
-    for (const auto& f : detail::policy_fields(p))
-      out.insert("config." + axis + "." + std::string(f.name), at::scalar_tensor(f.value, at::kDouble));
-  }
-
-  static bool known_key(const std::string& key) {
-    if (key == "config.options.buffers") return true;  // checked by check_state_config()
-    static const char* const fixed[] = {"emakit.format",        "counters.calls",           "counters.step",
-                                        "counters.num_updates", "counters.last_update_step", "counters.last_decay",
-                                        "counters.non_finite_updates"};
-    for (const char* k : fixed)
-      if (key == k) return true;
-    // check_config() has checked every key under these two already.
-    return key == "config.decay" || key == "config.schedule" || key.rfind("config.decay.", 0) == 0 ||
-           key.rfind("config.schedule.", 0) == 0;
-  }
-
-  static void check_format(const StateDict& state) {
-    const at::Tensor* f = state.find("emakit.format");
-    if (f == nullptr) detail::fail("the state has no 'emakit.format' entry; it is not an emakit EMA state");
-    if (f->numel() != 1 || f->item<std::int64_t>() != state_format_version)
-      detail::fail("the state's emakit.format is {}, this emakit ({}) reads format {}",
-                   f->numel() == 1 ? fmt::format("{}", f->item<std::int64_t>()) : std::string("not a number"),
-                   version_string, state_format_version);
-  }
-
-  template <class P>
-  static void check_config(const StateDict& state, const std::string& axis, const P& p) {
-    const std::string kind_key = "config." + axis;
-    const at::Tensor* kind = state.find(kind_key);
-    const auto ours = detail::policy_name<P>();
-    if (kind == nullptr) detail::fail("the state has no '{}' (this EMA's {} policy is {})", kind_key, axis, ours);
-    const std::string theirs = detail::tensor_string(*kind);
-    if (theirs != ours)
-      detail::fail("config differs: {} policy is {} in the state, {} in this EMA", axis, theirs, ours);
-    const auto fields = detail::policy_fields(p);
-    for (const auto& f : fields) {
-      const std::string key = kind_key + "." + std::string(f.name);
-      const at::Tensor* t = state.find(key);
-      if (t == nullptr) detail::fail("config differs: the state has no '{}'", key);
-      const double v = t->item<double>();
-      if (v != f.value)
-        detail::fail("config differs: {} is {} in the state, {} in this EMA", key,
-                     detail::value_string(v, f.is_integer), detail::value_string(f.value, f.is_integer));
-    }
-    const std::string prefix = kind_key + ".";
-    for (const auto& item : state) {
-      if (item.key().rfind(prefix, 0) != 0) continue;
-      const std::string name = item.key().substr(prefix.size());
-      bool ours_has = false;
-      for (const auto& f : fields) ours_has = ours_has || f.name == name;
-      if (!ours_has) detail::fail("config differs: the state has '{}', which {} does not have", item.key(), ours);
-    }
-  }
-
-  static Counters read_counters(const StateDict& state) {
-    auto integer = [&](const char* key) {
-      const at::Tensor* t = state.find(key);
-      if (t == nullptr) detail::fail("the state has no '{}'", key);
-      if (t->numel() != 1 || c10::isFloatingType(t->scalar_type()))
-        detail::fail("'{}' must be one integer, got a {} tensor of shape {}", key, c10::toString(t->scalar_type()),
-                     detail::shape_string(t->sizes()));
-      const auto v = t->item<std::int64_t>();
-      if (v < 0) detail::fail("'{}' must be >= 0, got {}", key, v);
-      return v;
-    };
-    Counters c{integer("counters.calls"), integer("counters.step"), integer("counters.num_updates"),
-               integer("counters.last_update_step"), 0.0,
-               // absent in states written before the non-finite guard existed
-               state.find("counters.non_finite_updates") != nullptr ? integer("counters.non_finite_updates") : 0};
-    const at::Tensor* d = state.find("counters.last_decay");
-    if (d == nullptr) detail::fail("the state has no 'counters.last_decay'");
-    if (d->numel() != 1) detail::fail("'counters.last_decay' must be one number, got shape {}", detail::shape_string(d->sizes()));
-    c.last_decay = d->item<double>();
-    if (!std::isnan(c.last_decay) && !(c.last_decay >= 0.0 && c.last_decay <= 1.0))
-      detail::fail("'counters.last_decay' must be in [0, 1], got {}", c.last_decay);
-    return c;
-  }
-
-  static std::string describe(const LoadReport& r) {
-    std::vector<std::string> parts;
-    for (const auto& k : r.missing) parts.push_back(fmt::format("missing key '{}'", k));
-    for (const auto& k : r.unexpected) parts.push_back(fmt::format("unexpected key '{}'", k));
-    for (const auto& k : r.mismatched) parts.push_back(k);
-    return fmt::format("{}; nothing was loaded", fmt::join(parts, "; "));
   }
 
   Decay decay_;

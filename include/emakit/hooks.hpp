@@ -21,7 +21,8 @@
 // calls before_optimizer_step() gets the overlap the side stream is for; one that never calls it
 // is safe all the same: after_optimizer_step() then waits right after each update (no overlap).
 //
-// Checkpoints. save_checkpoint(archive) writes, for each model key K:
+// Checkpoints (the layout: detail/serial/hook_state.hpp). save_checkpoint(archive) writes, for each
+// model key K:
 //   K                    the model's weights in Module::save's layout: the EMA weights when
 //                        HookOptions::checkpoint_ema_weights (the default, as luxonis-train), so
 //                        emakit::load_weights(model, path) or a plain Module::load of that
@@ -36,8 +37,9 @@
 
 #include <emakit/checkpoint.hpp>
 #include <emakit/concepts.hpp>
-#include <emakit/detail/atomic_file.hpp>
 #include <emakit/detail/check.hpp>
+#include <emakit/detail/serial/archive_file.hpp>
+#include <emakit/detail/serial/hook_state.hpp>
 #include <emakit/ema.hpp>
 #include <emakit/options.hpp>
 
@@ -81,12 +83,10 @@ struct HookOptions {
   bool checkpoint_ema_weights = true;  // a checkpoint's model weights are the EMA's
 };
 
-// The hook's state layout version, stored as emakit_hook/format.
-inline constexpr std::int64_t hook_format_version = 1;
+// The hook's state layout version (detail::formats::hook), stored as emakit_hook/format.
+inline constexpr std::int64_t hook_format_version = detail::formats::hook.version;
 
 namespace detail {
-
-using TensorMap = std::unordered_map<std::string, at::Tensor>;
 
 inline void check_hook_key(const std::string& key) {
   bool ok = !key.empty() && !(key[0] >= '0' && key[0] <= '9') && key != "emakit_hook";
@@ -95,82 +95,6 @@ inline void check_hook_key(const std::string& key) {
     fail("model key '{}' is not usable: a key is letters, digits and '_', does not start with a digit and is "
          "not 'emakit_hook' (it names a part of the checkpoint)",
          key);
-}
-
-// Writes `model`'s tensors in Module::save's layout (one nested archive per child module), each
-// tensor taken from `replace` where it has one, converted to the model tensor's dtype and
-// device. Every tensor is copied: the archive does not change when training goes on.
-inline void write_module(const torch::nn::Module& model, torch::serialize::OutputArchive& archive,
-                         const std::string& prefix, const TensorMap& replace, Checksums* sums = nullptr) {
-  auto pick = [&](const std::string& name, const at::Tensor& own) {
-    auto it = replace.find(prefix + name);
-    at::Tensor out = it == replace.end() ? own.detach().clone()
-                                         : it->second.detach().to(own.options(), /*non_blocking=*/false, /*copy=*/true);
-    if (sums != nullptr) sums->add("weights/" + prefix + name, out);
-    return out;
-  };
-  for (const auto& p : model.named_parameters(/*recurse=*/false)) archive.write(p.key(), pick(p.key(), p.value()));
-  for (const auto& b : model.named_buffers(/*recurse=*/false))
-    archive.write(b.key(), pick(b.key(), b.value()), /*is_buffer=*/true);
-  for (const auto& child : model.named_children()) {
-    if (!child.value()->is_serializable()) continue;
-    torch::serialize::OutputArchive nested(archive.compilation_unit());
-    write_module(*child.value(), nested, prefix + child.key() + ".", replace, sums);
-    archive.write(child.key(), nested);
-  }
-}
-
-// Reads the tensors of `model`'s names from an archive in Module::save's layout into `out`
-// (by full name); names the archive lacks are left out. Nothing is written into the model.
-inline void read_module(const torch::nn::Module& model, torch::serialize::InputArchive& archive,
-                        const std::string& prefix, TensorMap& out) {
-  for (const auto& p : model.named_parameters(/*recurse=*/false)) {
-    at::Tensor t;
-    if (archive.try_read(p.key(), t)) out.emplace(prefix + p.key(), t);
-  }
-  for (const auto& b : model.named_buffers(/*recurse=*/false)) {
-    at::Tensor t;
-    if (archive.try_read(b.key(), t, /*is_buffer=*/true)) out.emplace(prefix + b.key(), t);
-  }
-  for (const auto& child : model.named_children()) {
-    if (!child.value()->is_serializable()) continue;
-    torch::serialize::InputArchive nested;
-    if (archive.try_read(child.key(), nested)) read_module(*child.value(), nested, prefix + child.key() + ".", out);
-  }
-}
-
-// The weights of `model` found in a checkpoint, checked against the model: every tensor there,
-// with the model's shape. Returns (model tensor, checkpoint tensor) pairs to copy.
-inline std::vector<std::pair<at::Tensor, at::Tensor>> plan_weights(const torch::nn::Module& model,
-                                                                   const TensorMap& found, bool exhaustive,
-                                                                   LoadMode mode, const std::string& where) {
-  std::vector<std::string> problems;
-  std::vector<std::pair<at::Tensor, at::Tensor>> copies;
-  std::unordered_map<std::string, bool> ours;
-  for (auto& t : collect(model)) {
-    ours.emplace(t.name, true);
-    auto it = found.find(t.name);
-    if (it == found.end()) {
-      problems.push_back(fmt::format("the checkpoint has no tensor '{}'", t.name));
-    } else if (!it->second.sizes().equals(t.tensor.sizes())) {
-      problems.push_back(fmt::format("tensor '{}' has shape {} in the checkpoint, {} in the model", t.name,
-                                     shape_string(it->second.sizes()), shape_string(t.tensor.sizes())));
-    } else {
-      copies.emplace_back(t.tensor, it->second);
-    }
-  }
-  if (exhaustive)
-    for (const auto& [name, t] : found)
-      if (!ours.count(name)) problems.push_back(fmt::format("the checkpoint has a tensor '{}' that the model lacks", name));
-  if (!problems.empty()) {
-    if (mode == LoadMode::strict)
-      fail("{}: the checkpoint is not of this model: {}{}; nothing was loaded", where, problems.front(),
-           problems.size() > 1 ? fmt::format(" (and {} more: {})", problems.size() - 1,
-                                             fmt::join(problems.begin() + 1, problems.end(), "; "))
-                               : std::string());
-    for (const auto& p : problems) TORCH_WARN("emakit: ", where, ": ", p, "; kept the model's value");
-  }
-  return copies;
 }
 
 // One model of a hook, whatever its EMA's policies.
@@ -185,7 +109,6 @@ class HookEntryBase {
   const std::string& key() const noexcept { return key_; }
   const torch::nn::Module* model() const noexcept { return model_; }
   const HookOptions& options() const noexcept { return options_; }
-  bool swapped() const noexcept { return swap_.has_value(); }
 
   virtual bool created() const noexcept = 0;
   virtual bool pending() const noexcept = 0;
@@ -276,13 +199,7 @@ class HookEntry final : public HookEntryBase {
       }
     } reswap{this, was_swapped && ema_.has_value()};
 
-    torch::serialize::OutputArchive mine(hook.compilation_unit());
-    Checksums sums;
     const bool ema_weights = ema_ && options_.checkpoint_ema_weights;
-    const at::Tensor meta =
-        at::tensor(std::vector<std::int64_t>{ema_ ? 1 : 0, pending_ ? 1 : 0, calls_, step_, ema_weights ? 1 : 0});
-    mine.write("meta", meta);
-    sums.add("meta", meta);
     const StateDict* state = nullptr;
     StateDict ema_state;
     if (ema_) {
@@ -291,88 +208,24 @@ class HookEntry final : public HookEntryBase {
     } else if (pending_) {
       state = &*pending_;
     }
-    if (state != nullptr) {
-      std::vector<std::pair<std::string, at::Tensor>> items;
-      for (const auto& item : *state) {
-        items.emplace_back(item.key(), item.value());
-        sums.add("state/" + item.key(), item.value());
-      }
-      mine.write("state", tensor_dict(items));
-    }
     TensorMap replace;
-    if (ema_weights) {
+    if (ema_weights)
       for (const auto& item : ema_->averages()) replace.emplace(item.key(), item.value());
-      std::vector<std::pair<std::string, at::Tensor>> online;
-      for (auto& t : collect(*model_)) {
-        online.emplace_back(t.name, t.tensor);
-        sums.add("online/" + t.name, t.tensor);
-      }
-      mine.write("online", tensor_dict(online));
-    }
-    torch::serialize::OutputArchive weights(archive.compilation_unit());
-    write_module(*model_, weights, "", replace, &sums);
-    archive.write(key_, weights);
-    mine.write("checksums", tensor_dict(sums.saved, /*copy=*/false));
-    hook.write(key_, mine);
+    hook_state::write_entry(archive, hook, key_, *model_,
+                            {ema_.has_value(), pending_.has_value(), calls_, step_, ema_weights}, state, replace);
   }
 
   std::function<void()> plan_load(torch::serialize::InputArchive& archive, torch::serialize::InputArchive& hook,
                                   LoadMode mode) override {
     const std::string where = fmt::format("load_checkpoint, model '{}'", key_);
     if (swap_) fail("{}: the model holds the EMA weights (validation or test); end that stage first", where);
-    torch::serialize::InputArchive mine;
-    if (!hook.try_read(key_, mine) && mode == LoadMode::lenient) {
-      TORCH_WARN("emakit: ", where, ": the checkpoint has nothing for this model; it keeps its weights and EMA");
-      return [] {};
-    }
-    if (!hook.try_read(key_, mine))
-      fail("{}: the checkpoint has no hook state for this model; it was saved by a hook without the key '{}'", where,
-           key_);
-    Checksums sums;
-    sums.load(mine, "checksums", where);
-    c10::IValue meta_value;
-    if (!mine.try_read("meta", meta_value) || !meta_value.isTensor())
-      fail("{}: the hook state has no 'meta' tensor; the checkpoint is damaged", where);
-    const at::Tensor meta = meta_value.toTensor();
-    sums.check("meta", meta, where);
-    if (meta.dim() != 1 || meta.numel() != 5 || meta.scalar_type() != at::kLong)
-      fail("{}: 'meta' must be 5 int64 values, got a {} tensor of shape {}", where, c10::toString(meta.scalar_type()),
-           shape_string(meta.sizes()));
-    const bool was_created = meta[0].item<std::int64_t>() != 0;
-    const bool was_pending = meta[1].item<std::int64_t>() != 0;
-    const std::int64_t calls = meta[2].item<std::int64_t>();
-    const std::int64_t step = meta[3].item<std::int64_t>();
-    const bool has_online = meta[4].item<std::int64_t>() != 0;
-    if (calls < 0 || step < 0) fail("{}: counters must be >= 0, got calls {} and step {}", where, calls, step);
-
-    // The online weights: beside the EMA's in the hook state, or the model weights themselves.
-    TensorMap found;
-    bool exhaustive = false;
-    if (has_online) {
-      auto online = read_tensor_dict(mine, "online", where);
-      if (!online) fail("{}: the hook state says it holds the online weights but has none; the checkpoint is damaged", where);
-      for (auto& [k, t] : *online) {
-        sums.check("online/" + k, t, where);
-        found.emplace(k, t);
-      }
-      exhaustive = true;
-    } else {
-      torch::serialize::InputArchive weights;
-      if (!archive.try_read(key_, weights)) fail("{}: the checkpoint has no weights under '{}'", where, key_);
-      read_module(*model_, weights, "", found);
-      for (const auto& [k, t] : found) sums.check("weights/" + k, t, where);
-    }
-    auto copies = plan_weights(*model_, found, exhaustive, mode, where);
-
-    std::optional<StateDict> state;
-    if (auto items = read_tensor_dict(mine, "state", where)) {
-      state.emplace();
-      for (auto& [k, t] : *items) {
-        sums.check("state/" + k, t, where);
-        state->insert(k, t);
-      }
-    }
-    if ((was_created || was_pending) && !state) fail("{}: the hook state has no EMA state; the checkpoint is damaged", where);
+    auto read = hook_state::read_entry(archive, hook, key_, *model_, mode, where);
+    if (!read) return [] {};
+    const bool was_created = read->meta.created;
+    const std::int64_t calls = read->meta.calls;
+    const std::int64_t step = read->meta.step;
+    auto copies = std::move(read->copies);
+    std::optional<StateDict> state = std::move(read->state);
 
     if (was_created && ema_) {
       auto state_aligned = std::make_shared<StateDict>(aligned(*state, *ema_));
@@ -549,8 +402,7 @@ class EmaHook {
   // your own beside them). Tensors are copied: the archive does not change as training goes on.
   void save_checkpoint(torch::serialize::OutputArchive& archive) {
     torch::serialize::OutputArchive hook(archive.compilation_unit());
-    hook.write("format", at::scalar_tensor(hook_format_version, at::kLong));
-    hook.write("emakit_version", c10::IValue(std::string(version_string)));  // the writer's, for messages
+    detail::hook_state::write_header(hook);
     for (auto& e : entries_) e->save(archive, hook);
     archive.write("emakit_hook", hook);
   }
@@ -569,22 +421,9 @@ class EmaHook {
   void load_checkpoint(torch::serialize::InputArchive& archive, LoadMode mode = LoadMode::strict) {
     require_training("load_checkpoint");
     torch::serialize::InputArchive hook;
-    if (!archive.try_read("emakit_hook", hook))
-      detail::fail("load_checkpoint: the archive holds no 'emakit_hook' state; was it written by "
-                   "EmaHook::save_checkpoint()?");
-    c10::IValue format;
-    if (!hook.try_read("format", format) || !format.isTensor() || format.toTensor().numel() != 1)
-      detail::fail("load_checkpoint: the hook state has no format number; the checkpoint is damaged");
-    if (const auto f = format.toTensor().item<std::int64_t>(); f != hook_format_version) {
-      c10::IValue writer;  // absent in checkpoints written before emakit recorded its version
-      const std::string by = hook.try_read("emakit_version", writer) && writer.isString()
-                                 ? fmt::format(" (written by emakit {})", writer.toStringRef())
-                                 : std::string();
-      detail::fail("load_checkpoint: the checkpoint's hook format is {}{}, this emakit ({}) reads format {}", f, by,
-                   version_string, hook_format_version);
-    }
+    detail::hook_state::read_header(archive, hook);
     for (const auto& k : hook.keys()) {
-      if (k == "format" || k == "emakit_version") continue;
+      if (detail::hook_state::is_header_key(k)) continue;
       bool ours = false;
       for (const auto& e : entries_) ours = ours || e->key() == k;
       if (ours) continue;
@@ -697,18 +536,7 @@ void StageScope::end() noexcept {
 inline void load_weights(torch::nn::Module& model, const std::filesystem::path& path, const std::string& key = "model") {
   torch::serialize::InputArchive archive;
   detail::read_archive(archive, path, "load_weights");
-  torch::serialize::InputArchive weights;
-  if (!archive.try_read(key, weights)) detail::fail("load_weights: '{}' has no model '{}'", path.string(), key);
-  detail::TensorMap found;
-  detail::read_module(model, weights, "", found);
-  // The hook's checksums of these weights (LibTorch's reader does not check the archive's own).
-  const std::string where = fmt::format("load_weights '{}', model '{}'", path.string(), key);
-  torch::serialize::InputArchive hook, mine;
-  if (!archive.try_read("emakit_hook", hook) || !hook.try_read(key, mine))
-    detail::fail("{}: the file has no emakit hook state; was it written by EmaHook::save_checkpoint()?", where);
-  detail::Checksums sums;
-  sums.load(mine, "checksums", where);
-  for (const auto& [name, t] : found) sums.check("weights/" + name, t, where);
+  const detail::TensorMap found = detail::hook_state::read_weights(archive, model, key, path.string());
   const auto copies =
       detail::plan_weights(model, found, false, LoadMode::strict, fmt::format("load_weights '{}'", path.string()));
   c10::NoGradGuard no_grad;

@@ -21,20 +21,18 @@
 #pragma once
 
 #include <emakit/detail/check.hpp>
-#include <emakit/detail/torch_pickle.hpp>
+#include <emakit/detail/serial/archive_file.hpp>
+#include <emakit/detail/serial/torch_pickle.hpp>
 #include <emakit/ema.hpp>
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/scalar_tensor.h>
-#include <torch/csrc/jit/serialization/pickle.h>
 
 #include <cstdint>
-#include <fstream>
-#include <iterator>
+#include <filesystem>
 #include <string>
 #include <string_view>
-#include <vector>
 
 namespace emakit {
 
@@ -51,22 +49,6 @@ inline std::string_view peer_prefix(Peer peer) {
   return "";
 }
 
-inline c10::impl::GenericDict read_python_dict(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot open '{}'", path);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  c10::IValue value;
-  try {
-    value = torch::jit::pickle_load(bytes);
-  } catch (const c10::Error& e) {
-    fail("'{}' is not a file torch.save wrote with a plain dict of tensors: {}", path, e.what_without_backtrace());
-  }
-  if (!value.isGenericDict())
-    fail("'{}' holds a {}, not a dict; in Python save a plain dict: torch.save(dict(ema.state_dict()), path)", path,
-         value.tagKind());
-  return value.toGenericDict();
-}
-
 inline const at::Tensor* entry(const c10::impl::GenericDict& dict, const std::string& key) {
   const auto it = dict.find(key);
   if (it == dict.end() || !it->value().isTensor()) return nullptr;
@@ -78,7 +60,7 @@ inline const at::Tensor* entry(const c10::impl::GenericDict& dict, const std::st
 // Writes the EMA's tensors and counters with `peer`'s key names to `path`, readable by Python's
 // torch.load (weights_only) as a plain dict.
 template <class E>
-void export_state(const E& ema, Peer peer, const std::string& path) {
+void export_state(const E& ema, Peer peer, const std::filesystem::path& path) {
   c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
   const std::string prefix(detail::peer_prefix(peer));
   for (const auto& item : ema.averages()) dict.insert(prefix + item.key(), item.value().detach().cpu().contiguous());
@@ -95,9 +77,12 @@ void export_state(const E& ema, Peer peer, const std::string& path) {
 // be made with the peer's options. The counters are rebuilt from the peer's: ema-pytorch's step
 // counts update calls, and the number of updates it applied is recounted with this EMA's own
 // schedule. Strict: every tensor this EMA holds must be in the file with its shape and dtype.
+// The file is checked before LibTorch's unpickler reads it (detail/serial/archive_scan.hpp): a
+// dict of tensors and plain values, nothing else.
 template <class E>
-LoadReport import_state(E& ema, Peer peer, const std::string& path, LoadMode mode = LoadMode::strict) {
-  const auto dict = detail::read_python_dict(path);
+LoadReport import_state(E& ema, Peer peer, const std::filesystem::path& file, LoadMode mode = LoadMode::strict) {
+  const auto dict = detail::read_pickle_dict(file, "import_state");
+  const std::string path = file.string();  // for messages
   StateDict state = ema.state_dict();  // this EMA's own config, counters and keys
   StateDict out;
   const std::string prefix(detail::peer_prefix(peer));

@@ -32,7 +32,7 @@
 //
 // Snapshot files. One file per profile and snapshot, "<folder>/phema-<step, 10 digits>-<profile>.emkit",
 // written atomically (temporary file, fsync, rename, fsync of the folder): a crash leaves every
-// earlier snapshot readable. The format (version 1, little-endian; detail/snapshot_file.hpp has
+// earlier snapshot readable. The format (detail::formats::snapshot; detail/serial/snapshot_file.hpp has
 // the byte layout): magic "EMAKITPH", u32 version, the header (step and t as int64, gamma,
 // sigma_rel, update_every, profile index, file size, and per tensor its name, stored and original
 // dtype, role, shape, offset, size and CRC-32), the header's CRC-32, then the raw tensor data.
@@ -633,7 +633,7 @@ class PostHocEma {
   // then each profile's Ema::state_dict() under "profile.<i>.".
   StateDict state_dict() const {
     StateDict out;
-    out.insert("posthoc.format", at::scalar_tensor(std::int64_t{1}, at::kLong));
+    out.insert("posthoc.format", at::scalar_tensor(detail::formats::posthoc_state.version, at::kLong));
     out.insert("posthoc.profiles", at::scalar_tensor(static_cast<std::int64_t>(emas_.size()), at::kLong));
     out.insert("posthoc.snapshot_every", at::scalar_tensor(options_.snapshot_every(), at::kLong));
     out.insert("posthoc.last_snapshot_step", at::scalar_tensor(last_snapshot_step_, at::kLong));

@@ -1,6 +1,6 @@
 // libFuzzer target for emakit's checkpoint loader: any bytes, as a file given to
 // emakit::load(ema, path) or EmaHook::load_checkpoint(path) would be. The bytes go through the
-// archive check first (detail/archive_scan.hpp); those it accepts go on to LibTorch's loader
+// archive check first (detail/serial/archive_scan.hpp); those it accepts go on to LibTorch's loader
 // and emakit's own checks (names, shapes, config, CRC-32s: fuzz_glue.cpp). Any crash,
 // sanitizer report, leak or timeout fails the run.
 //
@@ -14,7 +14,7 @@
 // in C++20 with libstdc++ 12 (std::vector<c10::IValue> of an incomplete type).
 //
 // With EMAKIT_FUZZ_MAKE_CORPUS=<folder> the target writes its seed corpus there and exits.
-#include <emakit/detail/archive_scan.hpp>
+#include <emakit/detail/serial/archive_scan.hpp>
 
 #include <cstddef>
 #include <cstdint>

@@ -1,5 +1,8 @@
-// Checks with messages that name the bad value and what was expected.
+// Checks of options and tensors, with messages that name the bad value and what was expected
+// (the errors themselves: detail/errors.hpp).
 #pragma once
+
+#include <emakit/detail/errors.hpp>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/isfinite.h>
@@ -9,16 +12,9 @@
 #include <fmt/ranges.h>
 
 #include <cstdint>
-#include <stdexcept>
 #include <string>
 
 namespace emakit::detail {
-
-// Throws std::invalid_argument with a formatted message, prefixed by "emakit: ".
-template <class... Args>
-[[noreturn]] void fail(fmt::format_string<Args...> format, Args&&... args) {
-  throw std::invalid_argument("emakit: " + fmt::format(format, std::forward<Args>(args)...));
-}
 
 // `what` is the option's full name, e.g. "Fixed::beta".
 inline void check_unit_interval(double value, const char* what) {  // [0, 1)
@@ -64,8 +60,5 @@ inline bool all_finite(const at::Tensor& t) {
   }
   return at::isfinite(t).all().item<bool>();
 }
-
-// Formats a shape as [2, 3].
-inline std::string shape_string(c10::IntArrayRef sizes) { return fmt::format("[{}]", fmt::join(sizes, ", ")); }
 
 }  // namespace emakit::detail

@@ -1,0 +1,44 @@
+// Every emakit error is thrown from here: std::invalid_argument (fail) for bad input,
+// std::runtime_error (fail_runtime) for what the system refused (a file, a collective), each
+// "emakit: " and a message that names the bad value. Light on purpose (fmt and c10's Exception
+// only): the archive scan includes it, and is built by a compiler that cannot take ATen headers.
+#pragma once
+
+#include <c10/util/ArrayRef.h>
+#include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <utility>
+
+namespace emakit::detail {
+
+// Throws std::invalid_argument with a formatted message, prefixed by "emakit: ".
+template <class... Args>
+[[noreturn]] void fail(fmt::format_string<Args...> format, Args&&... args) {
+  throw std::invalid_argument("emakit: " + fmt::format(format, std::forward<Args>(args)...));
+}
+
+// Throws std::runtime_error with a formatted message, prefixed by "emakit: ".
+template <class... Args>
+[[noreturn]] void fail_runtime(fmt::format_string<Args...> format, Args&&... args) {
+  throw std::runtime_error("emakit: " + fmt::format(format, std::forward<Args>(args)...));
+}
+
+// The system's text for an errno value.
+inline std::string errno_text(int error) { return std::strerror(error); }
+
+// The first line of an error message: c10::Error appends a C++ backtrace (and LibTorch's
+// messages their context) on the lines after it.
+inline std::string first_line(std::string_view message) { return std::string(message.substr(0, message.find('\n'))); }
+inline std::string first_line(const c10::Error& e) { return first_line(e.what_without_backtrace()); }
+
+// Formats a shape as [2, 3].
+inline std::string shape_string(c10::IntArrayRef sizes) { return fmt::format("[{}]", fmt::join(sizes, ", ")); }
+
+}  // namespace emakit::detail

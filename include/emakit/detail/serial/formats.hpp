@@ -1,0 +1,51 @@
+// Every on-disk format emakit writes, with its one name and its one version. A format's version is
+// stored in its files and checked by its reader; a change to a format bumps its version here, and
+// the reader keeps reading the older versions.
+//
+//   format            files                                   version stored as
+//   ema_state         emakit::save / torch::save(ema): an     "emakit.format" in the state dict
+//                     archive with emakit_state, _checksums
+//   hook              EmaHook::save_checkpoint: emakit_hook/   emakit_hook/format
+//   sharded           save_sharded: index.pt (emakit_shard,   emakit_shard "format" (index and
+//                     _state, _layout) + one file per rank     every rank file)
+//   snapshot          post-hoc EMA snapshots (phema-*.emkit)  u32 after the magic "EMAKITPH"
+//                     (layout: detail/serial/snapshot_file.hpp)
+//   posthoc_state     PostHocEma::state_dict: its profiles'    "posthoc.format"
+//                     ema_state dicts under profile.<i>.
+//
+// Not versioned by emakit: the torch.save dicts of tensors (torch_pickle.hpp) that interop.hpp
+// exports and imports and posthoc.hpp writes for a synthesized EMA; their layout is Python's.
+//
+// The serialization layer (detail/serial/), one job per header:
+//   formats.hpp        this registry
+//   checksum.hpp       CRC-32 and the per-tensor checksums of archives
+//   atomic_file.hpp    the one write path: a temporary file, fsync, rename
+//   archive_scan.hpp   refuses an untrusted archive before LibTorch's loader runs
+//   archive_file.hpp   the one checked read path (scan, then load) and the archive write
+//   tensor_dict.hpp    name -> tensor dictionaries inside archives
+//   state_reader.hpp   typed reads of counters and config values from a state dict
+//   match.hpp          tensors matched by name, then by shape
+//   ema_state.hpp      the Ema state dict and its archive (ema_state)
+//   hook_state.hpp     the EmaHook checkpoint (hook)
+//   snapshot_file.hpp  the post-hoc snapshot file (snapshot)
+//   torch_pickle.hpp   a dict of tensors written as torch.save does
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+namespace emakit::detail::formats {
+
+// A file format: the name messages use and the version this emakit writes (and reads).
+struct Format {
+  std::string_view name;
+  std::int64_t version;
+};
+
+inline constexpr Format ema_state{"emakit EMA state", 1};
+inline constexpr Format hook{"emakit hook checkpoint", 1};
+inline constexpr Format sharded{"emakit sharded EMA", 1};
+inline constexpr Format snapshot{"emakit post-hoc snapshot", 1};
+inline constexpr Format posthoc_state{"emakit post-hoc EMA state", 1};
+
+}  // namespace emakit::detail::formats

@@ -1,0 +1,84 @@
+// Typed reads from a state dict (name -> tensor): the counters and config values of every emakit
+// state are read here, each checked for its shape and type, with errors that name the key.
+//
+//   const StateReader in(state);
+//   const std::int64_t calls = in.counter("counters.calls");      // one integer, >= 0
+//   const std::string decay = in.text("config.decay");             // uint8 UTF-8 bytes
+#pragma once
+
+#include <emakit/detail/check.hpp>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/ScalarType.h>
+#include <torch/ordered_dict.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace emakit::detail {
+
+// A string as a state stores it: a 1-d uint8 tensor of its UTF-8 bytes.
+inline at::Tensor string_tensor(std::string_view s) {
+  at::Tensor t = at::empty({static_cast<std::int64_t>(s.size())}, at::TensorOptions().dtype(at::kByte));
+  std::copy(s.begin(), s.end(), reinterpret_cast<char*>(t.data_ptr<std::uint8_t>()));
+  return t;
+}
+
+// The string of string_tensor(), or "<not a string>".
+inline std::string tensor_string(const at::Tensor& t) {
+  if (t.scalar_type() != at::kByte || t.dim() != 1) return "<not a string>";
+  const auto c = t.contiguous();
+  const auto* p = c.data_ptr<std::uint8_t>();
+  return std::string(p, p + c.numel());
+}
+
+class StateReader {
+ public:
+  using State = torch::OrderedDict<std::string, at::Tensor>;
+
+  explicit StateReader(const State& state) : state_(state) {}
+
+  const at::Tensor* find(const std::string& key) const { return state_.find(key); }
+
+  // One integer; nullopt when the key is absent. A float tensor or another shape is an error.
+  std::optional<std::int64_t> optional_integer(const std::string& key) const {
+    const at::Tensor* t = state_.find(key);
+    if (t == nullptr) return std::nullopt;
+    if (t->numel() != 1 || c10::isFloatingType(t->scalar_type()))
+      fail("'{}' must be one integer, got a {} tensor of shape {}", key, c10::toString(t->scalar_type()),
+           shape_string(t->sizes()));
+    return t->item<std::int64_t>();
+  }
+
+  // One integer >= 0 that must be there (a counter).
+  std::int64_t counter(const std::string& key) const {
+    const auto v = optional_integer(key);
+    if (!v) fail("the state has no '{}'", key);
+    if (*v < 0) fail("'{}' must be >= 0, got {}", key, *v);
+    return *v;
+  }
+
+  // One number of any dtype that must be there.
+  double number(const std::string& key) const {
+    const at::Tensor* t = state_.find(key);
+    if (t == nullptr) fail("the state has no '{}'", key);
+    if (t->numel() != 1) fail("'{}' must be one number, got shape {}", key, shape_string(t->sizes()));
+    return t->item<double>();
+  }
+
+  // A string_tensor(), nullopt when the key is absent.
+  std::optional<std::string> optional_text(const std::string& key) const {
+    const at::Tensor* t = state_.find(key);
+    if (t == nullptr) return std::nullopt;
+    return tensor_string(*t);
+  }
+
+ private:
+  const State& state_;
+};
+
+}  // namespace emakit::detail
