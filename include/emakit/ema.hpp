@@ -26,6 +26,7 @@
 #include <emakit/decay.hpp>
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/serial/ema_state.hpp>
+#include <emakit/detail/serial/match.hpp>
 #include <emakit/detail/update_kernel.hpp>
 #include <emakit/fwd.hpp>
 #include <emakit/options.hpp>
@@ -515,17 +516,12 @@ class Ema {
   {
     ensure_bound("swap_gathered_into");
     const StateDict full = storage_.gather(*this, all_ranks);
-    auto theirs = detail::tensors_by_name(model);
+    std::vector<std::pair<std::string, at::Tensor>> ours;
+    for (const auto& item : full) ours.emplace_back(item.key(), item.value());
+    const auto match = detail::match_by_name(ours, detail::tensors_by_name(model));
+    detail::require_model_match(match, "swap_gathered_into: ");
     std::vector<at::Tensor> targets;
-    for (const auto& item : full) {
-      auto it = theirs.find(item.key());
-      if (it == theirs.end())
-        detail::fail("swap_gathered_into: the model has no tensor '{}' that the EMA holds", item.key());
-      if (!it->second.sizes().equals(item.value().sizes()))
-        detail::fail("swap_gathered_into: tensor '{}' has shape {} in the model but {} in the EMA", item.key(),
-                     detail::shape_string(it->second.sizes()), detail::shape_string(item.value().sizes()));
-      targets.push_back(it->second);
-    }
+    for (const auto& p : match.pairs) targets.push_back(p.theirs);
     if (swap_->guards > 0 || detail::swap_registry().holder(targets, nullptr) != nullptr)
       detail::fail("swap_gathered_into: the model already holds an EMA's weights (a SwapGuard is open); end that "
                    "guard's scope first");
@@ -878,19 +874,17 @@ class Ema {
   // model ties gets the tensor under each name). From the model: the first name of each tensor.
   void transfer(const torch::nn::Module& model, bool into_model) const {
     ensure_bound(into_model ? "copy_to" : "copy_from");
-    auto theirs = detail::tensors_by_name(model);
     const auto& slots = kernel_.settled_slots();
+    std::vector<std::pair<std::string, at::Tensor>> ours;
+    for (const auto& e : entries_) ours.emplace_back(e.name, slots[e.slot].average);
+    const auto match = detail::match_by_name(ours, detail::tensors_by_name(model));
+    detail::require_model_match(match);  // no problem: match.pairs[i] is entries_[i]
     std::vector<std::pair<const detail::Slot*, at::Tensor>> pairs;
     std::vector<bool> seen(slots.size(), false);
-    for (const auto& e : entries_) {
-      const auto& s = slots[e.slot];
-      auto it = theirs.find(e.name);
-      if (it == theirs.end()) detail::fail("the model has no tensor '{}' that the EMA holds", e.name);
-      if (!it->second.sizes().equals(s.average.sizes()))
-        detail::fail("tensor '{}' has shape {} in the model but {} in the EMA", e.name,
-                     detail::shape_string(it->second.sizes()), detail::shape_string(s.average.sizes()));
-      if (into_model || !seen[e.slot]) pairs.emplace_back(&s, it->second);
-      seen[e.slot] = true;
+    for (std::size_t i = 0; i < entries_.size(); ++i) {
+      const std::size_t slot = entries_[i].slot;
+      if (into_model || !seen[slot]) pairs.emplace_back(&slots[slot], match.pairs[i].theirs);
+      seen[slot] = true;
     }
     c10::NoGradGuard no_grad;
     for (auto& [s, t] : pairs) {

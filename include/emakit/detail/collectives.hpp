@@ -10,7 +10,6 @@
 #pragma once
 
 #include <emakit/concepts.hpp>
-#include <emakit/detail/atomic_file.hpp>  // fail_runtime; check.hpp alone once the error helpers are merged there
 #include <emakit/detail/check.hpp>
 
 #include <ATen/ops/empty.h>
@@ -33,13 +32,6 @@
 
 namespace emakit::detail {
 
-// The first line of an exception's message (c10::Error appends a C++ backtrace).
-inline std::string first_line(const std::exception& e) {
-  std::string s = e.what();
-  if (const auto nl = s.find('\n'); nl != std::string::npos) s.resize(nl);
-  return s;
-}
-
 // Waits for a collective, at most `timeout`; a timeout or a failure of the collective (a peer
 // that died closes its connections) throws std::runtime_error naming `what` and this rank.
 inline void wait_collective(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout,
@@ -49,7 +41,7 @@ inline void wait_collective(const c10::intrusive_ptr<c10d::Work>& work, std::chr
   } catch (const std::exception& e) {
     fail_runtime("{}: the collective failed on rank {} within the timeout of {} ms (a rank died, stalled or "
                  "left the group; the process group cannot be used any more): {}",
-                 what, rank, timeout.count(), first_line(e));
+                 what, rank, timeout.count(), first_line(e.what()));
   }
 }
 

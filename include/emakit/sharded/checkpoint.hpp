@@ -17,7 +17,11 @@
 
 #include <emakit/checkpoint.hpp>
 #include <emakit/concepts.hpp>
-#include <emakit/detail/atomic_file.hpp>  // fail_runtime; check.hpp alone once the error helpers are merged there
+#include <emakit/detail/serial/archive_file.hpp>
+#include <emakit/detail/serial/checksum.hpp>
+#include <emakit/detail/serial/formats.hpp>
+#include <emakit/detail/serial/state_reader.hpp>
+#include <emakit/detail/serial/tensor_dict.hpp>
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/collectives.hpp>
 #include <emakit/ema.hpp>
@@ -53,20 +57,9 @@ inline std::string sharded_file_name(int rank, int world, std::int64_t save_id) 
   return fmt::format("rank-{}-of-{}.{:016x}.pt", rank, world, static_cast<std::uint64_t>(save_id));
 }
 // The layout version of sharded checkpoints.
-inline constexpr std::int64_t sharded_format_version = 1;
+inline constexpr std::int64_t sharded_format_version = detail::formats::sharded.version;
 
 namespace detail {
-
-inline std::int64_t scalar_long(const std::vector<std::pair<std::string, at::Tensor>>& items, const std::string& key,
-                                const std::string& where) {
-  for (const auto& [k, t] : items)
-    if (k == key) {
-      if (t.numel() != 1 || c10::isFloatingType(t.scalar_type()))
-        fail("{}: '{}' is not one integer; the checkpoint is damaged", where, key);
-      return t.item<std::int64_t>();
-    }
-  fail("{}: the checkpoint has no '{}'; it is damaged or not a sharded emakit checkpoint", where, key);
-}
 
 // Reads a dictionary and checks each tensor against the archive's checksums under `sums_key`.
 inline std::vector<std::pair<std::string, at::Tensor>> read_checked(torch::serialize::InputArchive& archive,
@@ -175,12 +168,14 @@ void load_sharded(Ema<D, S, ShardedStorage>& ema, const std::filesystem::path& d
     sums.load(index, "emakit_checksums", index_where);
     auto info = detail::read_tensor_dict(index, "emakit_shard", index_where);
     if (!info) detail::fail("{}: no 'emakit_shard'; it is not the index of a sharded emakit checkpoint", index_where);
-    const auto format = detail::scalar_long(*info, "format", index_where);
+    const auto info_state = detail::as_state(*info, index_where);
+    const detail::StateReader info_in(info_state, index_where);
+    const auto format = info_in.counter("format");
     if (format != sharded_format_version)
       detail::fail("{}: sharded checkpoint format {}, this emakit reads format {}", index_where, format,
                    sharded_format_version);
-    const std::int64_t save_id = detail::scalar_long(*info, "save_id", index_where);
-    const std::int64_t old_world = detail::scalar_long(*info, "world", index_where);
+    const std::int64_t save_id = info_in.counter("save_id");
+    const std::int64_t old_world = info_in.counter("world");
     if (old_world <= 0) detail::fail("{}: world size {}; the index is damaged", index_where, old_world);
     const auto saved_state = detail::read_checked(index, "emakit_state", sums, "state/", index_where);
     const auto layout_items = detail::read_checked(index, "emakit_layout", sums, "layout/", index_where);
@@ -225,14 +220,16 @@ void load_sharded(Ema<D, S, ShardedStorage>& ema, const std::filesystem::path& d
       detail::read_archive(archive, path, "load_sharded");
       auto shard = detail::read_tensor_dict(archive, "emakit_shard", where);
       if (!shard) detail::fail("{}: no 'emakit_shard'; it is not a file of a sharded emakit checkpoint", where);
-      const std::int64_t id = detail::scalar_long(*shard, "save_id", where);
+      const auto shard_state = detail::as_state(*shard, where);
+      const detail::StateReader shard_in(shard_state, where);
+      const std::int64_t id = shard_in.counter("save_id");
       if (id != save_id)
         detail::fail("{}: belongs to another save than the index '{}' (save ids {} and {}): the folder mixes files "
                      "of different checkpoints",
                      where, index_path.string(), id, save_id);
-      if (detail::scalar_long(*shard, "rank", where) != r || detail::scalar_long(*shard, "world", where) != old_world)
-        detail::fail("{}: holds rank {} of {}, not what its name says", where, detail::scalar_long(*shard, "rank", where),
-                     detail::scalar_long(*shard, "world", where));
+      if (shard_in.counter("rank") != r || shard_in.counter("world") != old_world)
+        detail::fail("{}: holds rank {} of {}, not what its name says", where, shard_in.counter("rank"),
+                     shard_in.counter("world"));
       detail::Checksums file_sums;
       file_sums.load(archive, "emakit_checksums", where);
       auto items = detail::read_checked(archive, "emakit_state", file_sums, "", where);

@@ -29,7 +29,6 @@
 #pragma once
 
 #include <emakit/concepts.hpp>
-#include <emakit/detail/atomic_file.hpp>  // fail_runtime; check.hpp alone once the error helpers are merged there
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/collectives.hpp>
 #include <emakit/storage.hpp>

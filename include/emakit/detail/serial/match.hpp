@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <string_view>
 #include <string>
 #include <unordered_set>
 #include <utility>
@@ -58,6 +59,17 @@ NameMatch match_by_name(const Ours& ours, const Theirs& theirs, bool want_unexpe
     for (const auto& [name, t] : theirs)
       if (!seen.count(name)) m.problems.push_back({Kind::unexpected, name});
   return m;
+}
+
+// Throws for the first problem of a match of an EMA's tensors (ours) with a model's (theirs), in
+// the words every copy between them uses; `prefix` leads the message (the call, or empty).
+inline void require_model_match(const NameMatch& m, std::string_view prefix = {}) {
+  using Kind = NameMatch::Problem::Kind;
+  for (const auto& p : m.problems) {
+    if (p.kind == Kind::missing) fail("{}the model has no tensor '{}' that the EMA holds", prefix, p.name);
+    if (p.kind == Kind::shape)
+      fail("{}tensor '{}' has shape {} in the model but {} in the EMA", prefix, p.name, p.theirs_shape, p.ours_shape);
+  }
 }
 
 }  // namespace emakit::detail

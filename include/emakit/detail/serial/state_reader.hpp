@@ -18,6 +18,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 
 namespace emakit::detail {
 
@@ -40,7 +41,8 @@ class StateReader {
  public:
   using State = torch::OrderedDict<std::string, at::Tensor>;
 
-  explicit StateReader(const State& state) : state_(state) {}
+  // `where` (a file, a profile) leads every error message when it is given.
+  explicit StateReader(const State& state, std::string where = {}) : state_(state), where_(std::move(where)) {}
 
   const at::Tensor* find(const std::string& key) const { return state_.find(key); }
 
@@ -49,7 +51,7 @@ class StateReader {
     const at::Tensor* t = state_.find(key);
     if (t == nullptr) return std::nullopt;
     if (t->numel() != 1 || c10::isFloatingType(t->scalar_type()))
-      fail("'{}' must be one integer, got a {} tensor of shape {}", key, c10::toString(t->scalar_type()),
+      fail("{}'{}' must be one integer, got a {} tensor of shape {}", lead(), key, c10::toString(t->scalar_type()),
            shape_string(t->sizes()));
     return t->item<std::int64_t>();
   }
@@ -57,16 +59,16 @@ class StateReader {
   // One integer >= 0 that must be there (a counter).
   std::int64_t counter(const std::string& key) const {
     const auto v = optional_integer(key);
-    if (!v) fail("the state has no '{}'", key);
-    if (*v < 0) fail("'{}' must be >= 0, got {}", key, *v);
+    if (!v) fail("{}the state has no '{}'", lead(), key);
+    if (*v < 0) fail("{}'{}' must be >= 0, got {}", lead(), key, *v);
     return *v;
   }
 
   // One number of any dtype that must be there.
   double number(const std::string& key) const {
     const at::Tensor* t = state_.find(key);
-    if (t == nullptr) fail("the state has no '{}'", key);
-    if (t->numel() != 1) fail("'{}' must be one number, got shape {}", key, shape_string(t->sizes()));
+    if (t == nullptr) fail("{}the state has no '{}'", lead(), key);
+    if (t->numel() != 1) fail("{}'{}' must be one number, got shape {}", lead(), key, shape_string(t->sizes()));
     return t->item<double>();
   }
 
@@ -78,7 +80,10 @@ class StateReader {
   }
 
  private:
+  std::string lead() const { return where_.empty() ? std::string() : where_ + ": "; }
+
   const State& state_;
+  std::string where_;
 };
 
 }  // namespace emakit::detail

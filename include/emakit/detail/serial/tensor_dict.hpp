@@ -7,6 +7,7 @@
 #include <ATen/core/Dict.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
+#include <torch/ordered_dict.h>
 #include <torch/serialize/input-archive.h>
 
 #include <optional>
@@ -37,6 +38,17 @@ inline std::optional<std::vector<std::pair<std::string, at::Tensor>>> read_tenso
     out.emplace_back(entry.key().toStringRef(), entry.value().toTensor());
   }
   return out;
+}
+
+// The same items as a state dict, for StateReader. A name given twice is an error.
+inline torch::OrderedDict<std::string, at::Tensor> as_state(const std::vector<std::pair<std::string, at::Tensor>>& items,
+                                                            const std::string& where) {
+  torch::OrderedDict<std::string, at::Tensor> state;
+  for (const auto& [k, t] : items) {
+    if (state.contains(k)) fail("{}: '{}' appears twice; the checkpoint is damaged", where, k);
+    state.insert(k, t);
+  }
+  return state;
 }
 
 }  // namespace emakit::detail
