@@ -23,7 +23,6 @@
 #include <emakit/schedule.hpp>
 #include <emakit/storage.hpp>
 
-#include <ATen/ops/equal.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <fmt/format.h>
 #include <torch/nn/module.h>
@@ -32,6 +31,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <stdexcept>
 #include <string>
 #include <system_error>
 #include <utility>
@@ -186,23 +186,14 @@ class PostHocEma {
     detail::check_writable_folder(options_.folder());
   }
 
-  // Throws unless emas_[i].load_state_dict(part) would load every key (config equal, same
-  // tensors with the same shapes and dtypes, no extra keys).
+  // Throws unless emas_[i].load_state_dict(part) would load every key: Ema::check_state_dict
+  // (strict), its message prefixed with the profile.
   void check_loadable(std::size_t i, const StateDict& part) const {
-    const StateDict ours = emas_[i].state_dict();
-    for (const auto& item : ours) {
-      const auto& key = item.key();
-      const at::Tensor* theirs = part.find(key);
-      if (theirs == nullptr) detail::fail("PostHocEma::load_state_dict: profile {}: the state has no '{}'", i, key);
-      const at::Tensor& mine = item.value();
-      const bool same_kind = theirs->sizes().equals(mine.sizes()) && theirs->scalar_type() == mine.scalar_type();
-      const bool is_config = key.rfind("config.", 0) == 0 || key == "emakit.format";
-      if (!same_kind || (is_config && !at::equal(*theirs, mine)))
-        detail::fail("PostHocEma::load_state_dict: profile {}: '{}' differs (the profiles or the model changed)", i, key);
+    try {
+      emas_[i].check_state_dict(part, LoadMode::strict);
+    } catch (const std::invalid_argument& e) {
+      detail::fail("PostHocEma::load_state_dict: profile {}: {} (the profiles or the model changed)", i, e.what());
     }
-    for (const auto& item : part)
-      if (ours.find(item.key()) == nullptr)
-        detail::fail("PostHocEma::load_state_dict: profile {}: unexpected key '{}'", i, item.key());
   }
 
   PostHocOptions options_;
