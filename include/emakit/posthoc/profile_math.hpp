@@ -10,6 +10,7 @@
 // snapshots' averaged tensors with x.
 #pragma once
 
+#include <emakit/detail/atomic_file.hpp>  // fail_runtime
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/dense_solve.hpp>
 
