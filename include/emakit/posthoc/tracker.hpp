@@ -33,6 +33,7 @@
 #include <filesystem>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <utility>
 #include <vector>
@@ -192,7 +193,9 @@ class PostHocEma {
     try {
       emas_[i].check_state_dict(part, LoadMode::strict);
     } catch (const std::invalid_argument& e) {
-      detail::fail("PostHocEma::load_state_dict: profile {}: {} (the profiles or the model changed)", i, e.what());
+      std::string_view why = e.what();
+      if (why.rfind("emakit: ", 0) == 0) why.remove_prefix(8);  // detail::fail's prefix, added again below
+      detail::fail("PostHocEma::load_state_dict: profile {}: {} (the profiles or the model changed)", i, why);
     }
   }
 
