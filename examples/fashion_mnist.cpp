@@ -41,6 +41,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "subprocess.hpp"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -297,18 +299,14 @@ unset multiplot
       epochs <= 20 ? "set xtics 1" : "set xtics autofreq", fixed_name, warmup_name, rows[0].score.loss, rows[1].score.loss, fixed_name, rows[2].score.loss, warmup_name);
 }
 
-std::string shell_quote(const std::string& s) {
-  std::string out = "'";
-  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
-}
-
 // Runs gnuplot on plot.gp in `out`. Returns a line for the user when no plot was made.
 std::optional<std::string> draw_plot(const fs::path& out) {
-  if (std::system("command -v gnuplot >/dev/null 2>&1") != 0)
+  const std::string gnuplot = emakit_subprocess::find_program("gnuplot");
+  if (gnuplot.empty())
     return "gnuplot is not installed (Debian: sudo apt-get install gnuplot-nox): no plot; the CSVs are there";
-  const int rc = std::system(fmt::format("cd {} && gnuplot plot.gp", shell_quote(out.string())).c_str());
-  if (rc != 0) return fmt::format("gnuplot failed (status {}) on {}: no plot", rc, (out / "plot.gp").string());
+  const int status = emakit_subprocess::run({gnuplot, "plot.gp"}, {.cwd = out});
+  if (status != 0)
+    return fmt::format("gnuplot failed ({}) on {}: no plot", emakit_subprocess::describe(status), (out / "plot.gp").string());
   return std::nullopt;
 }
 

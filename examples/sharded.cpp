@@ -22,7 +22,8 @@
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
 
-#include <sys/wait.h>
+#include "subprocess.hpp"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -200,29 +201,17 @@ int run_ranks(const Args& a, int world, const std::vector<std::string>& extra) {
     return 1;
   }
   const std::string store = std::string(dir) + "/store";
-  std::vector<pid_t> pids;
+  std::vector<emakit_subprocess::Process> ranks;
   for (int r = 0; r < world; ++r) {
     std::vector<std::string> args{"/proc/self/exe", "--rank", std::to_string(r), "--world", std::to_string(world),
                                   "--store", store, "--steps", std::to_string(a.steps), "--width",
                                   std::to_string(a.width), "--depth", std::to_string(a.depth)};
     if (!a.checkpoint.empty()) args.insert(args.end(), {"--checkpoint", std::filesystem::absolute(a.checkpoint).string()});
     args.insert(args.end(), extra.begin(), extra.end());
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      std::vector<char*> argv;
-      for (auto& s : args) argv.push_back(s.data());
-      argv.push_back(nullptr);
-      ::execv("/proc/self/exe", argv.data());
-      std::_Exit(127);
-    }
-    pids.push_back(pid);
+    ranks.emplace_back(std::move(args));
   }
   int failed = 0;
-  for (auto pid : pids) {
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    failed += !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-  }
+  for (auto& rank : ranks) failed += rank.wait() != 0;
   std::filesystem::remove_all(dir);
   return failed == 0 ? 0 : 1;
 }

@@ -4,6 +4,7 @@
 #include <emakit/emakit.hpp>
 #include <emakit/interop.hpp>
 
+#include "../examples/subprocess.hpp"
 #include "archive_records.hpp"
 #include "helpers.hpp"
 
@@ -15,7 +16,6 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -31,8 +31,6 @@
 #include <unordered_map>
 #include <utility>
 #include <vector>
-
-extern char** environ;
 
 using Catch::Matchers::Contains;
 
@@ -102,45 +100,12 @@ void fill(torch::nn::Module& m, double value) {
 }
 
 struct Child {
-  pid_t pid = -1;
-  int out = -1;  // the child's stdout
+  emakit_subprocess::Process process;
   std::string pending;
 
   // Runs this test program's hidden test case `test` with `env` added to the environment.
-  Child(const std::string& test, const std::vector<std::string>& env) {
-    char exe[4096] = {};
-    const auto n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-    REQUIRE(n > 0);
-    std::vector<std::string> args = {exe, test};
-    std::vector<std::string> env_strings = env;
-    for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
-    std::vector<char*> envp;
-    for (auto& e : env_strings) envp.push_back(e.data());
-    envp.push_back(nullptr);
-    int fds[2];
-    REQUIRE(::pipe(fds) == 0);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
-    posix_spawn_file_actions_addclose(&actions, fds[0]);
-    std::vector<char*> argv;
-    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    const int rc = ::posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), envp.data());
-    posix_spawn_file_actions_destroy(&actions);
-    ::close(fds[1]);
-    out = fds[0];
-    REQUIRE(rc == 0);
-  }
-  Child(const Child&) = delete;
-  Child& operator=(const Child&) = delete;
-  ~Child() {
-    if (pid > 0) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, nullptr, 0);
-    }
-    if (out >= 0) ::close(out);
-  }
+  Child(const std::string& test, const std::vector<std::string>& env)
+      : process({emakit_subprocess::own_executable(), test}, {.env = env, .pipe_stdout = true}) {}
 
   // The next line that starts with "sav" (the writer's; Catch2 prints its own too), or "" at
   // the end of the output or after `timeout`.
@@ -160,10 +125,10 @@ struct Child {
       }
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
       if (left.count() <= 0) return "";
-      pollfd p{out, POLLIN, 0};
+      pollfd p{process.stdout_fd(), POLLIN, 0};
       if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) return "";
       char buf[256];
-      const ::ssize_t n = ::read(out, buf, sizeof buf);
+      const ::ssize_t n = ::read(process.stdout_fd(), buf, sizeof buf);
       if (n <= 0) return "";
       pending.append(buf, static_cast<std::size_t>(n));
     }
@@ -171,10 +136,8 @@ struct Child {
 
   // SIGKILL, reap, and the lines it printed before dying.
   std::vector<std::string> kill() {
-    ::kill(pid, SIGKILL);
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    pid = -1;
+    process.signal(SIGKILL);
+    const int status = process.wait();
     CHECK(WIFSIGNALED(status));
     std::vector<std::string> rest;
     for (std::string l; !(l = line(std::chrono::milliseconds(500))).empty();) rest.push_back(l);

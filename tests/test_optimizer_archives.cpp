@@ -1,6 +1,6 @@
 // Archives with optimizer state, as the README's recipe writes them (an EmaHook checkpoint with the
 // optimizer beside it in one file), read by the checked loaders: every torch::optim optimizer, and
-// archives nested two levels deep. The archive check (detail/archive_scan.hpp) must accept what
+// archives nested two levels deep. The archive check (detail/serial/archive_scan.hpp) must accept what
 // LibTorch writes for them and still refuse code hidden in the same declaration forms.
 #include <emakit/emakit.hpp>
 

@@ -2,6 +2,7 @@
 // real kill, corruption), synthesis (exactness, reconstruction on a training trajectory, errors).
 #include <emakit/emakit.hpp>
 
+#include "../examples/subprocess.hpp"
 #include "helpers.hpp"
 
 #include <torch/nn/functional/loss.h>
@@ -14,7 +15,6 @@
 #include <linux/fs.h>
 #include <signal.h>
 #include <sys/ioctl.h>
-#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -653,18 +653,10 @@ TEST_CASE("posthoc kill-test writer", "[.posthoc-writer]") {
 
 TEST_CASE("A snapshot folder survives a writer killed (SIGKILL) in mid-write", "[posthoc][snapshot][kill]") {
   TempFolder folder("kill");
-  char exe[4096] = {};
-  const auto n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-  REQUIRE(n > 0);
-  const std::string env_dir = "EMAKIT_POSTHOC_WRITER_DIR=" + folder.path.string();
-  std::string arg0 = exe, arg1 = "posthoc kill-test writer";
-  char* argv[] = {arg0.data(), arg1.data(), nullptr};
-  std::vector<std::string> env_strings = {env_dir, "OMP_NUM_THREADS=1"};
-  for (char** e = environ; *e != nullptr; ++e)
-    if (std::string_view(*e).rfind("EMAKIT_POSTHOC_WRITER_DIR=", 0) != 0) env_strings.emplace_back(*e);
-  std::vector<char*> envp;
-  for (auto& s : env_strings) envp.push_back(s.data());
-  envp.push_back(nullptr);
+  const std::vector<std::string> writer_args = {emakit_subprocess::own_executable(), "posthoc kill-test writer"};
+  const emakit_subprocess::Options writer_options{
+      .env = {"EMAKIT_POSTHOC_WRITER_DIR=" + folder.path.string(), "OMP_NUM_THREADS=1"},
+      .die_with_parent = true};  // the writer dies with this test
 
   std::mt19937 random(12345);
   auto count_temporary = [&](std::string_view prefix) {  // temporary files whose name starts with prefix
@@ -678,20 +670,11 @@ TEST_CASE("A snapshot folder survives a writer killed (SIGKILL) in mid-write", "
   std::size_t killed_with_temporary = 0, left_total = 0;
   const int rounds = 6;
   for (int round = 0; round < rounds; ++round) {
-    const ::pid_t child = ::fork();
-    REQUIRE(child >= 0);
-    if (child == 0) {
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // the writer dies with this test
-      ::execve(argv[0], argv, envp.data());
-      ::_exit(127);
-    }
+    emakit_subprocess::Process child(writer_args, writer_options);
     // Wait until the writer is writing a snapshot (its temporary file exists), then kill it at once (odd
     // rounds) or at a random moment within the next 300 ms (even rounds).
     const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-    auto alive = [&] {
-      int status = 0;
-      return ::waitpid(child, &status, WNOHANG) == 0;
-    };
+    auto alive = [&] { return child.running(); };
     // The first round also waits for the writer's first two snapshots (the checks below want
     // two whole files; a slow machine, or one under a sanitizer, may take most of a second).
     while (round == 0 && emakit::list_snapshots(folder.path).size() < 2 && alive() &&
@@ -701,9 +684,8 @@ TEST_CASE("A snapshot folder survives a writer killed (SIGKILL) in mid-write", "
       std::this_thread::yield();
     if (round % 2 == 0)
       std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(0, 300)(random)));
-    const bool was_alive = ::kill(child, SIGKILL) == 0;
-    int status = 0;
-    ::waitpid(child, &status, 0);
+    const bool was_alive = child.signal(SIGKILL);
+    const int status = child.wait();
     INFO("round " << round);
     REQUIRE(was_alive);
     REQUIRE(WIFSIGNALED(status));

@@ -3,6 +3,7 @@
 // Python's torch.load (weights_only) and loaded by the peer itself (tests/conformance/_check_export.py).
 #include <emakit/interop.hpp>
 
+#include "../../examples/subprocess.hpp"
 #include "replay.hpp"
 
 #include <unistd.h>
@@ -15,9 +16,8 @@ namespace {
 int check_in_python(const std::string& exported, const fs::path& reference, const char* peer) {
   const char* python = std::getenv("EMAKIT_PYTHON");
   REQUIRE(python != nullptr);
-  const std::string command = fmt::format("\"{}\" \"{}/_check_export.py\" \"{}\" \"{}\" {}", python,
-                                          EMAKIT_CONFORMANCE_SCRIPTS, exported, reference.string(), peer);
-  return std::system(command.c_str());
+  return emakit_subprocess::run({python, fmt::format("{}/_check_export.py", EMAKIT_CONFORMANCE_SCRIPTS), exported,
+                                 reference.string(), peer});
 }
 
 std::string temp_path(const char* name) {

@@ -7,10 +7,10 @@
 // talk over Gloo on loopback. A rank case checks what it can itself and exits 0 when it passed.
 #pragma once
 
-#include <fcntl.h>
+#include "../../examples/subprocess.hpp"
+
 #include <signal.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -90,29 +90,14 @@ inline Launch launch(const std::string& name, int world, const std::filesystem::
   std::filesystem::create_directories(dir);
   const std::string store = (dir / fmt::format("store-{}-{}", name, world)).string();
   std::filesystem::remove(store);
-  std::vector<pid_t> pids;
+  std::vector<emakit_subprocess::Process> ranks;
   const auto start = std::chrono::steady_clock::now();
   for (int r = 0; r < world; ++r) {
     const std::string log = (dir / fmt::format("{}-{}-rank-{}.log", name, world, r)).string();
-    std::vector<std::string> argv_s{"/proc/self/exe", "--rank", std::to_string(r), "--world", std::to_string(world),
-                                    "--store", store, "--case", name, "--dir", work_dir.empty() ? dir.string() : work_dir,
-                                    "--arg", arg};
-    const pid_t pid = ::fork();
-    if (pid < 0) throw std::runtime_error("fork failed");
-    if (pid == 0) {
-      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      if (fd >= 0) {
-        ::dup2(fd, 1);
-        ::dup2(fd, 2);
-        ::close(fd);
-      }
-      std::vector<char*> argv;
-      for (auto& s : argv_s) argv.push_back(s.data());
-      argv.push_back(nullptr);
-      ::execv("/proc/self/exe", argv.data());
-      std::_Exit(127);
-    }
-    pids.push_back(pid);
+    ranks.emplace_back(std::vector<std::string>{"/proc/self/exe", "--rank", std::to_string(r), "--world",
+                                                std::to_string(world), "--store", store, "--case", name, "--dir",
+                                                work_dir.empty() ? dir.string() : work_dir, "--arg", arg},
+                       emakit_subprocess::Options{.output = log});
   }
   Launch out;
   out.ranks.resize(static_cast<std::size_t>(world));
@@ -121,21 +106,20 @@ inline Launch launch(const std::string& name, int world, const std::filesystem::
   while (remaining > 0) {
     for (int r = 0; r < world; ++r) {
       if (done[static_cast<std::size_t>(r)]) continue;
-      int status = 0;
-      if (::waitpid(pids[static_cast<std::size_t>(r)], &status, WNOHANG) == pids[static_cast<std::size_t>(r)]) {
+      if (const auto status = ranks[static_cast<std::size_t>(r)].try_wait()) {
         done[static_cast<std::size_t>(r)] = true;
         --remaining;
         auto& e = out.ranks[static_cast<std::size_t>(r)];
-        if (WIFEXITED(status)) e.exit_code = WEXITSTATUS(status);
-        if (WIFSIGNALED(status)) e.signal = WTERMSIG(status);
+        if (WIFEXITED(*status)) e.exit_code = WEXITSTATUS(*status);
+        if (WIFSIGNALED(*status)) e.signal = WTERMSIG(*status);
       }
     }
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (remaining > 0 && elapsed > deadline_s) {
       for (int r = 0; r < world; ++r) {
         if (done[static_cast<std::size_t>(r)]) continue;
-        ::kill(pids[static_cast<std::size_t>(r)], SIGKILL);
-        ::waitpid(pids[static_cast<std::size_t>(r)], nullptr, 0);
+        ranks[static_cast<std::size_t>(r)].signal(SIGKILL);
+        ranks[static_cast<std::size_t>(r)].wait();
         out.ranks[static_cast<std::size_t>(r)].killed_by_us = true;
         done[static_cast<std::size_t>(r)] = true;
       }

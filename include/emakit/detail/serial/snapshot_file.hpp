@@ -1,5 +1,6 @@
 // The post-hoc EMA snapshot file (formats::snapshot): reading and writing. This comment is the
-// format's description and this file its only implementation; posthoc.hpp and README.md point here.
+// format's description and this file its only implementation (docs/posthoc.md repeats the table
+// for readers outside C++; keep the two in step).
 //
 // Everything is little-endian. A file is
 //

@@ -1,0 +1,153 @@
+// Post-hoc EMA options: what a PostHocEma tracks (PostHocOptions) and which EMA to synthesize
+// (SynthesisOptions).
+#pragma once
+
+#include <emakit/decay.hpp>
+#include <emakit/detail/check.hpp>
+#include <emakit/posthoc/profile_math.hpp>
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace emakit {
+
+// What a PostHocEma tracks and where it writes its snapshots.
+class PostHocOptions {
+ public:
+  // `folder` is created if missing; it must be writable.
+  explicit PostHocOptions(std::filesystem::path folder) : folder_(std::move(folder)) {
+    if (folder_.empty()) detail::fail("PostHocOptions: the snapshot folder is empty; give a path");
+    sigma_rels({0.05, 0.10});
+  }
+
+  const std::filesystem::path& folder() const noexcept { return folder_; }
+
+  // The tracked profiles by sigma_rel, each in (0, 0.2887), at least two, all different.
+  PostHocOptions& sigma_rels(const std::vector<double>& values) {
+    for (double s : values)
+      if (!(s > 0.0 && s < max_sigma_rel))
+        detail::fail("PostHocOptions::sigma_rels: each sigma_rel must be in (0, {:.4f}), got {}", max_sigma_rel, s);
+    std::vector<double> g;
+    for (double s : values) g.push_back(sigma_rel_to_gamma(s));
+    return set_gammas(std::move(g), "sigma_rels", values);
+  }
+  // The tracked profiles by gamma, each > 0, at least two, all different.
+  PostHocOptions& gammas(const std::vector<double>& values) {
+    for (double g : values)
+      if (!(g > 0.0 && std::isfinite(g))) detail::fail("PostHocOptions::gammas: each gamma must be > 0, got {}", g);
+    return set_gammas(values, "gammas", values);
+  }
+  const std::vector<double>& gammas() const noexcept { return gammas_; }
+  std::vector<double> sigma_rels() const {
+    std::vector<double> out;
+    for (double g : gammas_) out.push_back(gamma_to_sigma_rel(g));
+    return out;
+  }
+
+  // Steps between EMA updates (dt): updates at steps dt, 2dt, ... Default 1 (every step, as EDM2).
+  std::int64_t update_every() const noexcept { return update_every_; }
+  PostHocOptions& update_every(std::int64_t value) {
+    detail::check_positive_int(value, "PostHocOptions::update_every");
+    update_every_ = value;
+    return *this;
+  }
+  // A snapshot at every step that is a multiple of this (a multiple of update_every); 0: only on
+  // demand (PostHocEma::snapshot()). Default 1000.
+  std::int64_t snapshot_every() const noexcept { return snapshot_every_; }
+  PostHocOptions& snapshot_every(std::int64_t value) {
+    detail::check_non_negative_int(value, "PostHocOptions::snapshot_every");
+    snapshot_every_ = value;
+    return *this;
+  }
+  // The dtype averaged tensors are stored in (e.g. torch::kBFloat16 to halve the files); default:
+  // the averages' own dtype. Copied tensors (integer buffers) keep theirs.
+  std::optional<c10::ScalarType> snapshot_dtype() const noexcept { return snapshot_dtype_; }
+  PostHocOptions& snapshot_dtype(c10::ScalarType value) {
+    if (!c10::isFloatingType(value))
+      detail::fail("PostHocOptions::snapshot_dtype must be a floating dtype, got {}", c10::toString(value));
+    snapshot_dtype_ = value;
+    return *this;
+  }
+
+ private:
+  PostHocOptions& set_gammas(std::vector<double> g, const char* option, const std::vector<double>& given) {
+    if (g.size() < 2)
+      detail::fail("PostHocOptions::{} needs at least two profiles to synthesize from, got {} ([{}])", option,
+                   given.size(), fmt::join(given, ", "));
+    for (std::size_t i = 0; i < g.size(); ++i)
+      for (std::size_t j = i + 1; j < g.size(); ++j)
+        if (g[i] == g[j]) detail::fail("PostHocOptions::{}: the value {} appears twice; profiles must differ", option, given[i]);
+    gammas_ = std::move(g);
+    return *this;
+  }
+
+  std::filesystem::path folder_;
+  std::vector<double> gammas_;
+  std::int64_t update_every_ = 1;
+  std::int64_t snapshot_every_ = 1000;
+  std::optional<c10::ScalarType> snapshot_dtype_;
+};
+
+// The EMA to synthesize: its profile (by gamma, or by sigma_rel), the time (a snapshot time;
+// default the latest), and the result's dtype and device.
+class SynthesisOptions {
+ public:
+  explicit SynthesisOptions(double gamma) {
+    if (!(gamma > 0.0 && std::isfinite(gamma))) detail::fail("SynthesisOptions: gamma must be > 0, got {}", gamma);
+    gamma_ = gamma;
+  }
+  static SynthesisOptions from_sigma_rel(double sigma_rel) {
+    if (!(sigma_rel > 0.0 && sigma_rel < max_sigma_rel))
+      detail::fail("SynthesisOptions: sigma_rel must be in (0, {:.4f}), got {}", max_sigma_rel, sigma_rel);
+    return SynthesisOptions(sigma_rel_to_gamma(sigma_rel));
+  }
+
+  double gamma() const noexcept { return gamma_; }
+  double sigma_rel() const { return gamma_to_sigma_rel(gamma_); }
+
+  // The target time: the t of some snapshot. Default: the latest.
+  std::optional<std::int64_t> step() const noexcept { return step_; }
+  SynthesisOptions& step(std::int64_t value) {
+    detail::check_positive_int(value, "SynthesisOptions::step");
+    step_ = value;
+    return *this;
+  }
+  double max_condition() const noexcept { return max_condition_; }
+  SynthesisOptions& max_condition(double value) {
+    if (!(value >= 1.0)) detail::fail("SynthesisOptions::max_condition must be >= 1, got {}", value);
+    max_condition_ = value;
+    return *this;
+  }
+  // The dtype of the synthesized (real floating) tensors; default: the dtype the EMA averaged in.
+  std::optional<c10::ScalarType> dtype() const noexcept { return dtype_; }
+  SynthesisOptions& dtype(c10::ScalarType value) {
+    if (!c10::isFloatingType(value))
+      detail::fail("SynthesisOptions::dtype must be a floating dtype, got {}", c10::toString(value));
+    dtype_ = value;
+    return *this;
+  }
+  c10::Device device() const noexcept { return device_; }
+  SynthesisOptions& device(c10::Device value) {
+    device_ = value;
+    return *this;
+  }
+
+ private:
+  double gamma_ = 0;
+  std::optional<std::int64_t> step_;
+  double max_condition_ = default_max_condition;
+  std::optional<c10::ScalarType> dtype_;
+  c10::Device device_{c10::kCPU};
+};
+
+}  // namespace emakit
