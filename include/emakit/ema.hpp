@@ -496,16 +496,12 @@ class Ema {
     if (detail::swap_registry().holder(sources_, swap_.get()) != nullptr)
       detail::fail("swap_into(): the model holds another Ema's weights (a SwapGuard of another Ema bound to this "
                    "model is open); end that guard's scope first");
-    c10::NoGradGuard no_grad;
-    swap_->targets.clear();
-    swap_->backup.clear();
+    std::vector<at::Tensor> targets, values;
     for (const auto& s : slots) {
-      swap_->targets.push_back(s.source);
-      swap_->backup.push_back(s.source.detach().clone());
+      targets.push_back(s.source);
+      values.push_back(s.average);
     }
-    SwapGuard guard = detail::open_swap(swap_);
-    for (const auto& s : slots) s.source.copy_(s.average);
-    return guard;
+    return open_swap_over(std::move(targets), values);
   }
 
   // For a storage that holds only part of the average here (GatheringStorage: ShardedStorage):
@@ -525,13 +521,9 @@ class Ema {
     if (swap_->guards > 0 || detail::swap_registry().holder(targets, nullptr) != nullptr)
       detail::fail("swap_gathered_into: the model already holds an EMA's weights (a SwapGuard is open); end that "
                    "guard's scope first");
-    c10::NoGradGuard no_grad;
-    swap_->backup.clear();
-    for (const auto& t : targets) swap_->backup.push_back(t.detach().clone());
-    swap_->targets = std::move(targets);
-    SwapGuard guard = detail::open_swap(swap_);
-    for (std::size_t i = 0; i < full.size(); ++i) swap_->targets[i].copy_(full[i].value());
-    return guard;
+    std::vector<at::Tensor> values;
+    for (const auto& p : match.pairs) values.push_back(p.ours);
+    return open_swap_over(std::move(targets), values);
   }
 
   // ---- state ------------------------------------------------------------------------------
@@ -610,6 +602,18 @@ class Ema {
   }
 
  private:
+  // The one way a swap opens (swap_into, swap_gathered_into): backs up `targets`, opens this
+  // Ema's swap over them (update() is refused until its guards end) and writes `values` into them.
+  SwapGuard open_swap_over(std::vector<at::Tensor> targets, const std::vector<at::Tensor>& values) const {
+    c10::NoGradGuard no_grad;
+    swap_->backup.clear();
+    for (const auto& t : targets) swap_->backup.push_back(t.detach().clone());
+    swap_->targets = std::move(targets);
+    SwapGuard guard = detail::open_swap(swap_);
+    for (std::size_t i = 0; i < values.size(); ++i) swap_->targets[i].copy_(values[i]);
+    return guard;
+  }
+
   detail::ema_state::Plan plan_load(const StateDict& state, LoadMode mode) const {
     std::vector<at::Tensor> averages;
     for (const auto& slot : kernel_.slots()) averages.push_back(slot.average);
