@@ -15,6 +15,7 @@
 #pragma once
 
 #include <emakit/decay.hpp>
+#include <emakit/detail/config.hpp>
 #include <emakit/ema.hpp>
 #include <emakit/schedule.hpp>
 #include <emakit/storage.hpp>
@@ -26,6 +27,15 @@ using WarmupEma = Ema<InversePowerWarmup, StepSchedule, FlatStorage>;
 using RampEma = Ema<ExponentialRamp, StepSchedule, FlatStorage>;
 using PowerEma = Ema<PowerFunction, StepSchedule, FlatStorage>;
 using SwaAverage = Ema<Uniform, StepSchedule, FlatStorage>;
+
+// Compiled mode (detail/config.hpp): these five come instantiated from the library.
+#if EMAKIT_EXTERN_ALIASES
+extern template class Ema<Fixed, StepSchedule, FlatStorage>;
+extern template class Ema<InversePowerWarmup, StepSchedule, FlatStorage>;
+extern template class Ema<ExponentialRamp, StepSchedule, FlatStorage>;
+extern template class Ema<PowerFunction, StepSchedule, FlatStorage>;
+extern template class Ema<Uniform, StepSchedule, FlatStorage>;
+#endif
 
 template <class ModuleType>
 using ModuleEma = Ema<Fixed, StepSchedule, ModuleStorage<ModuleType>>;
