@@ -2,7 +2,8 @@
 # Build emakit's tests and run them with ctest against both supported LibTorch versions, then
 # the unit tests under the sanitizers and the checkpoint loader's fuzz target:
 #   build/torch1.13  Debian's libtorch-dev (LibTorch 1.13)
-#   build/torch2     the LibTorch inside the PyPI torch wheel in the Python venv
+#   build/torch2     the LibTorch inside the PyPI torch wheel in the Python venv, with everything
+#                    linked against the compiled mode (emakit::compiled; the others: header-only)
 #   build/asan       the unit tests with ASan + UBSan, Debian's LibTorch (scripts/sanitize.sh)
 #   build/fuzz       libFuzzer on the checkpoint loader, 60 s (scripts/fuzz.sh)
 # Installs what is missing first (Debian packages, the venv with scripts/requirements.txt).
@@ -157,7 +158,10 @@ for variant in "${variants[@]}"; do
       mapfile -t args <<<"$wheel_args"
       torch_version="$("$EMAKIT_VENV/bin/python" -c 'import torch; print(torch.__version__)')"
       ran+=("$variant")
-      run_variant torch2 "PyPI torch $torch_version" "${args[@]}" || status=1
+      # This variant builds everything against the compiled mode (emakit::compiled); the other
+      # two keep the header-only default, so both modes pass the whole suite.
+      run_variant torch2 "PyPI torch $torch_version, compiled mode" "${args[@]}" -DEMAKIT_TESTS_COMPILED=ON \
+        || status=1
       ;;
     asan)
       # The unit tests under AddressSanitizer + UndefinedBehaviorSanitizer (scripts/sanitize.sh).

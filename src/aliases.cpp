@@ -1,12 +1,21 @@
-// The compiled mode's instantiations of the aliases that need no user type (aliases.hpp):
-// their users see them declared `extern template` and compile none of Ema's members.
+// The compiled mode's instantiations of the aliases that need no user type (aliases.hpp): their
+// users see these declared `extern template` (aliases.hpp, checkpoint.hpp, format.hpp) and
+// compile none of it.
 #include <emakit/aliases.hpp>
 #include <emakit/checkpoint.hpp>
+#include <emakit/format.hpp>
+
+// One list, expanded for each alias: the class, its checkpoint file functions, its description.
+#define EMAKIT_INSTANTIATE(Decay)                                                                        \
+  template class Ema<Decay, StepSchedule, FlatStorage>;                                               \
+  template void save(const Ema<Decay, StepSchedule, FlatStorage>&, const std::filesystem::path&);     \
+  template void load(Ema<Decay, StepSchedule, FlatStorage>&, const std::filesystem::path&, LoadMode); \
+  template std::string describe(const Ema<Decay, StepSchedule, FlatStorage>&);
 
 namespace emakit {
-template class Ema<Fixed, StepSchedule, FlatStorage>;
-template class Ema<InversePowerWarmup, StepSchedule, FlatStorage>;
-template class Ema<ExponentialRamp, StepSchedule, FlatStorage>;
-template class Ema<PowerFunction, StepSchedule, FlatStorage>;
-template class Ema<Uniform, StepSchedule, FlatStorage>;
+EMAKIT_INSTANTIATE(Fixed)
+EMAKIT_INSTANTIATE(InversePowerWarmup)
+EMAKIT_INSTANTIATE(ExponentialRamp)
+EMAKIT_INSTANTIATE(PowerFunction)
+EMAKIT_INSTANTIATE(Uniform)
 }  // namespace emakit

@@ -15,7 +15,9 @@
 // "emakit: <what>: refusing '<path>': <record> ... <what was found>".
 #pragma once
 
+#include <emakit/aliases.hpp>
 #include <emakit/detail/check.hpp>
+#include <emakit/detail/config.hpp>
 #include <emakit/detail/serial/archive_file.hpp>
 #include <emakit/ema.hpp>
 
@@ -53,5 +55,18 @@ void load(Ema<D, S, St>& ema, const std::filesystem::path& path, LoadMode mode =
     throw std::runtime_error(fmt::format("{} (file '{}')", e.what(), path.string()));
   }
 }
+
+// Compiled mode (detail/config.hpp): save and load of the aliases come from the library.
+#if EMAKIT_EXTERN_ALIASES
+#define EMAKIT_CHECKPOINT_EXTERN(Alias)                                        \
+  extern template void save(const Alias&, const std::filesystem::path&); \
+  extern template void load(Alias&, const std::filesystem::path&, LoadMode);
+EMAKIT_CHECKPOINT_EXTERN(FixedEma)
+EMAKIT_CHECKPOINT_EXTERN(WarmupEma)
+EMAKIT_CHECKPOINT_EXTERN(RampEma)
+EMAKIT_CHECKPOINT_EXTERN(PowerEma)
+EMAKIT_CHECKPOINT_EXTERN(SwaAverage)
+#undef EMAKIT_CHECKPOINT_EXTERN
+#endif
 
 }  // namespace emakit

@@ -7,12 +7,15 @@
 //   //     storage=FlatStorage, tensors=4 averaged + 1 copied, calls=10, step=10, updates=10, decay_now=0.77)
 #pragma once
 
+#include <emakit/aliases.hpp>
 #include <emakit/concepts.hpp>
+#include <emakit/detail/config.hpp>
 #include <emakit/ema.hpp>
 #include <emakit/schedule.hpp>
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <string>
 #include <string_view>
 
@@ -70,6 +73,26 @@ std::string describe_policy(const P& p) {
 }
 }  // namespace detail
 
+// What fmt::print("{}", ema) prints: config and counters on one line (see the top of this file).
+template <DecayPolicy D, SchedulePolicy S, StoragePolicy St>
+std::string describe(const Ema<D, S, St>& ema) {
+  return fmt::format(
+      "Ema(decay={}, schedule={}, storage={}, tensors={} averaged + {} copied, calls={}, step={}, updates={}, "
+      "decay_now={})",
+      detail::describe_policy(ema.decay_policy()), detail::describe_policy(ema.schedule()),
+      detail::describe_policy(ema.storage()), ema.names(Role::average).size(), ema.names(Role::copy).size(),
+      ema.calls(), ema.step(), ema.num_updates(), ema.decay());
+}
+
+// Compiled mode (detail/config.hpp): the aliases' descriptions come from the library.
+#if EMAKIT_EXTERN_ALIASES
+extern template std::string describe(const FixedEma&);
+extern template std::string describe(const WarmupEma&);
+extern template std::string describe(const RampEma&);
+extern template std::string describe(const PowerEma&);
+extern template std::string describe(const SwaAverage&);
+#endif
+
 }  // namespace emakit
 
 template <class P>
@@ -112,13 +135,7 @@ struct fmt::formatter<emakit::Ema<D, S, St>, char> {
   constexpr auto parse(fmt::format_parse_context& ctx) { return ctx.begin(); }
   template <class Context>
   auto format(const emakit::Ema<D, S, St>& ema, Context& ctx) const {
-    return fmt::format_to(ctx.out(),
-                          "Ema(decay={}, schedule={}, storage={}, tensors={} averaged + {} copied, calls={}, step={}, "
-                          "updates={}, decay_now={})",
-                          emakit::detail::describe_policy(ema.decay_policy()),
-                          emakit::detail::describe_policy(ema.schedule()),
-                          emakit::detail::describe_policy(ema.storage()), ema.names(emakit::Role::average).size(),
-                          ema.names(emakit::Role::copy).size(), ema.calls(), ema.step(), ema.num_updates(),
-                          ema.decay());
+    const std::string text = emakit::describe(ema);
+    return std::copy(text.begin(), text.end(), ctx.out());
   }
 };

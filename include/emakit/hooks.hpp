@@ -35,6 +35,7 @@
 // load_checkpoint() checks every model first and writes nothing unless all of them fit.
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/checkpoint.hpp>
 #include <emakit/concepts.hpp>
 #include <emakit/detail/check.hpp>
@@ -88,14 +89,7 @@ inline constexpr std::int64_t hook_format_version = detail::formats::hook.versio
 
 namespace detail {
 
-inline void check_hook_key(const std::string& key) {
-  bool ok = !key.empty() && !(key[0] >= '0' && key[0] <= '9') && key != "emakit_hook";
-  for (char c : key) ok = ok && ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_');
-  if (!ok)
-    fail("model key '{}' is not usable: a key is letters, digits and '_', does not start with a digit and is "
-         "not 'emakit_hook' (it names a part of the checkpoint)",
-         key);
-}
+EMAKIT_FUNC void check_hook_key(const std::string& key);
 
 // One model of a hook, whatever its EMA's policies.
 class HookEntryBase {
@@ -348,33 +342,16 @@ class EmaHook {
   // ---- stages ------------------------------------------------------------------------------
 
   // Makes the EMAs created at setup (and those with a checkpoint loaded before).
-  void setup() {
-    require_training("setup");
-    for (auto& e : entries_)
-      if (e->options().creation == Creation::at_setup || e->pending()) e->create();
-  }
+  void setup();
 
   // Before each optimizer step: the side-stream EMAs' Ema::wait() (the step must not write the
   // model while an update still reads it). Optional; once called, the hook leaves that wait to it.
-  void before_optimizer_step() {
-    require_training("before_optimizer_step");
-    waits_before_step_ = true;
-    for (auto& e : entries_) e->wait();
-  }
+  void before_optimizer_step();
 
   // After each optimizer step (each micro-batch with an accumulation window); `vetoed` when the
   // optimizer skipped the step. Returns what each model's EMA did, in the order of add(). Without
   // before_optimizer_step(), a side-stream update is waited for here.
-  std::vector<UpdateResult> after_optimizer_step(StepInfo info = {}) {
-    require_training("after_optimizer_step");
-    std::vector<UpdateResult> out;
-    out.reserve(entries_.size());
-    for (auto& e : entries_) {
-      out.push_back(e->step(info));
-      if (!waits_before_step_) e->wait();
-    }
-    return out;
-  }
+  std::vector<UpdateResult> after_optimizer_step(StepInfo info = {});
 
   void validation_start() { start(Stage::validation); }
   void validation_end() { finish(Stage::validation); }
@@ -400,63 +377,24 @@ class EmaHook {
 
   // Writes every model's weights and the hook's state into `archive` (add the optimizer's and
   // your own beside them). Tensors are copied: the archive does not change as training goes on.
-  void save_checkpoint(torch::serialize::OutputArchive& archive) {
-    torch::serialize::OutputArchive hook(archive.compilation_unit());
-    detail::hook_state::write_header(hook);
-    for (auto& e : entries_) e->save(archive, hook);
-    archive.write("emakit_hook", hook);
-  }
+  void save_checkpoint(torch::serialize::OutputArchive& archive);
   // The same into a file, atomically: a crash mid-write leaves the previous file readable.
-  void save_checkpoint(const std::filesystem::path& path) {
-    torch::serialize::OutputArchive archive;
-    save_checkpoint(archive);
-    detail::write_archive(archive, path);
-  }
+  void save_checkpoint(const std::filesystem::path& path);
 
   // Restores every model's online weights and EMA state from a checkpoint of save_checkpoint().
   // A model whose EMA is not made yet keeps the state and applies it when the EMA is made.
   // Strict: another model's checkpoint (a missing, extra or differently shaped tensor), another
   // config, or a model key the checkpoint lacks is an error naming the first mismatch, and
   // nothing is loaded. Lenient: such tensors are warned about and keep their current values.
-  void load_checkpoint(torch::serialize::InputArchive& archive, LoadMode mode = LoadMode::strict) {
-    require_training("load_checkpoint");
-    torch::serialize::InputArchive hook;
-    detail::hook_state::read_header(archive, hook);
-    for (const auto& k : hook.keys()) {
-      if (detail::hook_state::is_header_key(k)) continue;
-      bool ours = false;
-      for (const auto& e : entries_) ours = ours || e->key() == k;
-      if (ours) continue;
-      if (mode == LoadMode::strict)
-        detail::fail("load_checkpoint: the checkpoint holds model '{}', which this hook does not have; nothing was "
-                     "loaded",
-                     k);
-      TORCH_WARN("emakit: load_checkpoint: the checkpoint holds model '", k, "', which this hook does not have; ignored");
-    }
-    std::vector<std::function<void()>> commits;
-    for (auto& e : entries_) commits.push_back(e->plan_load(archive, hook, mode));
-    for (auto& commit : commits) commit();
-  }
+  void load_checkpoint(torch::serialize::InputArchive& archive, LoadMode mode = LoadMode::strict);
   // A file that is not a readable archive (truncated, damaged) or that holds anything but tensors
   // and plain values (code, unknown records: see checkpoint.hpp) is an error naming it, before
   // anything is loaded.
-  void load_checkpoint(const std::filesystem::path& path, LoadMode mode = LoadMode::strict) {
-    torch::serialize::InputArchive archive;
-    detail::read_archive(archive, path, "load_checkpoint");
-    try {
-      load_checkpoint(archive, mode);
-    } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument(fmt::format("{} (file '{}')", e.what(), path.string()));
-    }
-  }
+  void load_checkpoint(const std::filesystem::path& path, LoadMode mode = LoadMode::strict);
 
   // ---- access ------------------------------------------------------------------------------
 
-  std::vector<std::string> keys() const {
-    std::vector<std::string> out;
-    for (const auto& e : entries_) out.push_back(e->key());
-    return out;
-  }
+  std::vector<std::string> keys() const;
   bool created(const std::string& key) const { return entry(key).created(); }
 
   // The EMA of model `key`, e.g. hook.ema<emakit::FixedEma>("model"). It must have been made.
@@ -478,42 +416,13 @@ class EmaHook {
   const char* stage_name() const noexcept {
     return stage_ == Stage::validation ? "validation" : stage_ == Stage::test ? "test" : "training";
   }
-  void require_training(const char* what) const {
-    if (stage_ != Stage::training)
-      detail::fail("{}() during {}: the models hold their EMA weights; call {}_end() (or let the scope of {}() end) "
-                   "first",
-                   what, stage_name(), stage_name(), stage_name());
-  }
+  void require_training(const char* what) const;
 
-  detail::HookEntryBase& entry(const std::string& key) const {
-    for (const auto& e : entries_)
-      if (e->key() == key) return *e;
-    detail::fail("the hook has no model '{}'{}", key, entries_.empty() ? "; add() it first" : "");
-  }
+  detail::HookEntryBase& entry(const std::string& key) const;
 
-  void start(Stage stage) {
-    require_training(stage == Stage::validation ? "validation_start" : "test_start");
-    std::vector<detail::HookEntryBase*> done;
-    try {
-      for (auto& e : entries_) {
-        const bool wanted = stage == Stage::validation ? e->options().validate_with_ema : e->options().test_with_ema;
-        if (!wanted) continue;
-        e->swap_in();
-        done.push_back(e.get());
-      }
-    } catch (...) {
-      for (auto it = done.rbegin(); it != done.rend(); ++it) (*it)->swap_out();
-      throw;
-    }
-    stage_ = stage;
-  }
+  void start(Stage stage);
 
-  void finish(Stage stage) {
-    if (stage_ != stage)
-      detail::fail("{}_end() without {}_start() (the hook is in {})", stage == Stage::validation ? "validation" : "test",
-                   stage == Stage::validation ? "validation" : "test", stage_name());
-    end_stage();
-  }
+  void finish(Stage stage);
 
   void end_stage() noexcept {
     for (auto it = entries_.rbegin(); it != entries_.rend(); ++it) (*it)->swap_out();
@@ -533,7 +442,28 @@ void StageScope::end() noexcept {
 // Loads the model weights of `key` from a file of EmaHook::save_checkpoint() into `model` (the
 // EMA weights, with the default HookOptions): what an inference program does. Checks every
 // tensor first; a checkpoint of another model is an error naming the first mismatch.
-inline void load_weights(torch::nn::Module& model, const std::filesystem::path& path, const std::string& key = "model") {
+EMAKIT_FUNC void load_weights(torch::nn::Module& model, const std::filesystem::path& path, const std::string& key = "model");
+
+}  // namespace emakit
+
+#if EMAKIT_DEFINITIONS
+
+namespace emakit::detail {
+
+EMAKIT_FUNC void check_hook_key(const std::string& key) {
+  bool ok = !key.empty() && !(key[0] >= '0' && key[0] <= '9') && key != "emakit_hook";
+  for (char c : key) ok = ok && ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_');
+  if (!ok)
+    fail("model key '{}' is not usable: a key is letters, digits and '_', does not start with a digit and is "
+         "not 'emakit_hook' (it names a part of the checkpoint)",
+         key);
+}
+
+}  // namespace emakit::detail
+
+namespace emakit {
+
+EMAKIT_FUNC void load_weights(torch::nn::Module& model, const std::filesystem::path& path, const std::string& key) {
   torch::serialize::InputArchive archive;
   detail::read_archive(archive, path, "load_weights");
   const detail::TensorMap found = detail::hook_state::read_weights(archive, model, key, path.string());
@@ -544,3 +474,117 @@ inline void load_weights(torch::nn::Module& model, const std::filesystem::path& 
 }
 
 }  // namespace emakit
+
+namespace emakit {
+
+EMAKIT_FUNC void EmaHook::setup() {
+  require_training("setup");
+  for (auto& e : entries_)
+    if (e->options().creation == Creation::at_setup || e->pending()) e->create();
+}
+
+EMAKIT_FUNC void EmaHook::before_optimizer_step() {
+  require_training("before_optimizer_step");
+  waits_before_step_ = true;
+  for (auto& e : entries_) e->wait();
+}
+
+EMAKIT_FUNC std::vector<UpdateResult> EmaHook::after_optimizer_step(StepInfo info) {
+  require_training("after_optimizer_step");
+  std::vector<UpdateResult> out;
+  out.reserve(entries_.size());
+  for (auto& e : entries_) {
+    out.push_back(e->step(info));
+    if (!waits_before_step_) e->wait();
+  }
+  return out;
+}
+
+EMAKIT_FUNC void EmaHook::save_checkpoint(torch::serialize::OutputArchive& archive) {
+  torch::serialize::OutputArchive hook(archive.compilation_unit());
+  detail::hook_state::write_header(hook);
+  for (auto& e : entries_) e->save(archive, hook);
+  archive.write("emakit_hook", hook);
+}
+
+EMAKIT_FUNC void EmaHook::save_checkpoint(const std::filesystem::path& path) {
+  torch::serialize::OutputArchive archive;
+  save_checkpoint(archive);
+  detail::write_archive(archive, path);
+}
+
+EMAKIT_FUNC void EmaHook::load_checkpoint(torch::serialize::InputArchive& archive, LoadMode mode) {
+  require_training("load_checkpoint");
+  torch::serialize::InputArchive hook;
+  detail::hook_state::read_header(archive, hook);
+  for (const auto& k : hook.keys()) {
+    if (detail::hook_state::is_header_key(k)) continue;
+    bool ours = false;
+    for (const auto& e : entries_) ours = ours || e->key() == k;
+    if (ours) continue;
+    if (mode == LoadMode::strict)
+      detail::fail("load_checkpoint: the checkpoint holds model '{}', which this hook does not have; nothing was "
+                   "loaded",
+                   k);
+    TORCH_WARN("emakit: load_checkpoint: the checkpoint holds model '", k, "', which this hook does not have; ignored");
+  }
+  std::vector<std::function<void()>> commits;
+  for (auto& e : entries_) commits.push_back(e->plan_load(archive, hook, mode));
+  for (auto& commit : commits) commit();
+}
+
+EMAKIT_FUNC void EmaHook::load_checkpoint(const std::filesystem::path& path, LoadMode mode) {
+  torch::serialize::InputArchive archive;
+  detail::read_archive(archive, path, "load_checkpoint");
+  try {
+    load_checkpoint(archive, mode);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(fmt::format("{} (file '{}')", e.what(), path.string()));
+  }
+}
+
+EMAKIT_FUNC std::vector<std::string> EmaHook::keys() const {
+  std::vector<std::string> out;
+  for (const auto& e : entries_) out.push_back(e->key());
+  return out;
+}
+
+EMAKIT_FUNC void EmaHook::require_training(const char* what) const {
+  if (stage_ != Stage::training)
+    detail::fail("{}() during {}: the models hold their EMA weights; call {}_end() (or let the scope of {}() end) "
+                 "first",
+                 what, stage_name(), stage_name(), stage_name());
+}
+
+EMAKIT_FUNC detail::HookEntryBase& EmaHook::entry(const std::string& key) const {
+  for (const auto& e : entries_)
+    if (e->key() == key) return *e;
+  detail::fail("the hook has no model '{}'{}", key, entries_.empty() ? "; add() it first" : "");
+}
+
+EMAKIT_FUNC void EmaHook::start(Stage stage) {
+  require_training(stage == Stage::validation ? "validation_start" : "test_start");
+  std::vector<detail::HookEntryBase*> done;
+  try {
+    for (auto& e : entries_) {
+      const bool wanted = stage == Stage::validation ? e->options().validate_with_ema : e->options().test_with_ema;
+      if (!wanted) continue;
+      e->swap_in();
+      done.push_back(e.get());
+    }
+  } catch (...) {
+    for (auto it = done.rbegin(); it != done.rend(); ++it) (*it)->swap_out();
+    throw;
+  }
+  stage_ = stage;
+}
+
+EMAKIT_FUNC void EmaHook::finish(Stage stage) {
+  if (stage_ != stage)
+    detail::fail("{}_end() without {}_start() (the hook is in {})", stage == Stage::validation ? "validation" : "test",
+                 stage == Stage::validation ? "validation" : "test", stage_name());
+  end_stage();
+}
+
+}  // namespace emakit
+#endif  // EMAKIT_DEFINITIONS

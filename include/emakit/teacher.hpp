@@ -27,6 +27,7 @@
 // when no wrapper is running. One wrapper per thread may run at a time on each thread.
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/detail/check.hpp>
 #include <emakit/ema.hpp>
 
@@ -68,19 +69,11 @@ class TeacherRoutes {
   TeacherRoutes() = default;
 
   // ["encoder", "head"]: the same path on both sides, name "ema_output".
-  static TeacherRoutes paths(const std::vector<std::string>& paths) {
-    TeacherRoutes r;
-    for (const auto& p : paths) r.add({p, p});
-    return r;
-  }
+  static TeacherRoutes paths(const std::vector<std::string>& paths);
   // {receiver: value}: a value that is a module path of the model is the teacher path (name
   // "ema_output"); any other value is the name, with the receiver's own path as the teacher's.
   // The same rule as the reference; use add() to say it explicitly.
-  static TeacherRoutes map(const std::vector<std::pair<std::string, std::string>>& pairs) {
-    TeacherRoutes r;
-    for (const auto& [receiver, value] : pairs) r.pending_.push_back({receiver, value});
-    return r;
-  }
+  static TeacherRoutes map(const std::vector<std::pair<std::string, std::string>>& pairs);
   // receiver -> (teacher path, name, transform): the full form.
   TeacherRoutes& add(TeacherRoute route) {
     routes_.push_back(std::move(route));
@@ -88,14 +81,7 @@ class TeacherRoutes {
   }
 
   // The routes with every map() entry decided against the model's module paths.
-  std::vector<TeacherRoute> resolve(const std::vector<std::string>& model_paths) const {
-    std::vector<TeacherRoute> out = routes_;
-    for (const auto& [receiver, value] : pending_) {
-      const bool is_path = std::find(model_paths.begin(), model_paths.end(), value) != model_paths.end();
-      out.push_back(is_path ? TeacherRoute{receiver, value} : TeacherRoute{receiver, receiver, value});
-    }
-    return out;
-  }
+  std::vector<TeacherRoute> resolve(const std::vector<std::string>& model_paths) const;
   bool empty() const noexcept { return routes_.empty() && pending_.empty(); }
 
  private:
@@ -116,86 +102,30 @@ struct TeacherPass {
   std::vector<char> asked;                                                       // per route
 };
 
-inline TeacherPass*& active_teacher_pass() noexcept {
-  thread_local TeacherPass* pass = nullptr;
-  return pass;
-}
+EMAKIT_FUNC TeacherPass*& active_teacher_pass() noexcept;
 
-inline std::size_t edit_distance(std::string_view a, std::string_view b) {
-  std::vector<std::size_t> row(b.size() + 1);
-  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (std::size_t i = 1; i <= a.size(); ++i) {
-    std::size_t diag = row[0];
-    row[0] = i;
-    for (std::size_t j = 1; j <= b.size(); ++j) {
-      const std::size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
-}
+EMAKIT_FUNC std::size_t edit_distance(std::string_view a, std::string_view b);
 
 // "", then every sub-module path of `model`, with the module each names.
-inline std::vector<std::pair<std::string, const torch::nn::Module*>> module_paths(const torch::nn::Module& model) {
-  std::vector<std::pair<std::string, const torch::nn::Module*>> out{{"", &model}};
-  for (const auto& item : model.named_modules("", /*include_self=*/false)) out.emplace_back(item.key(), item.value().get());
-  return out;
-}
+EMAKIT_FUNC std::vector<std::pair<std::string, const torch::nn::Module*>> module_paths(const torch::nn::Module& model);
 
-inline const torch::nn::Module* find_path(const std::vector<std::pair<std::string, const torch::nn::Module*>>& paths,
-                                          const std::string& path, const char* side) {
-  for (const auto& [p, m] : paths)
-    if (p == path) return m;
-  std::vector<std::pair<std::size_t, std::string>> near;
-  for (const auto& [p, m] : paths) near.emplace_back(edit_distance(path, p), p.empty() ? "\"\" (the model)" : "'" + p + "'");
-  std::sort(near.begin(), near.end());
-  std::vector<std::string> best;
-  for (std::size_t i = 0; i < near.size() && i < 3; ++i) best.push_back(near[i].second);
-  fail("teacher route: the {} has no sub-module '{}'; nearest valid paths: {}", side, path, fmt::join(best, ", "));
-}
+EMAKIT_FUNC const torch::nn::Module* find_path(const std::vector<std::pair<std::string, const torch::nn::Module*>>& paths,
+                                               const std::string& path, const char* side);
 
 }  // namespace detail
 
 // In a sub-module's forward: keeps `output` when this module runs as a routed teacher
 // sub-module. Does nothing otherwise.
-inline void record_teacher_output(const torch::nn::Module& self, const at::Tensor& output) {
-  detail::TeacherPass* pass = detail::active_teacher_pass();
-  if (pass == nullptr || pass->mode != detail::TeacherPass::Mode::teacher) return;
-  auto it = pass->teacher_paths.find(&self);
-  if (it != pass->teacher_paths.end()) pass->recorded[it->second] = output.detach();
-}
+EMAKIT_FUNC void record_teacher_output(const torch::nn::Module& self, const at::Tensor& output);
 
 // In a sub-module's forward: the teacher's output routed to this module under `name` (after the
 // route's transform) when it runs as the student; nullopt otherwise (no wrapper running, the
 // teacher pass, a module without such a route). With `like`, the value must have like's shape.
-inline std::optional<at::Tensor> teacher_input(const torch::nn::Module& self,
-                                               std::string_view name = default_teacher_input,
-                                               const at::Tensor* like = nullptr) {
-  detail::TeacherPass* pass = detail::active_teacher_pass();
-  if (pass == nullptr || pass->mode != detail::TeacherPass::Mode::student) return std::nullopt;
-  auto it = pass->receivers.find(&self);
-  if (it == pass->receivers.end()) return std::nullopt;
-  for (std::size_t i : it->second) {
-    const TeacherRoute& route = (*pass->routes)[i];
-    if (route.name != name) continue;
-    pass->asked[i] = 1;
-    at::Tensor value = pass->recorded.at(route.teacher);
-    if (route.transform) value = route.transform(value);
-    if (like != nullptr && !value.sizes().equals(like->sizes()))
-      detail::fail("teacher input '{}' of '{}' from '{}' has shape {} after transform {}, expected {}", name,
-                   route.receiver, route.teacher, detail::shape_string(value.sizes()),
-                   route.transform ? (route.transform_name.empty() ? std::string("(unnamed)") : route.transform_name)
-                                   : std::string("(none)"),
-                   detail::shape_string(like->sizes()));
-    return value;
-  }
-  return std::nullopt;
-}
-inline std::optional<at::Tensor> teacher_input(const torch::nn::Module& self, std::string_view name,
-                                               const at::Tensor& like) {
-  return teacher_input(self, name, &like);
-}
+EMAKIT_FUNC std::optional<at::Tensor> teacher_input(const torch::nn::Module& self,
+                                                    std::string_view name = default_teacher_input,
+                                                    const at::Tensor* like = nullptr);
+EMAKIT_FUNC std::optional<at::Tensor> teacher_input(const torch::nn::Module& self, std::string_view name,
+                                                    const at::Tensor& like);
 
 // A model, its EMA (module storage: the EMA is a module of the model's type) and the routes
 // between them. forward() runs the EMA model without grad in eval mode (its mode restored
@@ -333,3 +263,113 @@ class TeacherStudent {
 };
 
 }  // namespace emakit
+
+#if EMAKIT_DEFINITIONS
+
+namespace emakit::detail {
+
+EMAKIT_FUNC TeacherPass*& active_teacher_pass() noexcept {
+  thread_local TeacherPass* pass = nullptr;
+  return pass;
+}
+
+EMAKIT_FUNC std::size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diag = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+EMAKIT_FUNC std::vector<std::pair<std::string, const torch::nn::Module*>> module_paths(const torch::nn::Module& model) {
+  std::vector<std::pair<std::string, const torch::nn::Module*>> out{{"", &model}};
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) out.emplace_back(item.key(), item.value().get());
+  return out;
+}
+
+EMAKIT_FUNC const torch::nn::Module* find_path(const std::vector<std::pair<std::string, const torch::nn::Module*>>& paths,
+                                               const std::string& path, const char* side) {
+  for (const auto& [p, m] : paths)
+    if (p == path) return m;
+  std::vector<std::pair<std::size_t, std::string>> near;
+  for (const auto& [p, m] : paths) near.emplace_back(edit_distance(path, p), p.empty() ? "\"\" (the model)" : "'" + p + "'");
+  std::sort(near.begin(), near.end());
+  std::vector<std::string> best;
+  for (std::size_t i = 0; i < near.size() && i < 3; ++i) best.push_back(near[i].second);
+  fail("teacher route: the {} has no sub-module '{}'; nearest valid paths: {}", side, path, fmt::join(best, ", "));
+}
+
+}  // namespace emakit::detail
+
+namespace emakit {
+
+EMAKIT_FUNC void record_teacher_output(const torch::nn::Module& self, const at::Tensor& output) {
+  detail::TeacherPass* pass = detail::active_teacher_pass();
+  if (pass == nullptr || pass->mode != detail::TeacherPass::Mode::teacher) return;
+  auto it = pass->teacher_paths.find(&self);
+  if (it != pass->teacher_paths.end()) pass->recorded[it->second] = output.detach();
+}
+
+EMAKIT_FUNC std::optional<at::Tensor> teacher_input(const torch::nn::Module& self,
+                                                    std::string_view name,
+                                                    const at::Tensor* like) {
+  detail::TeacherPass* pass = detail::active_teacher_pass();
+  if (pass == nullptr || pass->mode != detail::TeacherPass::Mode::student) return std::nullopt;
+  auto it = pass->receivers.find(&self);
+  if (it == pass->receivers.end()) return std::nullopt;
+  for (std::size_t i : it->second) {
+    const TeacherRoute& route = (*pass->routes)[i];
+    if (route.name != name) continue;
+    pass->asked[i] = 1;
+    at::Tensor value = pass->recorded.at(route.teacher);
+    if (route.transform) value = route.transform(value);
+    if (like != nullptr && !value.sizes().equals(like->sizes()))
+      detail::fail("teacher input '{}' of '{}' from '{}' has shape {} after transform {}, expected {}", name,
+                   route.receiver, route.teacher, detail::shape_string(value.sizes()),
+                   route.transform ? (route.transform_name.empty() ? std::string("(unnamed)") : route.transform_name)
+                                   : std::string("(none)"),
+                   detail::shape_string(like->sizes()));
+    return value;
+  }
+  return std::nullopt;
+}
+
+EMAKIT_FUNC std::optional<at::Tensor> teacher_input(const torch::nn::Module& self, std::string_view name,
+                                                    const at::Tensor& like) {
+  return teacher_input(self, name, &like);
+}
+
+}  // namespace emakit
+
+namespace emakit {
+
+EMAKIT_FUNC TeacherRoutes TeacherRoutes::paths(const std::vector<std::string>& paths) {
+  TeacherRoutes r;
+  for (const auto& p : paths) r.add({p, p});
+  return r;
+}
+
+EMAKIT_FUNC TeacherRoutes TeacherRoutes::map(const std::vector<std::pair<std::string, std::string>>& pairs) {
+  TeacherRoutes r;
+  for (const auto& [receiver, value] : pairs) r.pending_.push_back({receiver, value});
+  return r;
+}
+
+EMAKIT_FUNC std::vector<TeacherRoute> TeacherRoutes::resolve(const std::vector<std::string>& model_paths) const {
+  std::vector<TeacherRoute> out = routes_;
+  for (const auto& [receiver, value] : pending_) {
+    const bool is_path = std::find(model_paths.begin(), model_paths.end(), value) != model_paths.end();
+    out.push_back(is_path ? TeacherRoute{receiver, value} : TeacherRoute{receiver, receiver, value});
+  }
+  return out;
+}
+
+}  // namespace emakit
+#endif  // EMAKIT_DEFINITIONS

@@ -6,6 +6,7 @@
 // copied tensors are segments too (memcpy). No temporaries, no allocation.
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/detail/aten_compat.hpp>
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/simd.hpp>
@@ -138,11 +139,7 @@ class CpuPass {
     total_ = 0;
   }
   void add(SegmentFn fn, std::size_t slot, std::int64_t n, std::int64_t cost, const at::Tensor* average = nullptr,
-           const at::Tensor* input = nullptr) {
-    if (n == 0) return;
-    segments_.push_back(Segment{fn, slot, n, cost, total_, average, input});
-    total_ += n * cost;
-  }
+           const at::Tensor* input = nullptr);
   bool empty() const noexcept { return segments_.empty(); }
   std::int64_t total_cost() const noexcept { return total_; }
   std::vector<Segment>& segments() noexcept { return segments_; }
@@ -155,32 +152,51 @@ class CpuPass {
   }
 
   // The segments' work between cost units [c0, c1).
-  void run_share(std::int64_t c0, std::int64_t c1, double weight) const {
-    auto it = std::upper_bound(segments_.begin(), segments_.end(), c0,
-                               [](std::int64_t c, const Segment& s) { return c < s.begin; });
-    if (it != segments_.begin()) --it;
-    for (; it != segments_.end() && it->begin < c1; ++it) {
-      const std::int64_t lo = element_at(*it, c0);
-      const std::int64_t hi = element_at(*it, c1);
-      if (lo >= hi) continue;
-      void* a = it->average != nullptr ? it->average->data_ptr() : it->a;
-      const void* x = it->input != nullptr ? read_ptr(*it->input) : it->x;
-      it->fn(a, x, lo, hi, weight);
-    }
-  }
+  void run_share(std::int64_t c0, std::int64_t c1, double weight) const;
 
  private:
   // The first element of `s` at or after cost unit c, rounded up to align_elements: the same
   // function on both sides of a cut, so shares never overlap and never leave a gap.
-  static std::int64_t element_at(const Segment& s, std::int64_t c) noexcept {
-    if (c <= s.begin) return 0;
-    const std::int64_t e = (c - s.begin + s.cost - 1) / s.cost;
-    const std::int64_t aligned = (e + align_elements - 1) / align_elements * align_elements;
-    return std::min(s.n, aligned);
-  }
+  static std::int64_t element_at(const Segment& s, std::int64_t c) noexcept;
 
   std::vector<Segment> segments_;
   std::int64_t total_ = 0;
 };
 
 }  // namespace emakit::detail
+
+#if EMAKIT_DEFINITIONS
+
+namespace emakit::detail {
+
+EMAKIT_FUNC void CpuPass::add(SegmentFn fn, std::size_t slot, std::int64_t n, std::int64_t cost, const at::Tensor* average,
+         const at::Tensor* input) {
+  if (n == 0) return;
+  segments_.push_back(Segment{fn, slot, n, cost, total_, average, input});
+  total_ += n * cost;
+}
+
+EMAKIT_FUNC void CpuPass::run_share(std::int64_t c0, std::int64_t c1, double weight) const {
+  auto it = std::upper_bound(segments_.begin(), segments_.end(), c0,
+                             [](std::int64_t c, const Segment& s) { return c < s.begin; });
+  if (it != segments_.begin()) --it;
+  for (; it != segments_.end() && it->begin < c1; ++it) {
+    const std::int64_t lo = element_at(*it, c0);
+    const std::int64_t hi = element_at(*it, c1);
+    if (lo >= hi) continue;
+    void* a = it->average != nullptr ? it->average->data_ptr() : it->a;
+    const void* x = it->input != nullptr ? read_ptr(*it->input) : it->x;
+    it->fn(a, x, lo, hi, weight);
+  }
+}
+
+EMAKIT_FUNC std::int64_t CpuPass::element_at(const Segment& s, std::int64_t c) noexcept {
+  if (c <= s.begin) return 0;
+  const std::int64_t e = (c - s.begin + s.cost - 1) / s.cost;
+  const std::int64_t aligned = (e + align_elements - 1) / align_elements * align_elements;
+  return std::min(s.n, aligned);
+}
+
+}  // namespace emakit::detail
+
+#endif  // EMAKIT_DEFINITIONS

@@ -19,6 +19,7 @@
 // scalars: one flag per foreach list, reduced on the device, read with one host sync).
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/detail/aten_compat.hpp>
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/device_sync.hpp>
@@ -73,20 +74,7 @@ class UpdateKernel {
   }
   // Moves settle pending side-stream or host work first: it refers to the tensors being moved.
   UpdateKernel(UpdateKernel&& other) noexcept { *this = std::move(other); }
-  UpdateKernel& operator=(UpdateKernel&& other) noexcept {
-    if (this == &other) return *this;
-    settle_noexcept();
-    other.settle_noexcept();
-    slots_ = std::move(other.slots_);
-    cpu_path_ = other.cpu_path_;
-    side_stream_ = other.side_stream_;
-    staging_bytes_ = other.staging_bytes_;
-    plan_ = std::move(other.plan_);
-    lanes_ = std::move(other.lanes_);
-    finite_checks_[0] = std::move(other.finite_checks_[0]);
-    finite_checks_[1] = std::move(other.finite_checks_[1]);
-    return *this;
-  }
+  UpdateKernel& operator=(UpdateKernel&& other) noexcept;
   UpdateKernel(const UpdateKernel&) = delete;
   UpdateKernel& operator=(const UpdateKernel&) = delete;
   // Pending side-stream work writes tensors this kernel holds: the current stream waits for it
@@ -113,11 +101,7 @@ class UpdateKernel {
   struct Census {
     std::size_t lerp = 0, staged = 0, copy = 0;
   };
-  Census census() const noexcept {
-    Census c;
-    for (const auto& l : plan_.lists) (l.kind == ListKind::lerp ? c.lerp : l.kind == ListKind::staged ? c.staged : c.copy) += 1;
-    return c;
-  }
+  Census census() const noexcept;
 
   // What must finish before anything writes what the last update reads, i.e. before the next
   // optimizer step writes the model: each CUDA device's current stream waits for its side
@@ -131,31 +115,11 @@ class UpdateKernel {
   // Everything of the last update has finished: joins the host pass of an offloaded update
   // (rethrowing its error) and orders each device's current stream after the side stream. Every
   // read or write of the averages outside an update goes through it (or settled_slots()).
-  void settle() const {
-    sync_counts().settles += 1;
-    join_host();
-    wait_sources();
-  }
+  void settle() const;
 
   // Throws if a source changed shape since bind; re-plans (after settle()) if one moved, changed
   // dtype or got new memory.
-  void check_sources() {
-    bool stale = false;
-    for (const auto& s : slots_) {
-      if (!s.source.defined())
-        fail("tensor '{}' of the model is no longer defined; make a new Ema for the changed model", s.name);
-      if (!s.source.sizes().equals(s.shape))
-        fail("tensor '{}' changed shape from {} to {} since the EMA was bound; make a new Ema for the changed model",
-             s.name, shape_string(s.shape), shape_string(s.source.sizes()));
-      stale = stale || s.source.device() != s.source_device || s.source.scalar_type() != s.source_dtype ||
-              s.source.is_contiguous() != s.source_contiguous || read_ptr(s.source) != s.source_memory ||
-              read_ptr(s.average) != s.average_memory;
-    }
-    if (stale) {
-      settle();
-      plan();
-    }
-  }
+  void check_sources();
 
   // ema = lerp(ema, model, weight) for averaged slots; copy for the copied ones.
   void average(double weight) { run(/*averaging=*/true, weight); }
@@ -170,100 +134,22 @@ class UpdateKernel {
   std::size_t first_non_finite(bool copying) const { return finite_checks_[copying ? 1 : 0].first(slots_); }
 
  private:
-  void plan() {
-    plan_ = UpdatePlan(slots_, cpu_path_, side_stream_, staging_bytes_);
-    lanes_.clear();
-    for (const auto& dev : plan_.lanes) lanes_.emplace_back(dev, side_stream_);
-    finite_checks_[0] = NonFiniteCheck(slots_, /*copying=*/false, cpu_path_);
-    finite_checks_[1] = NonFiniteCheck(slots_, /*copying=*/true, cpu_path_);
-  }
+  void plan();
 
-  void run(bool averaging, double weight) {
-    c10::NoGradGuard no_grad;
-    join_host();  // the previous offloaded pass must finish before this one touches its buffers
-    for (std::size_t k = 0; k < lanes_.size(); ++k) {
-      run_lists(averaging, weight, k, /*current=*/true);  // buffers, before the side stream starts
-      Lane& lane = lanes_[k];
-      auto guard = lane.begin();
-      run_lists(averaging, weight, k, /*current=*/false);
-      lane.finish();
-    }
-    run_lists(averaging, weight, no_lane, /*current=*/true);  // CPU foreach path, devices without streams
-    run_lists(averaging, weight, no_lane, /*current=*/false);
-    if (plan_.offload_lanes.empty()) {
-      run_cpu(averaging, weight);
-    } else if (side_stream_) {
-      // The host waits for the device-to-host copies on a thread of its own, then runs the pass.
-      host_ = std::async(std::launch::async, [this, averaging, weight] {
-        c10::NoGradGuard no_grad_here;
-        for (auto k : plan_.offload_lanes) lanes_[k].synchronize_host();
-        run_cpu(averaging, weight);
-      });
-    } else {
-      for (auto k : plan_.offload_lanes) lanes_[k].synchronize_host();
-      run_cpu(averaging, weight);
-    }
-  }
+  void run(bool averaging, double weight);
 
   // On the current stream (current = true) or the lane's stream: offload staging copies and the
   // foreach lists of lane k (no_lane: of no lane).
-  void run_lists(bool averaging, double weight, std::size_t k, bool current) {
-    for (auto i : plan_.staged) {
-      Slot& s = slots_[i];
-      if (plan_.lane_of(s) == k && plan_.on_current(s) == current) stage_copy(s);
-    }
-    for (auto& l : plan_.lists) {
-      if (l.lane != k || l.current != current) continue;
-      switch (l.kind) {
-        case ListKind::lerp:
-          if (averaging) {
-            foreach_lerp(l.averages, l.inputs, weight);
-          } else {
-            foreach_copy(l.averages, l.inputs);
-          }
-          break;
-        case ListKind::staged:
-          if (averaging) {
-            foreach_copy(l.inputs, l.sources);
-            foreach_lerp(l.averages, l.inputs, weight);
-          } else {
-            foreach_copy(l.averages, l.sources);  // copy_ converts: the pool is not needed
-          }
-          break;
-        case ListKind::copy:
-          if (!averaging || l.follows_averages) foreach_copy(l.averages, l.inputs);
-          break;
-      }
-    }
-  }
+  void run_lists(bool averaging, double weight, std::size_t k, bool current);
 
-  void run_cpu(bool averaging, double weight) {
-    (averaging ? plan_.average_pass : plan_.copy_pass).run(weight, chunk_elements * 12);
-    if (averaging) {
-      for (auto i : plan_.generic) slots_[i].average.lerp_(slots_[i].input(), weight);
-      for (auto i : plan_.generic_copies)
-        if (slots_[i].follows_averages) slots_[i].average.copy_(slots_[i].input());
-    } else {
-      for (auto i : plan_.generic) slots_[i].average.copy_(slots_[i].input());
-      for (auto i : plan_.generic_copies) slots_[i].average.copy_(slots_[i].input());
-    }
-  }
+  void run_cpu(bool averaging, double weight);
 
-  static void stage_copy(Slot& s) {
-    // Non-blocking only into pinned memory: the host waits for the lane before reading it.
-    const bool non_blocking = s.staging.is_cpu() && s.source.is_cuda() && s.staging.is_pinned();
-    s.staging.copy_(s.source, non_blocking);
-  }
+  static void stage_copy(Slot& s);
 
   void join_host() const {
     if (host_.valid()) host_.get();  // rethrows an error of the host pass
   }
-  void settle_noexcept() const noexcept {
-    try {
-      settle();
-    } catch (...) {  // a failed pass was already reported by update(), or cannot be anymore
-    }
-  }
+  void settle_noexcept() const noexcept;
 
   std::vector<Slot> slots_;
   CpuPath cpu_path_ = CpuPath::fused;
@@ -276,3 +162,146 @@ class UpdateKernel {
 };
 
 }  // namespace emakit::detail
+
+#if EMAKIT_DEFINITIONS
+
+namespace emakit::detail {
+
+EMAKIT_FUNC UpdateKernel& UpdateKernel::operator=(UpdateKernel&& other) noexcept {
+  if (this == &other) return *this;
+  settle_noexcept();
+  other.settle_noexcept();
+  slots_ = std::move(other.slots_);
+  cpu_path_ = other.cpu_path_;
+  side_stream_ = other.side_stream_;
+  staging_bytes_ = other.staging_bytes_;
+  plan_ = std::move(other.plan_);
+  lanes_ = std::move(other.lanes_);
+  finite_checks_[0] = std::move(other.finite_checks_[0]);
+  finite_checks_[1] = std::move(other.finite_checks_[1]);
+  return *this;
+}
+
+EMAKIT_FUNC UpdateKernel::Census UpdateKernel::census() const noexcept {
+  Census c;
+  for (const auto& l : plan_.lists) (l.kind == ListKind::lerp ? c.lerp : l.kind == ListKind::staged ? c.staged : c.copy) += 1;
+  return c;
+}
+
+EMAKIT_FUNC void UpdateKernel::settle() const {
+  sync_counts().settles += 1;
+  join_host();
+  wait_sources();
+}
+
+EMAKIT_FUNC void UpdateKernel::check_sources() {
+  bool stale = false;
+  for (const auto& s : slots_) {
+    if (!s.source.defined())
+      fail("tensor '{}' of the model is no longer defined; make a new Ema for the changed model", s.name);
+    if (!s.source.sizes().equals(s.shape))
+      fail("tensor '{}' changed shape from {} to {} since the EMA was bound; make a new Ema for the changed model",
+           s.name, shape_string(s.shape), shape_string(s.source.sizes()));
+    stale = stale || s.source.device() != s.source_device || s.source.scalar_type() != s.source_dtype ||
+            s.source.is_contiguous() != s.source_contiguous || read_ptr(s.source) != s.source_memory ||
+            read_ptr(s.average) != s.average_memory;
+  }
+  if (stale) {
+    settle();
+    plan();
+  }
+}
+
+EMAKIT_FUNC void UpdateKernel::plan() {
+  plan_ = UpdatePlan(slots_, cpu_path_, side_stream_, staging_bytes_);
+  lanes_.clear();
+  for (const auto& dev : plan_.lanes) lanes_.emplace_back(dev, side_stream_);
+  finite_checks_[0] = NonFiniteCheck(slots_, /*copying=*/false, cpu_path_);
+  finite_checks_[1] = NonFiniteCheck(slots_, /*copying=*/true, cpu_path_);
+}
+
+EMAKIT_FUNC void UpdateKernel::run(bool averaging, double weight) {
+  c10::NoGradGuard no_grad;
+  join_host();  // the previous offloaded pass must finish before this one touches its buffers
+  for (std::size_t k = 0; k < lanes_.size(); ++k) {
+    run_lists(averaging, weight, k, /*current=*/true);  // buffers, before the side stream starts
+    Lane& lane = lanes_[k];
+    auto guard = lane.begin();
+    run_lists(averaging, weight, k, /*current=*/false);
+    lane.finish();
+  }
+  run_lists(averaging, weight, no_lane, /*current=*/true);  // CPU foreach path, devices without streams
+  run_lists(averaging, weight, no_lane, /*current=*/false);
+  if (plan_.offload_lanes.empty()) {
+    run_cpu(averaging, weight);
+  } else if (side_stream_) {
+    // The host waits for the device-to-host copies on a thread of its own, then runs the pass.
+    host_ = std::async(std::launch::async, [this, averaging, weight] {
+      c10::NoGradGuard no_grad_here;
+      for (auto k : plan_.offload_lanes) lanes_[k].synchronize_host();
+      run_cpu(averaging, weight);
+    });
+  } else {
+    for (auto k : plan_.offload_lanes) lanes_[k].synchronize_host();
+    run_cpu(averaging, weight);
+  }
+}
+
+EMAKIT_FUNC void UpdateKernel::run_lists(bool averaging, double weight, std::size_t k, bool current) {
+  for (auto i : plan_.staged) {
+    Slot& s = slots_[i];
+    if (plan_.lane_of(s) == k && plan_.on_current(s) == current) stage_copy(s);
+  }
+  for (auto& l : plan_.lists) {
+    if (l.lane != k || l.current != current) continue;
+    switch (l.kind) {
+      case ListKind::lerp:
+        if (averaging) {
+          foreach_lerp(l.averages, l.inputs, weight);
+        } else {
+          foreach_copy(l.averages, l.inputs);
+        }
+        break;
+      case ListKind::staged:
+        if (averaging) {
+          foreach_copy(l.inputs, l.sources);
+          foreach_lerp(l.averages, l.inputs, weight);
+        } else {
+          foreach_copy(l.averages, l.sources);  // copy_ converts: the pool is not needed
+        }
+        break;
+      case ListKind::copy:
+        if (!averaging || l.follows_averages) foreach_copy(l.averages, l.inputs);
+        break;
+    }
+  }
+}
+
+EMAKIT_FUNC void UpdateKernel::run_cpu(bool averaging, double weight) {
+  (averaging ? plan_.average_pass : plan_.copy_pass).run(weight, chunk_elements * 12);
+  if (averaging) {
+    for (auto i : plan_.generic) slots_[i].average.lerp_(slots_[i].input(), weight);
+    for (auto i : plan_.generic_copies)
+      if (slots_[i].follows_averages) slots_[i].average.copy_(slots_[i].input());
+  } else {
+    for (auto i : plan_.generic) slots_[i].average.copy_(slots_[i].input());
+    for (auto i : plan_.generic_copies) slots_[i].average.copy_(slots_[i].input());
+  }
+}
+
+EMAKIT_FUNC void UpdateKernel::stage_copy(Slot& s) {
+  // Non-blocking only into pinned memory: the host waits for the lane before reading it.
+  const bool non_blocking = s.staging.is_cpu() && s.source.is_cuda() && s.staging.is_pinned();
+  s.staging.copy_(s.source, non_blocking);
+}
+
+EMAKIT_FUNC void UpdateKernel::settle_noexcept() const noexcept {
+  try {
+    settle();
+  } catch (...) {  // a failed pass was already reported by update(), or cannot be anymore
+  }
+}
+
+}  // namespace emakit::detail
+
+#endif  // EMAKIT_DEFINITIONS

@@ -10,6 +10,7 @@
 // snapshots' averaged tensors with x.
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/dense_solve.hpp>
 
@@ -28,10 +29,7 @@ struct Profile {
 };
 
 // The L2 inner product of two profiles (gamma+1) tau^gamma / t^(gamma+1) on [0, t].
-inline double profile_inner_product(Profile a, Profile b) {
-  const double e = a.t < b.t ? b.gamma : -a.gamma;
-  return (a.gamma + 1.0) * (b.gamma + 1.0) * std::pow(a.t / b.t, e) / ((a.gamma + b.gamma + 1.0) * std::max(a.t, b.t));
-}
+EMAKIT_FUNC double profile_inner_product(Profile a, Profile b);
 
 // The combination weights of the snapshots for a target profile.
 struct PosthocWeights {
@@ -46,8 +44,22 @@ struct PosthocWeights {
 inline constexpr double default_max_condition = 1e12;
 
 // Solves the EDM2 system for `snapshots` and `target` (see the top of this file).
-inline PosthocWeights solve_posthoc_weights(std::span<const Profile> snapshots, Profile target,
-                                            double max_condition = default_max_condition) {
+EMAKIT_FUNC PosthocWeights solve_posthoc_weights(std::span<const Profile> snapshots, Profile target,
+                                                 double max_condition = default_max_condition);
+
+}  // namespace emakit
+
+#if EMAKIT_DEFINITIONS
+
+namespace emakit {
+
+EMAKIT_FUNC double profile_inner_product(Profile a, Profile b) {
+  const double e = a.t < b.t ? b.gamma : -a.gamma;
+  return (a.gamma + 1.0) * (b.gamma + 1.0) * std::pow(a.t / b.t, e) / ((a.gamma + b.gamma + 1.0) * std::max(a.t, b.t));
+}
+
+EMAKIT_FUNC PosthocWeights solve_posthoc_weights(std::span<const Profile> snapshots, Profile target,
+                                                 double max_condition) {
   const std::size_t n = snapshots.size();
   if (n == 0) detail::fail("solve_posthoc_weights: no snapshot profiles");
   if (!(target.t > 0 && target.gamma > 0))
@@ -79,3 +91,5 @@ inline PosthocWeights solve_posthoc_weights(std::span<const Profile> snapshots, 
 }
 
 }  // namespace emakit
+
+#endif  // EMAKIT_DEFINITIONS

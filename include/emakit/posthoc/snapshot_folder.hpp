@@ -4,6 +4,7 @@
 // readable. The file format (formats::snapshot) is described once, in detail/serial/snapshot_file.hpp.
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/decay.hpp>
 #include <emakit/detail/serial/atomic_file.hpp>
 #include <emakit/detail/check.hpp>
@@ -29,31 +30,68 @@
 namespace emakit {
 
 // "phema-<step, 10 digits>-<profile>.emkit"
-inline std::string snapshot_file_name(std::int64_t step, std::uint32_t profile) {
+EMAKIT_FUNC std::string snapshot_file_name(std::int64_t step, std::uint32_t profile);
+
+EMAKIT_FUNC bool is_snapshot_file_name(const std::string& name);
+
+// The header of one snapshot file (checked; the tensors' data is not read).
+EMAKIT_FUNC SnapshotInfo read_snapshot_info(const std::filesystem::path& path);
+
+// Every tensor of a snapshot file, on the CPU in its stored dtype, each checked against its CRC.
+EMAKIT_FUNC StateDict load_snapshot(const std::filesystem::path& path);
+
+namespace detail {
+// The table entry of one tensor; with `dtype`, an averaged real floating tensor is stored in it.
+EMAKIT_FUNC SnapshotTensor snapshot_entry(const std::string& name, const at::Tensor& tensor, bool averaged,
+                                          std::optional<c10::ScalarType> dtype);
+}  // namespace detail
+
+// Writes `tensors` as a snapshot of profile (t, gamma) atomically. Without a tensor table in the
+// header, floating and complex tensors are marked averaged and the others copied; with `dtype`,
+// averaged real floating tensors are stored in that dtype. For importing snapshots made elsewhere
+// (ema-pytorch, EDM2) into a folder that plan_synthesis() reads; PostHocEma writes its own.
+EMAKIT_FUNC void write_snapshot(const std::filesystem::path& path, SnapshotInfo header, const StateDict& tensors,
+                                std::optional<c10::ScalarType> dtype = std::nullopt);
+
+// The snapshot files of a folder (names "phema-*.emkit"), headers checked, sorted by (t, gamma).
+// Temporary files of interrupted writes are never listed (see interrupted_writes()).
+EMAKIT_FUNC std::vector<SnapshotInfo> list_snapshots(const std::filesystem::path& folder);
+
+// Temporary files that writes interrupted by a crash left in `folder` (safe to delete when no
+// process is writing there).
+EMAKIT_FUNC std::vector<std::filesystem::path> interrupted_writes(const std::filesystem::path& folder);
+
+}  // namespace emakit
+
+#if EMAKIT_DEFINITIONS
+
+namespace emakit {
+
+EMAKIT_FUNC std::string snapshot_file_name(std::int64_t step, std::uint32_t profile) {
   return fmt::format("phema-{:010}-{}.emkit", step, profile);
 }
 
-inline bool is_snapshot_file_name(const std::string& name) {
+EMAKIT_FUNC bool is_snapshot_file_name(const std::string& name) {
   constexpr std::string_view prefix = "phema-", suffix = ".emkit";
   return name.size() > prefix.size() + suffix.size() && name.compare(0, prefix.size(), prefix) == 0 &&
          name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// The header of one snapshot file (checked; the tensors' data is not read).
-inline SnapshotInfo read_snapshot_info(const std::filesystem::path& path) { return detail::SnapshotReader(path).info(); }
+EMAKIT_FUNC SnapshotInfo read_snapshot_info(const std::filesystem::path& path) { return detail::SnapshotReader(path).info(); }
 
-// Every tensor of a snapshot file, on the CPU in its stored dtype, each checked against its CRC.
-inline StateDict load_snapshot(const std::filesystem::path& path) {
+EMAKIT_FUNC StateDict load_snapshot(const std::filesystem::path& path) {
   const detail::SnapshotReader reader(path);
   StateDict out;
   for (std::size_t i = 0; i < reader.info().tensors.size(); ++i) out.insert(reader.info().tensors[i].name, reader.read(i));
   return out;
 }
 
-namespace detail {
-// The table entry of one tensor; with `dtype`, an averaged real floating tensor is stored in it.
-inline SnapshotTensor snapshot_entry(const std::string& name, const at::Tensor& tensor, bool averaged,
-                                     std::optional<c10::ScalarType> dtype) {
+}  // namespace emakit
+
+namespace emakit::detail {
+
+EMAKIT_FUNC SnapshotTensor snapshot_entry(const std::string& name, const at::Tensor& tensor, bool averaged,
+                                          std::optional<c10::ScalarType> dtype) {
   SnapshotTensor t;
   t.name = name;
   t.dtype = tensor.scalar_type();
@@ -62,14 +100,13 @@ inline SnapshotTensor snapshot_entry(const std::string& name, const at::Tensor& 
   t.sizes.assign(tensor.sizes().begin(), tensor.sizes().end());
   return t;
 }
-}  // namespace detail
 
-// Writes `tensors` as a snapshot of profile (t, gamma) atomically. Without a tensor table in the
-// header, floating and complex tensors are marked averaged and the others copied; with `dtype`,
-// averaged real floating tensors are stored in that dtype. For importing snapshots made elsewhere
-// (ema-pytorch, EDM2) into a folder that plan_synthesis() reads; PostHocEma writes its own.
-inline void write_snapshot(const std::filesystem::path& path, SnapshotInfo header, const StateDict& tensors,
-                           std::optional<c10::ScalarType> dtype = std::nullopt) {
+}  // namespace emakit::detail
+
+namespace emakit {
+
+EMAKIT_FUNC void write_snapshot(const std::filesystem::path& path, SnapshotInfo header, const StateDict& tensors,
+                                std::optional<c10::ScalarType> dtype) {
   if (!(header.gamma > 0) || header.t <= 0 || header.update_every <= 0)
     detail::fail("write_snapshot '{}': needs t > 0, gamma > 0 and update_every > 0, got t = {}, gamma = {}, "
                  "update_every = {}",
@@ -94,9 +131,7 @@ inline void write_snapshot(const std::filesystem::path& path, SnapshotInfo heade
   writer.commit();
 }
 
-// The snapshot files of a folder (names "phema-*.emkit"), headers checked, sorted by (t, gamma).
-// Temporary files of interrupted writes are never listed (see interrupted_writes()).
-inline std::vector<SnapshotInfo> list_snapshots(const std::filesystem::path& folder) {
+EMAKIT_FUNC std::vector<SnapshotInfo> list_snapshots(const std::filesystem::path& folder) {
   std::error_code ec;
   if (!std::filesystem::is_directory(folder, ec))
     detail::fail_runtime("the snapshot folder '{}' does not exist or is not a folder", folder.string());
@@ -112,9 +147,7 @@ inline std::vector<SnapshotInfo> list_snapshots(const std::filesystem::path& fol
   return out;
 }
 
-// Temporary files that writes interrupted by a crash left in `folder` (safe to delete when no
-// process is writing there).
-inline std::vector<std::filesystem::path> interrupted_writes(const std::filesystem::path& folder) {
+EMAKIT_FUNC std::vector<std::filesystem::path> interrupted_writes(const std::filesystem::path& folder) {
   std::vector<std::filesystem::path> out;
   for (const auto& entry : std::filesystem::directory_iterator(folder))
     if (detail::is_temporary_name(entry.path().filename().string())) out.push_back(entry.path());
@@ -123,3 +156,5 @@ inline std::vector<std::filesystem::path> interrupted_writes(const std::filesyst
 }
 
 }  // namespace emakit
+
+#endif  // EMAKIT_DEFINITIONS

@@ -7,6 +7,7 @@
 // memory is the result plus one tensor and its float64 sum, never all snapshots.
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/decay.hpp>
 #include <emakit/detail/serial/atomic_file.hpp>
 #include <emakit/detail/check.hpp>
@@ -44,7 +45,48 @@ struct SynthesisPlan {
 
 namespace detail {
 
-inline void check_same_model(const SnapshotInfo& reference, const SnapshotInfo& other) {
+EMAKIT_FUNC void check_same_model(const SnapshotInfo& reference, const SnapshotInfo& other);
+
+// Calls sink(entry, tensor) for each tensor of the plan, in the snapshots' order: averaged
+// tensors as the weighted sum (float64 or complex128, on the CPU), copied ones from the latest
+// snapshot. One tensor of one snapshot is read at a time.
+
+EMAKIT_FUNC c10::ScalarType result_dtype(const SnapshotTensor& entry, const SynthesisOptions& options);
+
+}  // namespace detail
+
+// Chooses the snapshots and solves for their weights. Throws when no snapshot is at or before the
+// target, the target is not a snapshot time, two snapshots have the same profile, the snapshots
+// are of different models, or the system is ill-conditioned.
+EMAKIT_FUNC SynthesisPlan plan_synthesis(std::vector<SnapshotInfo> snapshots, const SynthesisOptions& options);
+
+EMAKIT_FUNC SynthesisPlan plan_synthesis(const std::filesystem::path& folder, const SynthesisOptions& options);
+
+// The synthesized EMA: the model's state-dict names -> tensors (on options.device()).
+EMAKIT_FUNC StateDict synthesize(const SynthesisPlan& plan);
+
+// Writes the synthesized EMA into `module` (matched by name). Every tensor of the snapshots must be
+// there with the same shape; nothing is written unless the whole synthesis succeeded.
+EMAKIT_FUNC void synthesize_into(const SynthesisPlan& plan, torch::nn::Module& module);
+
+enum class OutputFormat : std::uint8_t {
+  torch_pickle,  // a dict name -> tensor: torch.load(path) in Python (weights_only), torch::pickle_load in C++
+  snapshot,      // an emakit snapshot file of the target profile: load_snapshot(path)
+};
+
+// Writes the synthesized EMA to `path` atomically: on any error no file is left there (an
+// existing file is left as it was). torch_pickle holds the result in memory (not its bytes);
+// snapshot streams one tensor at a time.
+EMAKIT_FUNC void synthesize_to_file(const SynthesisPlan& plan, const std::filesystem::path& path,
+                                    OutputFormat format = OutputFormat::torch_pickle);
+
+}  // namespace emakit
+
+#if EMAKIT_DEFINITIONS
+
+namespace emakit::detail {
+
+EMAKIT_FUNC void check_same_model(const SnapshotInfo& reference, const SnapshotInfo& other) {
   const auto where = [&] { return fmt::format("snapshot '{}' is of another model than '{}'", other.path.string(), reference.path.string()); };
   const auto& a = reference.tensors;
   const auto& b = other.tensors;
@@ -63,9 +105,6 @@ inline void check_same_model(const SnapshotInfo& reference, const SnapshotInfo& 
   }
 }
 
-// Calls sink(entry, tensor) for each tensor of the plan, in the snapshots' order: averaged
-// tensors as the weighted sum (float64 or complex128, on the CPU), copied ones from the latest
-// snapshot. One tensor of one snapshot is read at a time.
 template <class Sink>
 void combine_snapshots(const SynthesisPlan& plan, Sink&& sink) {
   const std::size_t n = plan.snapshots.size();
@@ -94,17 +133,16 @@ void combine_snapshots(const SynthesisPlan& plan, Sink&& sink) {
   }
 }
 
-inline c10::ScalarType result_dtype(const SnapshotTensor& entry, const SynthesisOptions& options) {
+EMAKIT_FUNC c10::ScalarType result_dtype(const SnapshotTensor& entry, const SynthesisOptions& options) {
   if (entry.averaged && options.dtype() && c10::isFloatingType(entry.dtype)) return *options.dtype();
   return entry.dtype;
 }
 
-}  // namespace detail
+}  // namespace emakit::detail
 
-// Chooses the snapshots and solves for their weights. Throws when no snapshot is at or before the
-// target, the target is not a snapshot time, two snapshots have the same profile, the snapshots
-// are of different models, or the system is ill-conditioned.
-inline SynthesisPlan plan_synthesis(std::vector<SnapshotInfo> snapshots, const SynthesisOptions& options) {
+namespace emakit {
+
+EMAKIT_FUNC SynthesisPlan plan_synthesis(std::vector<SnapshotInfo> snapshots, const SynthesisOptions& options) {
   if (snapshots.empty()) detail::fail_runtime("no snapshots to synthesize from");
   std::sort(snapshots.begin(), snapshots.end(), [](const SnapshotInfo& a, const SnapshotInfo& b) {
     return std::tie(a.t, a.gamma, a.profile, a.path) < std::tie(b.t, b.gamma, b.profile, b.path);
@@ -139,14 +177,13 @@ inline SynthesisPlan plan_synthesis(std::vector<SnapshotInfo> snapshots, const S
   return SynthesisPlan{goal, std::move(snapshots), std::move(solution), options};
 }
 
-inline SynthesisPlan plan_synthesis(const std::filesystem::path& folder, const SynthesisOptions& options) {
+EMAKIT_FUNC SynthesisPlan plan_synthesis(const std::filesystem::path& folder, const SynthesisOptions& options) {
   auto snapshots = list_snapshots(folder);
   if (snapshots.empty()) detail::fail_runtime("the folder '{}' holds no snapshot files (phema-*.emkit)", folder.string());
   return plan_synthesis(std::move(snapshots), options);
 }
 
-// The synthesized EMA: the model's state-dict names -> tensors (on options.device()).
-inline StateDict synthesize(const SynthesisPlan& plan) {
+EMAKIT_FUNC StateDict synthesize(const SynthesisPlan& plan) {
   StateDict out;
   detail::combine_snapshots(plan, [&](const SnapshotTensor& entry, const at::Tensor& t) {
     out.insert(entry.name, t.to(plan.options.device(), detail::result_dtype(entry, plan.options)));
@@ -154,9 +191,7 @@ inline StateDict synthesize(const SynthesisPlan& plan) {
   return out;
 }
 
-// Writes the synthesized EMA into `module` (matched by name). Every tensor of the snapshots must be
-// there with the same shape; nothing is written unless the whole synthesis succeeded.
-inline void synthesize_into(const SynthesisPlan& plan, torch::nn::Module& module) {
+EMAKIT_FUNC void synthesize_into(const SynthesisPlan& plan, torch::nn::Module& module) {
   auto theirs = detail::tensors_by_name(module);
   const auto& reference = plan.snapshots.front();
   for (const auto& entry : reference.tensors) {
@@ -173,16 +208,8 @@ inline void synthesize_into(const SynthesisPlan& plan, torch::nn::Module& module
   for (const auto& item : result) theirs.at(item.key()).copy_(item.value());
 }
 
-enum class OutputFormat : std::uint8_t {
-  torch_pickle,  // a dict name -> tensor: torch.load(path) in Python (weights_only), torch::pickle_load in C++
-  snapshot,      // an emakit snapshot file of the target profile: load_snapshot(path)
-};
-
-// Writes the synthesized EMA to `path` atomically: on any error no file is left there (an
-// existing file is left as it was). torch_pickle holds the result in memory (not its bytes);
-// snapshot streams one tensor at a time.
-inline void synthesize_to_file(const SynthesisPlan& plan, const std::filesystem::path& path,
-                               OutputFormat format = OutputFormat::torch_pickle) {
+EMAKIT_FUNC void synthesize_to_file(const SynthesisPlan& plan, const std::filesystem::path& path,
+                                    OutputFormat format) {
   if (format == OutputFormat::snapshot) {
     SnapshotInfo header;
     header.step = header.t = static_cast<std::int64_t>(plan.target.t);
@@ -209,3 +236,5 @@ inline void synthesize_to_file(const SynthesisPlan& plan, const std::filesystem:
 }
 
 }  // namespace emakit
+
+#endif  // EMAKIT_DEFINITIONS

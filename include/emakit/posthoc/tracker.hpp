@@ -11,6 +11,7 @@
 // saw, e.g. with caller-supplied steps, widen the next interval, and that stays exact).
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/concepts.hpp>
 #include <emakit/decay.hpp>
 #include <emakit/detail/check.hpp>
@@ -68,52 +69,10 @@ class PostHocEma {
 
   // Call after each optimizer step: updates every profile and writes snapshots at multiples of
   // snapshot_every. A failed snapshot write throws (naming the file) after the update was applied.
-  PostHocUpdate update(StepInfo info = {}) {
-    UpdateResult first;
-    for (std::size_t i = 0; i < emas_.size(); ++i) {
-      const auto r = emas_[i].update(info);
-      if (i == 0) first = r;
-    }
-    PostHocUpdate out{first.action, first.step, false};
-    const auto every = options_.snapshot_every();
-    if (every > 0 && first.step > 0 && first.step % every == 0 && emas_.front().num_updates() > 0 &&
-        first.step != last_snapshot_step_) {
-      snapshot();
-      out.snapshot = true;
-    }
-    return out;
-  }
+  PostHocUpdate update(StepInfo info = {});
 
   // Writes a snapshot of every profile now; returns the files. Needs at least one applied update.
-  std::vector<std::filesystem::path> snapshot() {
-    const Tracked& lead = emas_.front();
-    if (lead.num_updates() == 0)
-      detail::fail("PostHocEma::snapshot() before the first update: no EMA has been updated yet (updates happen at "
-                   "steps that are multiples of update_every = {})",
-                   options_.update_every());
-    std::vector<std::filesystem::path> files;
-    for (std::size_t i = 0; i < emas_.size(); ++i) {
-      const Tracked& ema = emas_[i];
-      SnapshotInfo header;
-      header.step = ema.step();
-      header.t = ema.last_update_step();
-      header.gamma = ema.decay_policy().gamma();
-      header.sigma_rel = ema.decay_policy().sigma_rel();
-      header.update_every = options_.update_every();
-      header.profile = static_cast<std::uint32_t>(i);
-      const StateDict tensors = ema.averages();
-      const auto averaged = ema.names(Role::average);  // copy_only names and integer buffers are copied
-      for (const auto& item : tensors) {
-        const bool is_averaged = std::find(averaged.begin(), averaged.end(), item.key()) != averaged.end();
-        header.tensors.push_back(detail::snapshot_entry(item.key(), item.value(), is_averaged, options_.snapshot_dtype()));
-      }
-      const auto path = options_.folder() / snapshot_file_name(header.step, header.profile);
-      write_snapshot(path, std::move(header), tensors);
-      files.push_back(path);
-    }
-    last_snapshot_step_ = lead.step();
-    return files;
-  }
+  std::vector<std::filesystem::path> snapshot();
 
   std::size_t size() const noexcept { return emas_.size(); }
   const Tracked& ema(std::size_t i) const { return emas_.at(i); }
@@ -129,77 +88,22 @@ class PostHocEma {
 
   // "posthoc.format", "posthoc.profiles", "posthoc.snapshot_every", "posthoc.last_snapshot_step",
   // then each profile's Ema::state_dict() under "profile.<i>.".
-  StateDict state_dict() const {
-    StateDict out;
-    out.insert("posthoc.format", at::scalar_tensor(detail::formats::posthoc_state.version, at::kLong));
-    out.insert("posthoc.profiles", at::scalar_tensor(static_cast<std::int64_t>(emas_.size()), at::kLong));
-    out.insert("posthoc.snapshot_every", at::scalar_tensor(options_.snapshot_every(), at::kLong));
-    out.insert("posthoc.last_snapshot_step", at::scalar_tensor(last_snapshot_step_, at::kLong));
-    for (std::size_t i = 0; i < emas_.size(); ++i)
-      for (const auto& item : emas_[i].state_dict()) out.insert(fmt::format("profile.{}.{}", i, item.key()), item.value());
-    return out;
-  }
+  StateDict state_dict() const;
 
   // Loads a state_dict() of a PostHocEma with the same profiles and model. Everything is checked
   // first: a failed load changes nothing.
-  void load_state_dict(const StateDict& state) {
-    const detail::StateReader in(state, "PostHocEma::load_state_dict");
-    const std::int64_t format = in.counter("posthoc.format");
-    if (format != detail::formats::posthoc_state.version)
-      detail::fail("PostHocEma::load_state_dict: posthoc.format is {}, this emakit reads {}", format,
-                   detail::formats::posthoc_state.version);
-    const std::int64_t profiles = in.counter("posthoc.profiles");
-    if (profiles != static_cast<std::int64_t>(emas_.size()))
-      detail::fail("PostHocEma::load_state_dict: the state has {} profiles, this PostHocEma {}", profiles,
-                   emas_.size());
-    const std::int64_t snapshot_every = in.counter("posthoc.snapshot_every");
-    if (snapshot_every != options_.snapshot_every())
-      detail::fail("PostHocEma::load_state_dict: snapshot_every is {} in the state, {} here", snapshot_every,
-                   options_.snapshot_every());
-    const std::int64_t last_snapshot_step = in.counter("posthoc.last_snapshot_step");
-    std::vector<StateDict> parts(emas_.size());
-    for (const auto& item : state) {
-      const auto& key = item.key();
-      if (key.rfind("posthoc.", 0) == 0) continue;
-      std::size_t i = 0, used = 0;
-      if (key.rfind("profile.", 0) == 0) i = std::stoul(key.substr(8), &used);
-      if (used == 0 || i >= emas_.size() || key.size() <= 8 + used || key[8 + used] != '.')
-        detail::fail("PostHocEma::load_state_dict: unexpected key '{}'", key);
-      parts[i].insert(key.substr(9 + used), item.value());
-    }
-    for (std::size_t i = 0; i < emas_.size(); ++i) check_loadable(i, parts[i]);
-    for (std::size_t i = 0; i < emas_.size(); ++i) emas_[i].load_state_dict(parts[i]);
-    last_snapshot_step_ = last_snapshot_step;
-  }
+  void load_state_dict(const StateDict& state);
 
  private:
   StepSchedule schedule() const {
     return StepSchedule().update_every(options_.update_every()).warmup(Warmup::skip_before_start);
   }
 
-  void prepare() {
-    const auto every = options_.snapshot_every(), dt = options_.update_every();
-    if (every > 0 && every % dt != 0)
-      detail::fail("PostHocOptions: snapshot_every ({}) must be a multiple of update_every ({}), so that each "
-                   "snapshot is taken right after an update",
-                   every, dt);
-    std::error_code ec;
-    std::filesystem::create_directories(options_.folder(), ec);
-    if (ec) detail::fail_runtime("cannot create the snapshot folder '{}': {}", options_.folder().string(), ec.message());
-    detail::check_writable_folder(options_.folder());
-  }
+  void prepare();
 
   // Throws unless emas_[i].load_state_dict(part) would load every key: Ema::check_state_dict
   // (strict), its message prefixed with the profile.
-  void check_loadable(std::size_t i, const StateDict& part) const {
-    try {
-      emas_[i].check_state_dict(part, LoadMode::strict);
-    } catch (const std::invalid_argument& e) {
-      std::string_view why = e.what();
-      if (why.rfind("emakit: ", 0) == 0) why.remove_prefix(8);  // detail::fail's prefix, added again below
-      detail::fail("PostHocEma::load_state_dict: profile {}: {} (the profiles or the model changed)", i, why);
-    }
-  }
+  void check_loadable(std::size_t i, const StateDict& part) const;
 
   PostHocOptions options_;
   std::vector<Tracked> emas_;
@@ -207,3 +111,120 @@ class PostHocEma {
 };
 
 }  // namespace emakit
+
+#if EMAKIT_DEFINITIONS
+
+
+namespace emakit {
+
+EMAKIT_FUNC PostHocUpdate PostHocEma::update(StepInfo info) {
+  UpdateResult first;
+  for (std::size_t i = 0; i < emas_.size(); ++i) {
+    const auto r = emas_[i].update(info);
+    if (i == 0) first = r;
+  }
+  PostHocUpdate out{first.action, first.step, false};
+  const auto every = options_.snapshot_every();
+  if (every > 0 && first.step > 0 && first.step % every == 0 && emas_.front().num_updates() > 0 &&
+      first.step != last_snapshot_step_) {
+    snapshot();
+    out.snapshot = true;
+  }
+  return out;
+}
+
+EMAKIT_FUNC std::vector<std::filesystem::path> PostHocEma::snapshot() {
+  const Tracked& lead = emas_.front();
+  if (lead.num_updates() == 0)
+    detail::fail("PostHocEma::snapshot() before the first update: no EMA has been updated yet (updates happen at "
+                 "steps that are multiples of update_every = {})",
+                 options_.update_every());
+  std::vector<std::filesystem::path> files;
+  for (std::size_t i = 0; i < emas_.size(); ++i) {
+    const Tracked& ema = emas_[i];
+    SnapshotInfo header;
+    header.step = ema.step();
+    header.t = ema.last_update_step();
+    header.gamma = ema.decay_policy().gamma();
+    header.sigma_rel = ema.decay_policy().sigma_rel();
+    header.update_every = options_.update_every();
+    header.profile = static_cast<std::uint32_t>(i);
+    const StateDict tensors = ema.averages();
+    const auto averaged = ema.names(Role::average);  // copy_only names and integer buffers are copied
+    for (const auto& item : tensors) {
+      const bool is_averaged = std::find(averaged.begin(), averaged.end(), item.key()) != averaged.end();
+      header.tensors.push_back(detail::snapshot_entry(item.key(), item.value(), is_averaged, options_.snapshot_dtype()));
+    }
+    const auto path = options_.folder() / snapshot_file_name(header.step, header.profile);
+    write_snapshot(path, std::move(header), tensors);
+    files.push_back(path);
+  }
+  last_snapshot_step_ = lead.step();
+  return files;
+}
+
+EMAKIT_FUNC StateDict PostHocEma::state_dict() const {
+  StateDict out;
+  out.insert("posthoc.format", at::scalar_tensor(detail::formats::posthoc_state.version, at::kLong));
+  out.insert("posthoc.profiles", at::scalar_tensor(static_cast<std::int64_t>(emas_.size()), at::kLong));
+  out.insert("posthoc.snapshot_every", at::scalar_tensor(options_.snapshot_every(), at::kLong));
+  out.insert("posthoc.last_snapshot_step", at::scalar_tensor(last_snapshot_step_, at::kLong));
+  for (std::size_t i = 0; i < emas_.size(); ++i)
+    for (const auto& item : emas_[i].state_dict()) out.insert(fmt::format("profile.{}.{}", i, item.key()), item.value());
+  return out;
+}
+
+EMAKIT_FUNC void PostHocEma::load_state_dict(const StateDict& state) {
+  const detail::StateReader in(state, "PostHocEma::load_state_dict");
+  const std::int64_t format = in.counter("posthoc.format");
+  if (format != detail::formats::posthoc_state.version)
+    detail::fail("PostHocEma::load_state_dict: posthoc.format is {}, this emakit reads {}", format,
+                 detail::formats::posthoc_state.version);
+  const std::int64_t profiles = in.counter("posthoc.profiles");
+  if (profiles != static_cast<std::int64_t>(emas_.size()))
+    detail::fail("PostHocEma::load_state_dict: the state has {} profiles, this PostHocEma {}", profiles,
+                 emas_.size());
+  const std::int64_t snapshot_every = in.counter("posthoc.snapshot_every");
+  if (snapshot_every != options_.snapshot_every())
+    detail::fail("PostHocEma::load_state_dict: snapshot_every is {} in the state, {} here", snapshot_every,
+                 options_.snapshot_every());
+  const std::int64_t last_snapshot_step = in.counter("posthoc.last_snapshot_step");
+  std::vector<StateDict> parts(emas_.size());
+  for (const auto& item : state) {
+    const auto& key = item.key();
+    if (key.rfind("posthoc.", 0) == 0) continue;
+    std::size_t i = 0, used = 0;
+    if (key.rfind("profile.", 0) == 0) i = std::stoul(key.substr(8), &used);
+    if (used == 0 || i >= emas_.size() || key.size() <= 8 + used || key[8 + used] != '.')
+      detail::fail("PostHocEma::load_state_dict: unexpected key '{}'", key);
+    parts[i].insert(key.substr(9 + used), item.value());
+  }
+  for (std::size_t i = 0; i < emas_.size(); ++i) check_loadable(i, parts[i]);
+  for (std::size_t i = 0; i < emas_.size(); ++i) emas_[i].load_state_dict(parts[i]);
+  last_snapshot_step_ = last_snapshot_step;
+}
+
+EMAKIT_FUNC void PostHocEma::prepare() {
+  const auto every = options_.snapshot_every(), dt = options_.update_every();
+  if (every > 0 && every % dt != 0)
+    detail::fail("PostHocOptions: snapshot_every ({}) must be a multiple of update_every ({}), so that each "
+                 "snapshot is taken right after an update",
+                 every, dt);
+  std::error_code ec;
+  std::filesystem::create_directories(options_.folder(), ec);
+  if (ec) detail::fail_runtime("cannot create the snapshot folder '{}': {}", options_.folder().string(), ec.message());
+  detail::check_writable_folder(options_.folder());
+}
+
+EMAKIT_FUNC void PostHocEma::check_loadable(std::size_t i, const StateDict& part) const {
+  try {
+    emas_[i].check_state_dict(part, LoadMode::strict);
+  } catch (const std::invalid_argument& e) {
+    std::string_view why = e.what();
+    if (why.rfind("emakit: ", 0) == 0) why.remove_prefix(8);  // detail::fail's prefix, added again below
+    detail::fail("PostHocEma::load_state_dict: profile {}: {} (the profiles or the model changed)", i, why);
+  }
+}
+
+}  // namespace emakit
+#endif  // EMAKIT_DEFINITIONS

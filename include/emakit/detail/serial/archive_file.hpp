@@ -7,6 +7,33 @@
 //   read_pickle_dict(path, "import_state")            // a torch.save file of a plain dict
 #pragma once
 
+#include <emakit/detail/config.hpp>
+
+#include <ATen/core/Dict.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <filesystem>
+
+namespace emakit::detail {
+
+// Opens an archive file for reading. The file is scanned first: one that holds code, unknown
+// records or tensors larger than their data is refused before LibTorch's loader runs anything
+// in it; a missing, truncated or damaged file is an error that names it.
+EMAKIT_FUNC void read_archive(torch::serialize::InputArchive& archive, const std::filesystem::path& path,
+                              const char* what);
+
+// Writes an archive to `path` atomically.
+EMAKIT_FUNC void write_archive(torch::serialize::OutputArchive& archive, const std::filesystem::path& path);
+
+// Reads a file of Python's torch.save(dict) (or torch_pickle.hpp's write_tensor_dict), after the
+// same scan: a dict of tensors and plain values, nothing else.
+EMAKIT_FUNC c10::impl::GenericDict read_pickle_dict(const std::filesystem::path& path, const char* what);
+
+}  // namespace emakit::detail
+
+#if EMAKIT_DEFINITIONS
+
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/serial/archive_scan.hpp>
 #include <emakit/detail/serial/atomic_file.hpp>
@@ -29,10 +56,7 @@
 
 namespace emakit::detail {
 
-// Opens an archive file for reading. The file is scanned first: one that holds code, unknown
-// records or tensors larger than their data is refused before LibTorch's loader runs anything
-// in it; a missing, truncated or damaged file is an error that names it.
-inline void read_archive(torch::serialize::InputArchive& archive, const std::filesystem::path& path, const char* what) {
+EMAKIT_FUNC void read_archive(torch::serialize::InputArchive& archive, const std::filesystem::path& path, const char* what) {
   if (!std::filesystem::exists(path)) fail("{}: no file '{}'", what, path.string());
   scan_archive_file(path, what);
   try {
@@ -42,17 +66,14 @@ inline void read_archive(torch::serialize::InputArchive& archive, const std::fil
   }
 }
 
-// Writes an archive to `path` atomically.
-inline void write_archive(torch::serialize::OutputArchive& archive, const std::filesystem::path& path) {
+EMAKIT_FUNC void write_archive(torch::serialize::OutputArchive& archive, const std::filesystem::path& path) {
   std::ostringstream bytes;
   archive.save_to(bytes);
   const std::string data = bytes.str();
   write_file_atomically(path, std::span<const char>(data.data(), data.size()));
 }
 
-// Reads a file of Python's torch.save(dict) (or torch_pickle.hpp's write_tensor_dict), after the
-// same scan: a dict of tensors and plain values, nothing else.
-inline c10::impl::GenericDict read_pickle_dict(const std::filesystem::path& path, const char* what) {
+EMAKIT_FUNC c10::impl::GenericDict read_pickle_dict(const std::filesystem::path& path, const char* what) {
   if (!std::filesystem::exists(path)) fail("{}: no file '{}'", what, path.string());
   scan_archive_file(path, what, archive_scan::Root::dict);
   std::ifstream in(path, std::ios::binary);
@@ -70,3 +91,5 @@ inline c10::impl::GenericDict read_pickle_dict(const std::filesystem::path& path
 }
 
 }  // namespace emakit::detail
+
+#endif  // EMAKIT_DEFINITIONS

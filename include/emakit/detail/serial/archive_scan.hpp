@@ -45,6 +45,58 @@
 // accepted opcode (PickleChecker's opcode table), every other opcode refused.
 #pragma once
 
+#include <emakit/detail/config.hpp>
+
+#include <caffe2/serialize/read_adapter_interface.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <span>
+#include <string_view>
+
+namespace emakit::detail {
+
+namespace archive_scan {
+
+// Bytes given by the caller, as LibTorch's zip reader wants them.
+class SpanReader final : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  explicit SpanReader(std::span<const char> bytes) : bytes_(bytes) {}
+  size_t size() const override { return bytes_.size(); }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
+    if (pos >= bytes_.size()) return 0;
+    n = std::min<uint64_t>(n, bytes_.size() - pos);
+    std::memcpy(buf, bytes_.data() + pos, n);
+    return n;
+  }
+
+ private:
+  std::span<const char> bytes_;
+};
+
+// What data.pkl holds: a module (torch::serialize::OutputArchive) or a dict (Python's torch.save
+// of a plain dict, which also writes the records .format_version and .storage_alignment).
+enum class Root : std::uint8_t { module, dict };
+
+}  // namespace archive_scan
+
+// Throws std::invalid_argument "emakit: <what>: refusing '<path>': <reason>" unless the archive at
+// `path` holds only what an emakit checkpoint may hold (see the table above); with Root::dict, a
+// torch.save file of a plain dict of tensors and plain values.
+EMAKIT_FUNC void scan_archive_file(const std::filesystem::path& path, std::string_view what,
+                                   archive_scan::Root root = archive_scan::Root::module);
+
+// The same for bytes in memory (`where` names them in errors).
+EMAKIT_FUNC void scan_archive_bytes(std::span<const char> bytes, std::string_view where);
+
+}  // namespace emakit::detail
+
+// The check itself: compiled in every translation unit in header-only mode, once in the library
+// in compiled mode (detail/config.hpp).
+#if EMAKIT_DEFINITIONS
+
 #include <emakit/detail/errors.hpp>
 
 #include <c10/util/Exception.h>
@@ -83,22 +135,6 @@ struct Refuse {
   [[noreturn]] void operator()(fmt::format_string<A...> format, A&&... args) const {
     throw std::invalid_argument("emakit: " + prefix + fmt::format(format, std::forward<A>(args)...));
   }
-};
-
-// Bytes given by the caller, as LibTorch's zip reader wants them.
-class SpanReader final : public caffe2::serialize::ReadAdapterInterface {
- public:
-  explicit SpanReader(std::span<const char> bytes) : bytes_(bytes) {}
-  size_t size() const override { return bytes_.size(); }
-  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
-    if (pos >= bytes_.size()) return 0;
-    n = std::min<uint64_t>(n, bytes_.size() - pos);
-    std::memcpy(buf, bytes_.data() + pos, n);
-    return n;
-  }
-
- private:
-  std::span<const char> bytes_;
 };
 
 inline bool is_digits(std::string_view s) {
@@ -633,10 +669,6 @@ inline std::int64_t record_size(caffe2::serialize::PyTorchStreamReader& reader, 
 #endif
 }
 
-// What data.pkl holds: a module (torch::serialize::OutputArchive) or a dict (Python's torch.save
-// of a plain dict, which also writes the records .format_version and .storage_alignment).
-enum class Root : std::uint8_t { module, dict };
-
 inline void check_records(caffe2::serialize::PyTorchStreamReader& reader, const Refuse& refuse, Root root) {
   const auto names = reader.getAllRecords();
   std::set<std::string> classes;
@@ -722,18 +754,14 @@ void scan(const Open& open, const Refuse& refuse, Root root = Root::module) {
 
 }  // namespace archive_scan
 
-// Throws std::invalid_argument "emakit: <what>: refusing '<path>': <reason>" unless the archive at
-// `path` holds only what an emakit checkpoint may hold (see the table above); with Root::dict, a
-// torch.save file of a plain dict of tensors and plain values.
-inline void scan_archive_file(const std::filesystem::path& path, std::string_view what,
-                              archive_scan::Root root = archive_scan::Root::module) {
+EMAKIT_FUNC void scan_archive_file(const std::filesystem::path& path, std::string_view what,
+                                   archive_scan::Root root) {
   const archive_scan::Refuse refuse{fmt::format("{}: refusing '{}': ", what, path.string())};
   archive_scan::scan([&] { return std::make_unique<caffe2::serialize::PyTorchStreamReader>(path.string()); }, refuse,
                      root);
 }
 
-// The same for bytes in memory (`where` names them in errors).
-inline void scan_archive_bytes(std::span<const char> bytes, std::string_view where) {
+EMAKIT_FUNC void scan_archive_bytes(std::span<const char> bytes, std::string_view where) {
   const archive_scan::Refuse refuse{fmt::format("refusing {}: ", where)};
   archive_scan::scan(
       [&] {
@@ -744,3 +772,5 @@ inline void scan_archive_bytes(std::span<const char> bytes, std::string_view whe
 }
 
 }  // namespace emakit::detail
+
+#endif  // EMAKIT_DEFINITIONS

@@ -14,6 +14,30 @@
 // Failures throw std::runtime_error naming the file and the system's reason.
 #pragma once
 
+#include <emakit/detail/config.hpp>
+
+#include <filesystem>
+#include <span>
+#include <string_view>
+
+namespace emakit::detail {
+
+// True for the names AtomicFile gives its temporary files.
+EMAKIT_FUNC bool is_temporary_name(std::string_view filename);
+
+// Writes `bytes` to `target` atomically.
+EMAKIT_FUNC void write_file_atomically(const std::filesystem::path& target, std::span<const char> bytes);
+
+// Throws unless a file can be created in `folder` (creates and removes a temporary file). The
+// error names `target` when given (the file about to be written), else the folder.
+EMAKIT_FUNC void check_writable_folder(const std::filesystem::path& folder, const std::filesystem::path& target = {});
+
+}  // namespace emakit::detail
+
+// FileDescriptor and AtomicFile, used by the definitions of the file formats only (compiled once
+// in compiled mode: detail/config.hpp).
+#if EMAKIT_DEFINITIONS
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -91,8 +115,7 @@ inline void fsync_directory(const std::filesystem::path& dir) {
     fail_runtime("cannot sync the folder '{}': {}", dir.string(), errno_text(errno));
 }
 
-// True for the names AtomicFile gives its temporary files.
-inline bool is_temporary_name(std::string_view filename) {
+EMAKIT_FUNC bool is_temporary_name(std::string_view filename) {
   return !filename.empty() && filename.front() == '.' && filename.find(".tmp-") != std::string_view::npos;
 }
 
@@ -180,16 +203,13 @@ class AtomicFile {
   bool committed_ = false;
 };
 
-// Writes `bytes` to `target` atomically.
-inline void write_file_atomically(const std::filesystem::path& target, std::span<const char> bytes) {
+EMAKIT_FUNC void write_file_atomically(const std::filesystem::path& target, std::span<const char> bytes) {
   AtomicFile file(target);
   file.write(bytes.data(), bytes.size());
   file.commit();
 }
 
-// Throws unless a file can be created in `folder` (creates and removes a temporary file). The
-// error names `target` when given (the file about to be written), else the folder.
-inline void check_writable_folder(const std::filesystem::path& folder, const std::filesystem::path& target = {}) {
+EMAKIT_FUNC void check_writable_folder(const std::filesystem::path& folder, const std::filesystem::path& target) {
   static std::atomic<std::uint64_t> counter{0};
   const auto probe_path = folder / fmt::format(".emakit-write-probe.tmp-{}-{}", static_cast<long>(::getpid()), counter++);
   const FileDescriptor probe(::open(probe_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
@@ -204,3 +224,5 @@ inline void check_writable_folder(const std::filesystem::path& folder, const std
 }
 
 }  // namespace emakit::detail
+
+#endif  // EMAKIT_DEFINITIONS

@@ -4,21 +4,49 @@
 // format's own CRC-32s, so a damaged file would otherwise load as different weights.
 #pragma once
 
-#include <emakit/detail/check.hpp>
-#include <emakit/detail/serial/tensor_dict.hpp>
+#include <emakit/detail/config.hpp>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <torch/serialize/input-archive.h>
 
-#include <array>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
+
+namespace emakit::detail {
+
+// Continues a CRC-32: crc32(data, n, crc32(prefix, m)) == crc32 of prefix followed by data.
+EMAKIT_FUNC std::uint32_t crc32(const void* data, std::size_t n, std::uint32_t crc = 0) noexcept;
+
+// The checksum of a tensor as saved: CRC-32 of its dtype, shape and bytes.
+EMAKIT_FUNC std::int64_t tensor_checksum(const at::Tensor& t);
+
+// Checksums by name: collected while saving (written with tensor_dict()), read back and checked
+// while loading, before anything is written.
+struct Checksums {
+  std::vector<std::pair<std::string, at::Tensor>> saved;
+  std::unordered_map<std::string, std::int64_t> read;
+
+  void add(const std::string& name, const at::Tensor& t) {
+    saved.emplace_back(name, at::scalar_tensor(tensor_checksum(t), at::kLong));
+  }
+  void load(torch::serialize::InputArchive& archive, const std::string& key, const std::string& where);
+  void check(const std::string& name, const at::Tensor& t, const std::string& where) const;
+};
+
+}  // namespace emakit::detail
+
+#if EMAKIT_DEFINITIONS
+
+#include <emakit/detail/check.hpp>
+#include <emakit/detail/serial/tensor_dict.hpp>
+
+#include <array>
+#include <cstring>
 
 namespace emakit::detail {
 
@@ -38,8 +66,7 @@ constexpr Crc32Tables make_crc32_tables() {
 
 inline constexpr Crc32Tables crc32_tables = make_crc32_tables();
 
-// Continues a CRC-32: crc32(data, n, crc32(prefix, m)) == crc32 of prefix followed by data.
-inline std::uint32_t crc32(const void* data, std::size_t n, std::uint32_t crc = 0) noexcept {
+EMAKIT_FUNC std::uint32_t crc32(const void* data, std::size_t n, std::uint32_t crc) noexcept {
   const auto& t = crc32_tables;
   const auto* p = static_cast<const unsigned char*>(data);
   std::uint32_t c = ~crc;
@@ -55,8 +82,7 @@ inline std::uint32_t crc32(const void* data, std::size_t n, std::uint32_t crc = 
   return ~c;
 }
 
-// The checksum of a tensor as saved: CRC-32 of its dtype, shape and bytes.
-inline std::int64_t tensor_checksum(const at::Tensor& t) {
+EMAKIT_FUNC std::int64_t tensor_checksum(const at::Tensor& t) {
   const at::Tensor c = t.detach().cpu().contiguous();
   std::uint32_t crc = 0;
   const auto type = static_cast<std::int32_t>(c.scalar_type());
@@ -66,32 +92,25 @@ inline std::int64_t tensor_checksum(const at::Tensor& t) {
   return static_cast<std::int64_t>(crc);
 }
 
-// Checksums by name: collected while saving (written with tensor_dict()), read back and checked
-// while loading, before anything is written.
-struct Checksums {
-  std::vector<std::pair<std::string, at::Tensor>> saved;
-  std::unordered_map<std::string, std::int64_t> read;
+EMAKIT_FUNC void Checksums::load(torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
+  auto items = read_tensor_dict(archive, key, where);
+  if (!items)
+    fail("{}: the checkpoint has no '{}'; it is damaged, or was written before emakit kept checksums", where, key);
+  for (const auto& [name, t] : *items) {
+    if (t.numel() != 1 || t.scalar_type() != at::kLong)
+      fail("{}: checksum '{}' is not one int64; the checkpoint is damaged", where, name);
+    read.emplace(name, t.item<std::int64_t>());
+  }
+}
 
-  void add(const std::string& name, const at::Tensor& t) {
-    saved.emplace_back(name, at::scalar_tensor(tensor_checksum(t), at::kLong));
-  }
-  void load(torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
-    auto items = read_tensor_dict(archive, key, where);
-    if (!items)
-      fail("{}: the checkpoint has no '{}'; it is damaged, or was written before emakit kept checksums", where, key);
-    for (const auto& [name, t] : *items) {
-      if (t.numel() != 1 || t.scalar_type() != at::kLong)
-        fail("{}: checksum '{}' is not one int64; the checkpoint is damaged", where, name);
-      read.emplace(name, t.item<std::int64_t>());
-    }
-  }
-  void check(const std::string& name, const at::Tensor& t, const std::string& where) const {
-    auto it = read.find(name);
-    if (it == read.end())
-      fail("{}: the checkpoint has no checksum for '{}'; it is damaged or was not written by emakit", where, name);
-    if (it->second != tensor_checksum(t))
-      fail("{}: '{}' does not match its checksum; the checkpoint is damaged", where, name);
-  }
-};
+EMAKIT_FUNC void Checksums::check(const std::string& name, const at::Tensor& t, const std::string& where) const {
+  auto it = read.find(name);
+  if (it == read.end())
+    fail("{}: the checkpoint has no checksum for '{}'; it is damaged or was not written by emakit", where, name);
+  if (it->second != tensor_checksum(t))
+    fail("{}: '{}' does not match its checksum; the checkpoint is damaged", where, name);
+}
 
 }  // namespace emakit::detail
+
+#endif  // EMAKIT_DEFINITIONS

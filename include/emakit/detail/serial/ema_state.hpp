@@ -16,6 +16,7 @@
 // emakit_version (the writer's version, for messages).
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/concepts.hpp>
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/serial/checksum.hpp>
@@ -85,14 +86,12 @@ std::vector<Field> policy_fields(const P& p) {
     return {};
 }
 
-inline std::string value_string(double v, bool is_integer) {
-  return is_integer ? fmt::format("{}", static_cast<std::int64_t>(v)) : fmt::format("{}", v);
-}
+EMAKIT_FUNC std::string value_string(double v, bool is_integer);
 
 namespace ema_state {
 
 inline constexpr std::string_view average_prefix = "average.";
-inline std::string average_key(const std::string& name) { return std::string(average_prefix) + name; }
+EMAKIT_FUNC std::string average_key(const std::string& name);
 
 struct Counters {
   std::int64_t calls = 0, step = 0, num_updates = 0, last_update_step = 0;
@@ -125,26 +124,9 @@ StateDict encode(const D& decay, const S& schedule, const EmaOptions& options, c
   return out;
 }
 
-inline bool known_key(const std::string& key) {
-  if (key == "config.options.buffers") return true;  // checked by check_config()
-  static const char* const fixed[] = {"emakit.format",        "counters.calls",           "counters.step",
-                                      "counters.num_updates", "counters.last_update_step", "counters.last_decay",
-                                      "counters.non_finite_updates"};
-  for (const char* k : fixed)
-    if (key == k) return true;
-  // check_policy() has checked every key under these two already.
-  return key == "config.decay" || key == "config.schedule" || key.rfind("config.decay.", 0) == 0 ||
-         key.rfind("config.schedule.", 0) == 0;
-}
+EMAKIT_FUNC bool known_key(const std::string& key);
 
-inline void check_format(const StateDict& state) {
-  const at::Tensor* f = state.find("emakit.format");
-  if (f == nullptr) fail("the state has no 'emakit.format' entry; it is not an emakit EMA state");
-  if (f->numel() != 1 || f->item<std::int64_t>() != formats::ema_state.version)
-    fail("the state's emakit.format is {}, this emakit ({}) reads format {}",
-         f->numel() == 1 ? fmt::format("{}", f->item<std::int64_t>()) : std::string("not a number"), version_string,
-         formats::ema_state.version);
-}
+EMAKIT_FUNC void check_format(const StateDict& state);
 
 template <class P>
 void check_policy(const StateDict& state, const std::string& axis, const P& p) {
@@ -192,28 +174,9 @@ void check_config(const StateDict& state, const D& decay, const S& schedule, con
   }
 }
 
-inline Counters read_counters(const StateDict& state) {
-  const StateReader in(state);
-  Counters c;
-  c.calls = in.counter("counters.calls");
-  c.step = in.counter("counters.step");
-  c.num_updates = in.counter("counters.num_updates");
-  c.last_update_step = in.counter("counters.last_update_step");
-  // absent in states written before the non-finite guard existed
-  c.non_finite_updates = in.find("counters.non_finite_updates") != nullptr ? in.counter("counters.non_finite_updates") : 0;
-  c.last_decay = in.number("counters.last_decay");
-  if (!std::isnan(c.last_decay) && !(c.last_decay >= 0.0 && c.last_decay <= 1.0))
-    fail("'counters.last_decay' must be in [0, 1], got {}", c.last_decay);
-  return c;
-}
+EMAKIT_FUNC Counters read_counters(const StateDict& state);
 
-inline std::string describe(const LoadReport& r) {
-  std::vector<std::string> parts;
-  for (const auto& k : r.missing) parts.push_back(fmt::format("missing key '{}'", k));
-  for (const auto& k : r.unexpected) parts.push_back(fmt::format("unexpected key '{}'", k));
-  for (const auto& k : r.mismatched) parts.push_back(k);
-  return fmt::format("{}; nothing was loaded", fmt::join(parts, "; "));
-}
+EMAKIT_FUNC std::string describe(const LoadReport& r);
 
 // What a load would do: the report, which slot gets which tensor, the counters.
 struct Plan {
@@ -273,17 +236,7 @@ Plan plan_load(const StateDict& state, LoadMode mode, const D& decay, const S& s
 }
 
 // The archive of torch::save(ema): the state dict and a CRC-32 per tensor.
-inline void save_archive(torch::serialize::OutputArchive& archive, const StateDict& state) {
-  std::vector<std::pair<std::string, at::Tensor>> items;
-  Checksums sums;
-  for (const auto& item : state) {
-    items.emplace_back(item.key(), item.value());
-    sums.add(item.key(), item.value());
-  }
-  archive.write("emakit_state", tensor_dict(items, /*copy=*/false));
-  archive.write("emakit_checksums", tensor_dict(sums.saved, /*copy=*/false));
-  archive.write("emakit_version", c10::IValue(std::string(version_string)));  // the writer's, for messages
-}
+EMAKIT_FUNC void save_archive(torch::serialize::OutputArchive& archive, const StateDict& state);
 
 // Reads the state of save_archive() (every checksum checked first) and hands it to `load`; an
 // invalid_argument from `load` names the emakit version that wrote the file.
@@ -316,3 +269,77 @@ void load_archive(torch::serialize::InputArchive& archive, const Load& load) {
 }  // namespace ema_state
 }  // namespace detail
 }  // namespace emakit
+
+#if EMAKIT_DEFINITIONS
+
+namespace emakit::detail {
+
+EMAKIT_FUNC std::string value_string(double v, bool is_integer) {
+  return is_integer ? fmt::format("{}", static_cast<std::int64_t>(v)) : fmt::format("{}", v);
+}
+
+}  // namespace emakit::detail
+
+namespace emakit::detail::ema_state {
+
+EMAKIT_FUNC std::string average_key(const std::string& name) { return std::string(average_prefix) + name; }
+
+EMAKIT_FUNC bool known_key(const std::string& key) {
+  if (key == "config.options.buffers") return true;  // checked by check_config()
+  static const char* const fixed[] = {"emakit.format",        "counters.calls",           "counters.step",
+                                      "counters.num_updates", "counters.last_update_step", "counters.last_decay",
+                                      "counters.non_finite_updates"};
+  for (const char* k : fixed)
+    if (key == k) return true;
+  // check_policy() has checked every key under these two already.
+  return key == "config.decay" || key == "config.schedule" || key.rfind("config.decay.", 0) == 0 ||
+         key.rfind("config.schedule.", 0) == 0;
+}
+
+EMAKIT_FUNC void check_format(const StateDict& state) {
+  const at::Tensor* f = state.find("emakit.format");
+  if (f == nullptr) fail("the state has no 'emakit.format' entry; it is not an emakit EMA state");
+  if (f->numel() != 1 || f->item<std::int64_t>() != formats::ema_state.version)
+    fail("the state's emakit.format is {}, this emakit ({}) reads format {}",
+         f->numel() == 1 ? fmt::format("{}", f->item<std::int64_t>()) : std::string("not a number"), version_string,
+         formats::ema_state.version);
+}
+
+EMAKIT_FUNC Counters read_counters(const StateDict& state) {
+  const StateReader in(state);
+  Counters c;
+  c.calls = in.counter("counters.calls");
+  c.step = in.counter("counters.step");
+  c.num_updates = in.counter("counters.num_updates");
+  c.last_update_step = in.counter("counters.last_update_step");
+  // absent in states written before the non-finite guard existed
+  c.non_finite_updates = in.find("counters.non_finite_updates") != nullptr ? in.counter("counters.non_finite_updates") : 0;
+  c.last_decay = in.number("counters.last_decay");
+  if (!std::isnan(c.last_decay) && !(c.last_decay >= 0.0 && c.last_decay <= 1.0))
+    fail("'counters.last_decay' must be in [0, 1], got {}", c.last_decay);
+  return c;
+}
+
+EMAKIT_FUNC std::string describe(const LoadReport& r) {
+  std::vector<std::string> parts;
+  for (const auto& k : r.missing) parts.push_back(fmt::format("missing key '{}'", k));
+  for (const auto& k : r.unexpected) parts.push_back(fmt::format("unexpected key '{}'", k));
+  for (const auto& k : r.mismatched) parts.push_back(k);
+  return fmt::format("{}; nothing was loaded", fmt::join(parts, "; "));
+}
+
+EMAKIT_FUNC void save_archive(torch::serialize::OutputArchive& archive, const StateDict& state) {
+  std::vector<std::pair<std::string, at::Tensor>> items;
+  Checksums sums;
+  for (const auto& item : state) {
+    items.emplace_back(item.key(), item.value());
+    sums.add(item.key(), item.value());
+  }
+  archive.write("emakit_state", tensor_dict(items, /*copy=*/false));
+  archive.write("emakit_checksums", tensor_dict(sums.saved, /*copy=*/false));
+  archive.write("emakit_version", c10::IValue(std::string(version_string)));  // the writer's, for messages
+}
+
+}  // namespace emakit::detail::ema_state
+
+#endif  // EMAKIT_DEFINITIONS

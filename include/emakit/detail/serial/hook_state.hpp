@@ -13,6 +13,7 @@
 //                        "weights/<name>"
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/serial/checksum.hpp>
 #include <emakit/detail/serial/ema_state.hpp>
@@ -48,8 +49,76 @@ using TensorMap = std::unordered_map<std::string, at::Tensor>;
 // Writes `model`'s tensors in Module::save's layout (one nested archive per child module), each
 // tensor taken from `replace` where it has one, converted to the model tensor's dtype and
 // device. Every tensor is copied: the archive does not change when training goes on.
-inline void write_module(const torch::nn::Module& model, torch::serialize::OutputArchive& archive,
-                         const std::string& prefix, const TensorMap& replace, Checksums* sums = nullptr) {
+EMAKIT_FUNC void write_module(const torch::nn::Module& model, torch::serialize::OutputArchive& archive,
+                              const std::string& prefix, const TensorMap& replace, Checksums* sums = nullptr);
+
+// Reads the tensors of `model`'s names from an archive in Module::save's layout into `out`
+// (by full name); names the archive lacks are left out. Nothing is written into the model.
+EMAKIT_FUNC void read_module(const torch::nn::Module& model, torch::serialize::InputArchive& archive,
+                             const std::string& prefix, TensorMap& out);
+
+// The weights of `model` found in a checkpoint, checked against the model: every tensor there,
+// with the model's shape (`exhaustive`: and no other). Returns (model tensor, checkpoint tensor)
+// pairs to copy.
+EMAKIT_FUNC std::vector<std::pair<at::Tensor, at::Tensor>> plan_weights(const torch::nn::Module& model,
+                                                                        const TensorMap& found, bool exhaustive,
+                                                                        LoadMode mode, const std::string& where);
+
+namespace hook_state {
+
+// emakit_hook/K/meta.
+struct Meta {
+  bool created = false;     // the EMA was made
+  bool pending = false;     // a loaded state waits for the EMA to be made
+  std::int64_t calls = 0;   // update() calls and completed steps seen before the EMA was made
+  std::int64_t step = 0;
+  bool has_online = false;  // K holds the EMA weights, emakit_hook/K/online the model's own
+};
+
+// The header of emakit_hook.
+EMAKIT_FUNC void write_header(torch::serialize::OutputArchive& hook);
+
+// Reads emakit_hook from `archive` into `hook` and checks its format.
+EMAKIT_FUNC void read_header(torch::serialize::InputArchive& archive, torch::serialize::InputArchive& hook);
+
+// The model keys of emakit_hook (every entry but the header's).
+EMAKIT_FUNC bool is_header_key(const std::string& k);
+
+// Writes one model: its weights under `key` (those of `replace` where it has them) and its
+// emakit_hook/<key>. `state`: the EMA's state (made or pending), or null; `online`: the model's
+// own weights when the checkpoint's model weights are the EMA's (meta.has_online).
+EMAKIT_FUNC void write_entry(torch::serialize::OutputArchive& archive, torch::serialize::OutputArchive& hook,
+                             const std::string& key, const torch::nn::Module& model, const Meta& meta,
+                             const StateDict* state, const TensorMap& replace);
+
+// One model read back, every tensor checked against its checksum and the weights against the
+// model; nothing written yet.
+struct Entry {
+  Meta meta;
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (model tensor, saved weights)
+  std::optional<StateDict> state;
+};
+
+// Reads emakit_hook/<key> and the weights; nullopt when the checkpoint has nothing for this model
+// and `mode` is lenient (warned about).
+EMAKIT_FUNC std::optional<Entry> read_entry(torch::serialize::InputArchive& archive, torch::serialize::InputArchive& hook,
+                                            const std::string& key, const torch::nn::Module& model, LoadMode mode,
+                                            const std::string& where);
+
+// The weights of model `key` of a checkpoint, each checked against its checksum: what
+// load_weights() reads. `where` names the file and key in errors.
+EMAKIT_FUNC TensorMap read_weights(torch::serialize::InputArchive& archive, const torch::nn::Module& model,
+                                   const std::string& key, const std::string& file);
+
+}  // namespace hook_state
+}  // namespace emakit::detail
+
+#if EMAKIT_DEFINITIONS
+
+namespace emakit::detail {
+
+EMAKIT_FUNC void write_module(const torch::nn::Module& model, torch::serialize::OutputArchive& archive,
+                              const std::string& prefix, const TensorMap& replace, Checksums* sums) {
   auto pick = [&](const std::string& name, const at::Tensor& own) {
     auto it = replace.find(prefix + name);
     at::Tensor out = it == replace.end() ? own.detach().clone()
@@ -68,10 +137,8 @@ inline void write_module(const torch::nn::Module& model, torch::serialize::Outpu
   }
 }
 
-// Reads the tensors of `model`'s names from an archive in Module::save's layout into `out`
-// (by full name); names the archive lacks are left out. Nothing is written into the model.
-inline void read_module(const torch::nn::Module& model, torch::serialize::InputArchive& archive,
-                        const std::string& prefix, TensorMap& out) {
+EMAKIT_FUNC void read_module(const torch::nn::Module& model, torch::serialize::InputArchive& archive,
+                             const std::string& prefix, TensorMap& out) {
   for (const auto& p : model.named_parameters(/*recurse=*/false)) {
     at::Tensor t;
     if (archive.try_read(p.key(), t)) out.emplace(prefix + p.key(), t);
@@ -87,12 +154,9 @@ inline void read_module(const torch::nn::Module& model, torch::serialize::InputA
   }
 }
 
-// The weights of `model` found in a checkpoint, checked against the model: every tensor there,
-// with the model's shape (`exhaustive`: and no other). Returns (model tensor, checkpoint tensor)
-// pairs to copy.
-inline std::vector<std::pair<at::Tensor, at::Tensor>> plan_weights(const torch::nn::Module& model,
-                                                                   const TensorMap& found, bool exhaustive,
-                                                                   LoadMode mode, const std::string& where) {
+EMAKIT_FUNC std::vector<std::pair<at::Tensor, at::Tensor>> plan_weights(const torch::nn::Module& model,
+                                                                        const TensorMap& found, bool exhaustive,
+                                                                        LoadMode mode, const std::string& where) {
   std::vector<std::pair<std::string, at::Tensor>> ours;
   for (auto& t : collect(model)) ours.emplace_back(std::move(t.name), std::move(t.tensor));
   const NameMatch match = match_by_name(ours, found, exhaustive);
@@ -124,25 +188,16 @@ inline std::vector<std::pair<at::Tensor, at::Tensor>> plan_weights(const torch::
   return copies;
 }
 
-namespace hook_state {
+}  // namespace emakit::detail
 
-// emakit_hook/K/meta.
-struct Meta {
-  bool created = false;     // the EMA was made
-  bool pending = false;     // a loaded state waits for the EMA to be made
-  std::int64_t calls = 0;   // update() calls and completed steps seen before the EMA was made
-  std::int64_t step = 0;
-  bool has_online = false;  // K holds the EMA weights, emakit_hook/K/online the model's own
-};
+namespace emakit::detail::hook_state {
 
-// The header of emakit_hook.
-inline void write_header(torch::serialize::OutputArchive& hook) {
+EMAKIT_FUNC void write_header(torch::serialize::OutputArchive& hook) {
   hook.write("format", at::scalar_tensor(formats::hook.version, at::kLong));
   hook.write("emakit_version", c10::IValue(std::string(version_string)));  // the writer's, for messages
 }
 
-// Reads emakit_hook from `archive` into `hook` and checks its format.
-inline void read_header(torch::serialize::InputArchive& archive, torch::serialize::InputArchive& hook) {
+EMAKIT_FUNC void read_header(torch::serialize::InputArchive& archive, torch::serialize::InputArchive& hook) {
   if (!archive.try_read("emakit_hook", hook))
     fail("load_checkpoint: the archive holds no 'emakit_hook' state; was it written by "
          "EmaHook::save_checkpoint()?");
@@ -159,15 +214,11 @@ inline void read_header(torch::serialize::InputArchive& archive, torch::serializ
   }
 }
 
-// The model keys of emakit_hook (every entry but the header's).
-inline bool is_header_key(const std::string& k) { return k == "format" || k == "emakit_version"; }
+EMAKIT_FUNC bool is_header_key(const std::string& k) { return k == "format" || k == "emakit_version"; }
 
-// Writes one model: its weights under `key` (those of `replace` where it has them) and its
-// emakit_hook/<key>. `state`: the EMA's state (made or pending), or null; `online`: the model's
-// own weights when the checkpoint's model weights are the EMA's (meta.has_online).
-inline void write_entry(torch::serialize::OutputArchive& archive, torch::serialize::OutputArchive& hook,
-                        const std::string& key, const torch::nn::Module& model, const Meta& meta,
-                        const StateDict* state, const TensorMap& replace) {
+EMAKIT_FUNC void write_entry(torch::serialize::OutputArchive& archive, torch::serialize::OutputArchive& hook,
+                             const std::string& key, const torch::nn::Module& model, const Meta& meta,
+                             const StateDict* state, const TensorMap& replace) {
   torch::serialize::OutputArchive mine(hook.compilation_unit());
   Checksums sums;
   const at::Tensor meta_tensor = at::tensor(std::vector<std::int64_t>{
@@ -197,19 +248,9 @@ inline void write_entry(torch::serialize::OutputArchive& archive, torch::seriali
   hook.write(key, mine);
 }
 
-// One model read back, every tensor checked against its checksum and the weights against the
-// model; nothing written yet.
-struct Entry {
-  Meta meta;
-  std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (model tensor, saved weights)
-  std::optional<StateDict> state;
-};
-
-// Reads emakit_hook/<key> and the weights; nullopt when the checkpoint has nothing for this model
-// and `mode` is lenient (warned about).
-inline std::optional<Entry> read_entry(torch::serialize::InputArchive& archive, torch::serialize::InputArchive& hook,
-                                       const std::string& key, const torch::nn::Module& model, LoadMode mode,
-                                       const std::string& where) {
+EMAKIT_FUNC std::optional<Entry> read_entry(torch::serialize::InputArchive& archive, torch::serialize::InputArchive& hook,
+                                            const std::string& key, const torch::nn::Module& model, LoadMode mode,
+                                            const std::string& where) {
   torch::serialize::InputArchive mine;
   if (!hook.try_read(key, mine) && mode == LoadMode::lenient) {
     TORCH_WARN("emakit: ", where, ": the checkpoint has nothing for this model; it keeps its weights and EMA");
@@ -265,10 +306,8 @@ inline std::optional<Entry> read_entry(torch::serialize::InputArchive& archive, 
   return out;
 }
 
-// The weights of model `key` of a checkpoint, each checked against its checksum: what
-// load_weights() reads. `where` names the file and key in errors.
-inline TensorMap read_weights(torch::serialize::InputArchive& archive, const torch::nn::Module& model,
-                              const std::string& key, const std::string& file) {
+EMAKIT_FUNC TensorMap read_weights(torch::serialize::InputArchive& archive, const torch::nn::Module& model,
+                                   const std::string& key, const std::string& file) {
   torch::serialize::InputArchive weights;
   if (!archive.try_read(key, weights)) fail("load_weights: '{}' has no model '{}'", file, key);
   TensorMap found;
@@ -284,5 +323,6 @@ inline TensorMap read_weights(torch::serialize::InputArchive& archive, const tor
   return found;
 }
 
-}  // namespace hook_state
-}  // namespace emakit::detail
+}  // namespace emakit::detail::hook_state
+
+#endif  // EMAKIT_DEFINITIONS

@@ -31,6 +31,7 @@
 #pragma once
 
 #include <emakit/detail/check.hpp>
+#include <emakit/detail/config.hpp>
 #include <emakit/detail/serial/atomic_file.hpp>
 #include <emakit/detail/serial/checksum.hpp>
 #include <emakit/detail/serial/formats.hpp>
@@ -94,6 +95,15 @@ inline constexpr std::array<c10::ScalarType, 13> snapshot_dtypes = {
     c10::ScalarType::BFloat16,  c10::ScalarType::ComplexFloat, c10::ScalarType::ComplexDouble,
     c10::ScalarType::Long,      c10::ScalarType::Int,     c10::ScalarType::Short,  c10::ScalarType::Char,
     c10::ScalarType::Byte,      c10::ScalarType::Bool};
+
+}  // namespace detail
+}  // namespace emakit
+
+// The reader and writer: used by the post-hoc functions' definitions only (compiled once in
+// compiled mode: detail/config.hpp).
+#if EMAKIT_DEFINITIONS
+
+namespace emakit::detail {
 
 inline std::uint8_t dtype_code(c10::ScalarType type, const std::string& name) {
   for (std::size_t i = 1; i < snapshot_dtypes.size(); ++i)
@@ -353,5 +363,6 @@ class SnapshotReader {
   FileDescriptor fd_;
 };
 
-}  // namespace detail
-}  // namespace emakit
+}  // namespace emakit::detail
+
+#endif  // EMAKIT_DEFINITIONS

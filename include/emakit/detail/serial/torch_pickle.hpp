@@ -8,6 +8,20 @@
 // into the file instead of building the archive in memory.
 #pragma once
 
+#include <emakit/detail/config.hpp>
+
+#include <ATen/core/Dict.h>
+
+#include <filesystem>
+
+namespace emakit::detail {
+
+EMAKIT_FUNC void write_tensor_dict(const std::filesystem::path& path, const c10::impl::GenericDict& dict);
+
+}  // namespace emakit::detail
+
+#if EMAKIT_DEFINITIONS
+
 #include <emakit/detail/serial/atomic_file.hpp>
 
 #include <ATen/core/Dict.h>
@@ -23,7 +37,7 @@
 
 namespace emakit::detail {
 
-inline void write_tensor_dict(const std::filesystem::path& path, const c10::impl::GenericDict& dict) {
+EMAKIT_FUNC void write_tensor_dict(const std::filesystem::path& path, const c10::impl::GenericDict& dict) {
   AtomicFile file(path);
   std::exception_ptr write_error;
   {
@@ -63,3 +77,5 @@ inline void write_tensor_dict(const std::filesystem::path& path, const c10::impl
 }
 
 }  // namespace emakit::detail
+
+#endif  // EMAKIT_DEFINITIONS
