@@ -1,0 +1,191 @@
+#!/usr/bin/env bash
+# How much compile time one EMA adds to a trainer TU, in both of emakit's modes, in one run:
+# builds benchmarks/compile_time/ (a standalone project that takes emakit in by add_subdirectory),
+# runs each binary once, then times the exact compile command of each trainer TU (from
+# compile_commands.json), interleaved round by round, and prints a Markdown table of the times and
+# their ratios to the TU without emakit:
+#   trainer_base.cpp     LibTorch only (the reference)
+#   trainer_ema.cpp      + one WarmupEma through <emakit/emakit.hpp>; header-only and compiled mode
+#   trainer_narrow.cpp   the same through aliases/checkpoint/format.hpp only; both modes
+# The emakit::compiled library's own build (a one-off cost) is timed once, before the rounds.
+#
+#   ./benchmarks/compile_time.sh                       Debian LibTorch 1.13, 3 rounds
+#   ./benchmarks/compile_time.sh --runs 5 --out build/compile_time.md
+#   ./benchmarks/compile_time.sh --torch wheel         the LibTorch in the PyPI wheel ($EMAKIT_VENV)
+#   ./benchmarks/compile_time.sh --no-narrow           base and trainer_ema only
+#
+# Knobs (the options win): EMAKIT_CT_RUNS (3), EMAKIT_CT_TORCH (debian|wheel), EMAKIT_CT_OUT (a
+# file for the table), EMAKIT_CT_BUILD (build dir; default build/compile_time-<torch>),
+# EMAKIT_CT_NARROW (1; 0 = --no-narrow), EMAKIT_BUILD_TYPE (Release), EMAKIT_JOBS (for the
+# untimed build). Compiles are timed one at a time (wall seconds), without ccache; a round runs
+# every TU once, so a burst of load from elsewhere hits them alike. Quiet machines only (`uptime`).
+# About 5 x runs x 25-45 s on 2 cores, plus the build.
+#
+# Exit status: non-zero when a configure, build, binary or timed compile fails.
+set -euo pipefail
+# The environment knobs that change the result, as given (before lib.sh fills in its defaults),
+# belong in the recorded command.
+knobs=""
+for knob in EMAKIT_CT_RUNS EMAKIT_CT_TORCH EMAKIT_CT_NARROW EMAKIT_BUILD_TYPE EMAKIT_VENV; do
+  if [[ -n "${!knob:-}" ]]; then knobs+="$knob=$(printf '%q' "${!knob}") "; fi
+done
+# shellcheck source=scripts/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../scripts/lib.sh"
+cd "$EMAKIT_ROOT"
+
+invocation="$knobs$(printf '%q ' "./benchmarks/compile_time.sh" "$@")"
+runs="${EMAKIT_CT_RUNS:-3}"
+torch="${EMAKIT_CT_TORCH:-debian}"
+out_file="${EMAKIT_CT_OUT:-}"
+build="${EMAKIT_CT_BUILD:-}"
+narrow="${EMAKIT_CT_NARROW:-1}"
+while (($# > 0)); do
+  case "$1" in
+    --runs) (($# >= 2)) || emakit_die "--runs needs a number"; runs="$2"; shift 2 ;;
+    --torch) (($# >= 2)) || emakit_die "--torch needs debian or wheel"; torch="$2"; shift 2 ;;
+    --wheel) torch=wheel; shift ;;
+    --out) (($# >= 2)) || emakit_die "--out needs a file"; out_file="$2"; shift 2 ;;
+    --build-dir) (($# >= 2)) || emakit_die "--build-dir needs a directory"; build="$2"; shift 2 ;;
+    --no-narrow) narrow=0; shift ;;
+    -h | --help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) emakit_die "unknown argument '$1' (known: --runs N, --torch debian|wheel, --wheel, --out FILE, --build-dir DIR, --no-narrow)" ;;
+  esac
+done
+[[ "$runs" =~ ^[1-9][0-9]*$ ]] || emakit_die "the number of runs must be a positive integer, not '$runs'"
+build="${build:-build/compile_time-$torch}"
+invocation="${invocation% }"
+
+# ccache out of the way: the project configures emakit without its launcher (EMAKIT_USE_CCACHE=OFF),
+# and this keeps a compiler symlinked to ccache (/usr/lib/ccache) from caching anyway.
+export CCACHE_DISABLE=1
+
+emakit_apt_ensure g++ make cmake libtorch-dev libfmt-dev jq
+case "$torch" in
+  debian) mapfile -t torch_args < <(emakit_debian_torch_args) ;;
+  wheel)
+    wheel_args="$(emakit_wheel_torch_args)" || {
+      emakit_wheel_torch_args >/dev/null || true  # it ran in a subshell: ask again for the reason
+      emakit_die "the torch wheel in $EMAKIT_VENV cannot be used: ${EMAKIT_WHEEL_STATUS:-unknown reason} (./scripts/test.sh installs the venv)"
+    }
+    mapfile -t torch_args <<<"$wheel_args" ;;
+  *) emakit_die "unknown --torch '$torch' (known: debian wheel)" ;;
+esac
+
+started=$SECONDS
+mkdir -p "$build"
+log_dir="$build/logs"
+mkdir -p "$log_dir"
+emakit_say "configure $build ($torch LibTorch, $EMAKIT_BUILD_TYPE)"
+cmake -S benchmarks/compile_time -B "$build" -DCMAKE_BUILD_TYPE="$EMAKIT_BUILD_TYPE" \
+  -DCMAKE_CXX_COMPILER_LAUNCHER= "${torch_args[@]}" >"$log_dir/configure.log" 2>&1 \
+  || emakit_die "configure failed (see $log_dir/configure.log)"
+torch_version="$(sed -n 's/^-- emakit: LibTorch \([^ ]*\) at \(.*\)$/\1 (\2)/p' "$log_dir/configure.log" | tail -n1)"
+fmt_line="$(sed -n 's/^-- emakit: fmt //p' "$log_dir/configure.log" | tail -n1)"
+
+# The library first and alone, from clean, one compile at a time: its build is the one-off cost
+# of the compiled mode, comparable with the per-TU times below.
+cmake --build "$build" --target clean >/dev/null
+emakit_say "build emakit::compiled (-j1, timed)"
+t0=$EPOCHREALTIME
+cmake --build "$build" --target emakit_compiled -j 1 >"$log_dir/build-library.log" 2>&1 \
+  || emakit_die "building emakit::compiled failed (see $log_dir/build-library.log)"
+library_s="$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }')"
+library_file="$(find "$build" -name 'libemakit.a' -print -quit)"
+emakit_say "emakit::compiled took $library_s s ($(du -h "$library_file" | cut -f1) $library_file)"
+
+emakit_say "build the trainers (-j$EMAKIT_JOBS, untimed; also warms the page cache)"
+cmake --build "$build" -j "$EMAKIT_JOBS" >"$log_dir/build.log" 2>&1 \
+  || emakit_die "build failed (see $log_dir/build.log)"
+
+# name | TU | mode | target
+tus=("base|trainer_base.cpp|none (LibTorch only)|trainer_base"
+     "ema-h|trainer_ema.cpp|header-only|trainer_ema_header_only"
+     "ema-c|trainer_ema.cpp|compiled|trainer_ema_compiled")
+if [[ "$narrow" == 1 ]]; then
+  tus+=("narrow-h|trainer_narrow.cpp|header-only|trainer_narrow_header_only"
+        "narrow-c|trainer_narrow.cpp|compiled|trainer_narrow_compiled")
+fi
+
+# Each binary once, in a scratch directory (they write model.pt and ema.pt where they run).
+scratch="$(mktemp -d)"
+trap 'rm -rf "$scratch"' EXIT
+declare -A dir=() cmd=() obj=() label=() times=()
+names=()
+for entry in "${tus[@]}"; do
+  IFS='|' read -r name tu mode target <<<"$entry"
+  names+=("$name")
+  label[$name]="$tu | $mode"
+  binary="$build/$target"
+  [[ -x "$binary" ]] || emakit_die "no binary $binary after the build"
+  mkdir -p "$scratch/$name"
+  (cd "$scratch/$name" && "$EMAKIT_ROOT/$binary") >"$log_dir/run-$name.log" 2>&1 \
+    || emakit_die "$target failed when run (see $log_dir/run-$name.log)"
+  emakit_say "ran $target: $(grep -m1 -E '^Ema\(' "$log_dir/run-$name.log" || echo 'ok')"
+
+  # Its compile command, as the build ran it: the entry whose -o names this target's object.
+  object="CMakeFiles/$target.dir/$tu.o"
+  mapfile -t found < <(jq -r --arg o "$object" \
+    '.[] | select(.command | contains(" -o " + $o + " ")) | .directory, .command' "$build/compile_commands.json")
+  ((${#found[@]} == 2)) || emakit_die "no single compile command for $object in $build/compile_commands.json"
+  dir[$name]="${found[0]}"
+  cmd[$name]="${found[1]}"
+  obj[$name]="${found[0]}/$object"
+  [[ "${cmd[$name]}" != *ccache* ]] || emakit_die "the compile command of $target goes through ccache: ${cmd[$name]}"
+done
+compiler_path="$(read -r -a words <<<"${cmd[base]}"; printf '%s' "${words[0]}")"
+compiler="$("$compiler_path" --version | head -n1) ($compiler_path)"
+opt_level="$(grep -oE '(^| )-O[0-9sgz]?( |$)' <<<"${cmd[base]}" | tr -d ' ' | paste -sd' ' - || true)"
+
+load_before="$(uptime | sed 's/.*load average: //')"
+emakit_say "load average before the rounds: $load_before"
+for ((round = 1; round <= runs; ++round)); do
+  line=""
+  for name in "${names[@]}"; do
+    t0=$EPOCHREALTIME
+    (cd "${dir[$name]}" && eval "${cmd[$name]}") >"$log_dir/compile-$name.log" 2>&1 \
+      || emakit_die "compiling ${label[$name]} failed (see $log_dir/compile-$name.log)"
+    s="$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.2f", b - a }')"
+    times[$name]+="$s "
+    line+=" $name $s s,"
+  done
+  emakit_say "round $round of $runs:${line%,}"
+done
+load_after="$(uptime | sed 's/.*load average: //')"
+emakit_say "load average after the rounds: $load_after"
+
+# stats "T1 T2 ..." -> "min median"
+stats() { tr ' ' '\n' <<<"$1" | grep . | sort -g | awk '{ v[NR] = $1 } END {
+  m = (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2; printf "%.2f %.2f", v[1], m }'; }
+read -r base_min base_med <<<"$(stats "${times[base]}")"
+
+table="$(
+  printf '## Compile time of a trainer TU with and without emakit\n\n'
+  printf '| TU | mode | min s | median s | ratio to base (median) | ratio to base (min) | object size |\n'
+  printf '|---|---|---:|---:|---:|---:|---:|\n'
+  for name in "${names[@]}"; do
+    read -r mn md <<<"$(stats "${times[$name]}")"
+    size="$(stat -c %s "${obj[$name]}" | awk '{ printf "%.0f KiB", $1 / 1024 }')"
+    printf '| %s | %.2f | %.2f | %s | %s | %s |\n' "${label[$name]}" "$mn" "$md" \
+      "$(awk -v a="$md" -v b="$base_med" 'BEGIN { printf "%.2fx", a / b }')" \
+      "$(awk -v a="$mn" -v b="$base_min" 'BEGIN { printf "%.2fx", a / b }')" "$size"
+  done
+  printf '\n'
+  printf -- '- emakit::compiled library, built once (a one-off cost, -j1): %s s, %s\n' "$library_s" \
+    "$(stat -c %s "$library_file" | awk '{ printf "%.0f KiB", $1 / 1024 }')"
+  printf -- '- %s timed compiles per TU, interleaved by round, wall seconds, one at a time, no ccache\n' "$runs"
+  printf -- '- LibTorch %s; fmt %s\n' "$torch_version" "$fmt_line"
+  printf -- '- compiler: %s; %s (CMAKE_BUILD_TYPE=%s)\n' "$compiler" "${opt_level:-no -O flag}" "$EMAKIT_BUILD_TYPE"
+  printf -- '- machine: %s, %s CPUs, load average %s before the rounds, %s after; emakit %s\n' \
+    "$(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -n1)" "$(nproc)" "$load_before" "$load_after" \
+    "$(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD -- include src CMakeLists.txt 2>/dev/null || echo ' + local changes')"
+  printf -- '- date: %s\n' "$(date -u '+%Y-%m-%d %H:%M UTC')"
+  # shellcheck disable=SC2016  # the backquotes are Markdown
+  printf -- '- made by: `%s`\n' "$invocation"
+)"
+printf '\n%s\n\n' "$table"
+if [[ -n "$out_file" ]]; then
+  mkdir -p "$(dirname "$out_file")"
+  printf '%s\n' "$table" >"$out_file"
+  emakit_say "wrote $out_file"
+fi
+emakit_say "took $((SECONDS - started)) s in all"
