@@ -12,6 +12,7 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
+#include <fmt/ranges.h>  // fmt::join
 
 #include <cstdint>
 #include <exception>

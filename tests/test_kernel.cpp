@@ -9,6 +9,7 @@
 
 #include "helpers.hpp"
 
+#include <fmt/ranges.h>  // formats shapes
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <c10/core/Allocator.h>

@@ -13,7 +13,7 @@
 #include <emakit/ema.hpp>
 #include <emakit/schedule.hpp>
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <algorithm>
 #include <string>

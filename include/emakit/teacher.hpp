@@ -28,6 +28,7 @@
 #pragma once
 
 #include <emakit/detail/config.hpp>
+#include <fmt/core.h>
 #include <emakit/detail/check.hpp>
 #include <emakit/ema.hpp>
 
@@ -265,6 +266,9 @@ class TeacherStudent {
 }  // namespace emakit
 
 #if EMAKIT_DEFINITIONS
+
+#include <fmt/format.h>  // fmt::join
+#include <fmt/ranges.h>
 
 namespace emakit::detail {
 

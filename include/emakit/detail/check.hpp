@@ -8,8 +8,7 @@
 #include <ATen/ops/isfinite.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/ArrayRef.h>
-#include <fmt/format.h>
-#include <fmt/ranges.h>
+#include <fmt/core.h>
 
 #include <cstdint>
 #include <string>

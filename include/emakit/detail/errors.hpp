@@ -4,10 +4,11 @@
 // only): the archive scan includes it, and is built by a compiler that cannot take ATen headers.
 #pragma once
 
+#include <emakit/detail/config.hpp>
+
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
-#include <fmt/format.h>
-#include <fmt/ranges.h>
+#include <fmt/core.h>
 
 #include <cstdint>
 #include <cstring>
@@ -39,6 +40,16 @@ inline std::string first_line(std::string_view message) { return std::string(mes
 inline std::string first_line(const c10::Error& e) { return first_line(e.what_without_backtrace()); }
 
 // Formats a shape as [2, 3].
-inline std::string shape_string(c10::IntArrayRef sizes) { return fmt::format("[{}]", fmt::join(sizes, ", ")); }
+EMAKIT_FUNC std::string shape_string(c10::IntArrayRef sizes);
 
 }  // namespace emakit::detail
+
+#if EMAKIT_DEFINITIONS
+
+#include <fmt/format.h>
+
+EMAKIT_FUNC std::string emakit::detail::shape_string(c10::IntArrayRef sizes) {
+  return fmt::format("[{}]", fmt::join(sizes, ", "));
+}
+
+#endif  // EMAKIT_DEFINITIONS

@@ -13,7 +13,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include <algorithm>
 #include <cstddef>

@@ -26,7 +26,7 @@
 #include <emakit/storage.hpp>
 
 #include <ATen/ops/scalar_tensor.h>
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <torch/nn/module.h>
 
 #include <algorithm>

@@ -35,8 +35,7 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
-#include <fmt/format.h>
-#include <fmt/ranges.h>
+#include <fmt/core.h>
 
 #include <cmath>
 #include <cstdint>
@@ -271,6 +270,9 @@ void load_archive(torch::serialize::InputArchive& archive, const Load& load) {
 }  // namespace emakit
 
 #if EMAKIT_DEFINITIONS
+
+#include <fmt/format.h>  // fmt::join
+#include <fmt/ranges.h>
 
 namespace emakit::detail {
 

@@ -32,8 +32,7 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
-#include <fmt/format.h>
-#include <fmt/ranges.h>
+#include <fmt/core.h>
 
 #include <cstdint>
 #include <optional>
@@ -114,6 +113,9 @@ EMAKIT_FUNC TensorMap read_weights(torch::serialize::InputArchive& archive, cons
 }  // namespace emakit::detail
 
 #if EMAKIT_DEFINITIONS
+
+#include <fmt/format.h>  // fmt::join
+#include <fmt/ranges.h>
 
 namespace emakit::detail {
 
