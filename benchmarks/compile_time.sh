@@ -4,9 +4,9 @@
 # runs each binary once, then times the exact compile command of each trainer TU (from
 # compile_commands.json), interleaved round by round, and prints a Markdown table of the times and
 # their ratios to the TU without emakit:
-#   trainer_base.cpp     LibTorch only (the reference)
-#   trainer_ema.cpp      + one WarmupEma through <emakit/emakit.hpp>; header-only and compiled mode
-#   trainer_narrow.cpp   the same through aliases/checkpoint/format.hpp only; both modes
+#   base     trainer.cpp with LibTorch only (the reference)
+#   ema      + one WarmupEma through <emakit/emakit.hpp>; header-only and compiled mode
+#   narrow   the same through aliases/checkpoint/format.hpp only; both modes
 # The emakit::compiled library's own build (a one-off cost) is timed once, before the rounds.
 #
 #   ./benchmarks/compile_time.sh                       Debian LibTorch 1.13, 3 rounds
@@ -98,12 +98,12 @@ cmake --build "$build" -j "$EMAKIT_JOBS" >"$log_dir/build.log" 2>&1 \
   || emakit_die "build failed (see $log_dir/build.log)"
 
 # name | TU | mode | target
-tus=("base|trainer_base.cpp|none (LibTorch only)|trainer_base"
-     "ema-h|trainer_ema.cpp|header-only|trainer_ema_header_only"
-     "ema-c|trainer_ema.cpp|compiled|trainer_ema_compiled")
+tus=("base|trainer without emakit|-|trainer_base"
+     "ema-h|trainer + one EMA, <emakit/emakit.hpp>|header-only|trainer_ema_header_only"
+     "ema-c|trainer + one EMA, <emakit/emakit.hpp>|compiled|trainer_ema_compiled")
 if [[ "$narrow" == 1 ]]; then
-  tus+=("narrow-h|trainer_narrow.cpp|header-only|trainer_narrow_header_only"
-        "narrow-c|trainer_narrow.cpp|compiled|trainer_narrow_compiled")
+  tus+=("narrow-h|trainer + one EMA, three headers|header-only|trainer_narrow_header_only"
+        "narrow-c|trainer + one EMA, three headers|compiled|trainer_narrow_compiled")
 fi
 
 # Each binary once, in a scratch directory (they write model.pt and ema.pt where they run).
@@ -123,7 +123,7 @@ for entry in "${tus[@]}"; do
   emakit_say "ran $target: $(grep -m1 -E '^Ema\(' "$log_dir/run-$name.log" || echo 'ok')"
 
   # Its compile command, as the build ran it: the entry whose -o names this target's object.
-  object="CMakeFiles/$target.dir/$tu.o"
+  object="CMakeFiles/$target.dir/trainer.cpp.o"
   mapfile -t found < <(jq -r --arg o "$object" \
     '.[] | select(.command | contains(" -o " + $o + " ")) | .directory, .command' "$build/compile_commands.json")
   ((${#found[@]} == 2)) || emakit_die "no single compile command for $object in $build/compile_commands.json"
