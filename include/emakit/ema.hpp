@@ -22,6 +22,7 @@
 // kernel re-plans once). A tensor that changes shape after binding is an error.
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/concepts.hpp>
 #include <emakit/decay.hpp>
 #include <emakit/detail/check.hpp>
@@ -206,18 +207,9 @@ inline SwapGuard open_swap(std::shared_ptr<SwapState> state) {
 
 namespace detail {
 
-inline std::vector<SourceTensor> collect(const torch::nn::Module& model) {
-  std::vector<SourceTensor> out;
-  for (const auto& item : model.named_parameters(/*recurse=*/true)) out.push_back({item.key(), item.value(), false});
-  for (const auto& item : model.named_buffers(/*recurse=*/true)) out.push_back({item.key(), item.value(), true});
-  return out;
-}
+EMAKIT_FUNC std::vector<SourceTensor> collect(const torch::nn::Module& model);
 
-inline std::unordered_map<std::string, at::Tensor> tensors_by_name(const torch::nn::Module& model) {
-  std::unordered_map<std::string, at::Tensor> out;
-  for (auto& t : collect(model)) out.emplace(std::move(t.name), std::move(t.tensor));
-  return out;
-}
+EMAKIT_FUNC std::unordered_map<std::string, at::Tensor> tensors_by_name(const torch::nn::Module& model);
 
 // true while an Ema is bound; a move leaves false behind, so a moved-from Ema is detected.
 struct BoundFlag {
@@ -262,33 +254,12 @@ class BusyScope {
 
 // Whether two tensors are the same tensor of the model (one TensorImpl, or the same view of one
 // storage), and whether they share memory at all (their byte ranges in one storage overlap).
-inline bool same_view(const at::Tensor& a, const at::Tensor& b) {
-  if (a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl()) return true;
-  return a.has_storage() && b.has_storage() && a.storage().is_alias_of(b.storage()) &&
-         a.storage_offset() == b.storage_offset() && a.scalar_type() == b.scalar_type() &&
-         a.sizes().equals(b.sizes()) && a.strides().equals(b.strides());
-}
-inline std::pair<std::int64_t, std::int64_t> byte_extent(const at::Tensor& t) {
-  std::int64_t last = t.storage_offset();
-  for (std::int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-  const auto item = static_cast<std::int64_t>(t.element_size());
-  return {t.storage_offset() * item, (last + 1) * item};
-}
-inline bool overlap(const at::Tensor& a, const at::Tensor& b) {
-  if (!a.has_storage() || !b.has_storage() || a.numel() == 0 || b.numel() == 0) return false;
-  if (!a.storage().is_alias_of(b.storage())) return false;
-  const auto [a0, a1] = byte_extent(a);
-  const auto [b0, b1] = byte_extent(b);
-  return a0 < b1 && b0 < a1;
-}
+EMAKIT_FUNC bool same_view(const at::Tensor& a, const at::Tensor& b);
+EMAKIT_FUNC std::pair<std::int64_t, std::int64_t> byte_extent(const at::Tensor& t);
+EMAKIT_FUNC bool overlap(const at::Tensor& a, const at::Tensor& b);
 
 // The same dtype, shape and bytes (NaNs compare by their bits).
-inline bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
-  if (a.scalar_type() != b.scalar_type() || !a.sizes().equals(b.sizes())) return false;
-  const at::Tensor x = a.detach().cpu().contiguous();
-  const at::Tensor y = b.detach().cpu().contiguous();
-  return x.nbytes() == y.nbytes() && std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
-}
+EMAKIT_FUNC bool bitwise_equal(const at::Tensor& a, const at::Tensor& b);
 
 
 }  // namespace detail
@@ -318,7 +289,7 @@ class Ema {
   // Ema refuses every call with an error that says so.
   Ema(Ema&&) noexcept = default;
   Ema& operator=(Ema&&) noexcept = default;
-  ~Ema() = default;
+  ~Ema();
 
   // ---- the update ------------------------------------------------------------------------
 
@@ -535,6 +506,10 @@ class Ema {
 // ---- Ema's members, defined out of the class ---------------------------------------------------
 // Not inline: in compiled mode the aliases' Ema<...> are extern templates (aliases.hpp), and an
 // extern template keeps out of its users' objects only the members that are not inline.
+
+// The destructor too (defaulted, but out of the class for that reason).
+template <DecayPolicy Decay, SchedulePolicy Schedule, StoragePolicy Storage>
+Ema<Decay, Schedule, Storage>::~Ema() = default;
 
 template <DecayPolicy Decay, SchedulePolicy Schedule, StoragePolicy Storage>
 UpdateResult Ema<Decay, Schedule, Storage>::update(StepInfo info) {
@@ -1075,3 +1050,53 @@ torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archi
 }
 
 }  // namespace emakit
+
+#if EMAKIT_DEFINITIONS
+
+namespace emakit::detail {
+
+EMAKIT_FUNC std::vector<SourceTensor> collect(const torch::nn::Module& model) {
+  std::vector<SourceTensor> out;
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) out.push_back({item.key(), item.value(), false});
+  for (const auto& item : model.named_buffers(/*recurse=*/true)) out.push_back({item.key(), item.value(), true});
+  return out;
+}
+
+EMAKIT_FUNC std::unordered_map<std::string, at::Tensor> tensors_by_name(const torch::nn::Module& model) {
+  std::unordered_map<std::string, at::Tensor> out;
+  for (auto& t : collect(model)) out.emplace(std::move(t.name), std::move(t.tensor));
+  return out;
+}
+
+EMAKIT_FUNC bool same_view(const at::Tensor& a, const at::Tensor& b) {
+  if (a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl()) return true;
+  return a.has_storage() && b.has_storage() && a.storage().is_alias_of(b.storage()) &&
+         a.storage_offset() == b.storage_offset() && a.scalar_type() == b.scalar_type() &&
+         a.sizes().equals(b.sizes()) && a.strides().equals(b.strides());
+}
+
+EMAKIT_FUNC std::pair<std::int64_t, std::int64_t> byte_extent(const at::Tensor& t) {
+  std::int64_t last = t.storage_offset();
+  for (std::int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  const auto item = static_cast<std::int64_t>(t.element_size());
+  return {t.storage_offset() * item, (last + 1) * item};
+}
+
+EMAKIT_FUNC bool overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.has_storage() || !b.has_storage() || a.numel() == 0 || b.numel() == 0) return false;
+  if (!a.storage().is_alias_of(b.storage())) return false;
+  const auto [a0, a1] = byte_extent(a);
+  const auto [b0, b1] = byte_extent(b);
+  return a0 < b1 && b0 < a1;
+}
+
+EMAKIT_FUNC bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != b.scalar_type() || !a.sizes().equals(b.sizes())) return false;
+  const at::Tensor x = a.detach().cpu().contiguous();
+  const at::Tensor y = b.detach().cpu().contiguous();
+  return x.nbytes() == y.nbytes() && std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
+}
+
+}  // namespace emakit::detail
+
+#endif  // EMAKIT_DEFINITIONS

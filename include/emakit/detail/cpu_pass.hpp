@@ -146,10 +146,9 @@ class CpuPass {
 
   // Runs every segment, split over at::parallel_for's threads; below `grain` cost units it runs
   // on the calling thread (a parallel region costs a few microseconds).
-  void run(double weight, std::int64_t grain) const {
-    if (segments_.empty()) return;
-    at::parallel_for(0, total_, grain, [&](std::int64_t begin, std::int64_t end) { run_share(begin, end, weight); });
-  }
+  // (Compiled with the library's OpenMP flags in compiled mode: at::parallel_for's
+  // `#pragma omp parallel` is expanded where this is compiled.)
+  void run(double weight, std::int64_t grain) const;
 
   // The segments' work between cost units [c0, c1).
   void run_share(std::int64_t c0, std::int64_t c1, double weight) const;
@@ -174,6 +173,11 @@ EMAKIT_FUNC void CpuPass::add(SegmentFn fn, std::size_t slot, std::int64_t n, st
   if (n == 0) return;
   segments_.push_back(Segment{fn, slot, n, cost, total_, average, input});
   total_ += n * cost;
+}
+
+EMAKIT_FUNC void CpuPass::run(double weight, std::int64_t grain) const {
+  if (segments_.empty()) return;
+  at::parallel_for(0, total_, grain, [&](std::int64_t begin, std::int64_t end) { run_share(begin, end, weight); });
 }
 
 EMAKIT_FUNC void CpuPass::run_share(std::int64_t c0, std::int64_t c1, double weight) const {
