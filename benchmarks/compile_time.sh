@@ -99,8 +99,8 @@ cmake --build "$build" -j "$EMAKIT_JOBS" >"$log_dir/build.log" 2>&1 \
 
 # name | TU | mode | target
 tus=("base|trainer without emakit|-|trainer_base"
-     "ema-h|trainer + one EMA, <emakit/emakit.hpp>|header-only|trainer_ema_header_only"
-     "ema-c|trainer + one EMA, <emakit/emakit.hpp>|compiled|trainer_ema_compiled")
+     "ema-h|trainer + one EMA, \`<emakit/emakit.hpp>\`|header-only|trainer_ema_header_only"
+     "ema-c|trainer + one EMA, \`<emakit/emakit.hpp>\`|compiled|trainer_ema_compiled")
 if [[ "$narrow" == 1 ]]; then
   tus+=("narrow-h|trainer + one EMA, three headers|header-only|trainer_narrow_header_only"
         "narrow-c|trainer + one EMA, three headers|compiled|trainer_narrow_compiled")
