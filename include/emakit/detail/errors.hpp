@@ -47,6 +47,7 @@ EMAKIT_FUNC std::string shape_string(c10::IntArrayRef sizes);
 #if EMAKIT_DEFINITIONS
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join (in ranges.h from fmt 11 on)
 
 EMAKIT_FUNC std::string emakit::detail::shape_string(c10::IntArrayRef sizes) {
   return fmt::format("[{}]", fmt::join(sizes, ", "));
