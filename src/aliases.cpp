@@ -5,7 +5,8 @@
 #include <emakit/checkpoint.hpp>
 #include <emakit/format.hpp>
 
-// One list, expanded for each alias: the class, its checkpoint file functions, its description.
+// Expanded for each flat alias (aliases.hpp's one list): the class, its checkpoint file
+// functions, its description.
 #define EMAKIT_INSTANTIATE(Decay)                                                                        \
   template class Ema<Decay, StepSchedule, FlatStorage>;                                               \
   template void save(const Ema<Decay, StepSchedule, FlatStorage>&, const std::filesystem::path&);     \
@@ -13,9 +14,5 @@
   template std::string describe(const Ema<Decay, StepSchedule, FlatStorage>&);
 
 namespace emakit {
-EMAKIT_INSTANTIATE(Fixed)
-EMAKIT_INSTANTIATE(InversePowerWarmup)
-EMAKIT_INSTANTIATE(ExponentialRamp)
-EMAKIT_INSTANTIATE(PowerFunction)
-EMAKIT_INSTANTIATE(Uniform)
+EMAKIT_FOR_EACH_FLAT_ALIAS_DECAY(EMAKIT_INSTANTIATE)
 }  // namespace emakit

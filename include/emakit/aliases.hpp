@@ -28,13 +28,16 @@ using RampEma = Ema<ExponentialRamp, StepSchedule, FlatStorage>;
 using PowerEma = Ema<PowerFunction, StepSchedule, FlatStorage>;
 using SwaAverage = Ema<Uniform, StepSchedule, FlatStorage>;
 
-// Compiled mode (detail/config.hpp): these five come instantiated from the library.
+// The decay policies of the five flat aliases above, the one list of them: in compiled mode
+// (detail/config.hpp) these come instantiated from the library (src/aliases.cpp), with their
+// emakit::save, emakit::load (checkpoint.hpp) and emakit::describe (format.hpp).
+#define EMAKIT_FOR_EACH_FLAT_ALIAS_DECAY(X) \
+  X(Fixed) X(InversePowerWarmup) X(ExponentialRamp) X(PowerFunction) X(Uniform)
+
 #if EMAKIT_EXTERN_ALIASES
-extern template class Ema<Fixed, StepSchedule, FlatStorage>;
-extern template class Ema<InversePowerWarmup, StepSchedule, FlatStorage>;
-extern template class Ema<ExponentialRamp, StepSchedule, FlatStorage>;
-extern template class Ema<PowerFunction, StepSchedule, FlatStorage>;
-extern template class Ema<Uniform, StepSchedule, FlatStorage>;
+#define EMAKIT_EXTERN_EMA(Decay) extern template class Ema<Decay, StepSchedule, FlatStorage>;
+EMAKIT_FOR_EACH_FLAT_ALIAS_DECAY(EMAKIT_EXTERN_EMA)
+#undef EMAKIT_EXTERN_EMA
 #endif
 
 template <class ModuleType>

@@ -56,17 +56,13 @@ void load(Ema<D, S, St>& ema, const std::filesystem::path& path, LoadMode mode =
   }
 }
 
-// Compiled mode (detail/config.hpp): save and load of the aliases come from the library.
+// Compiled mode (detail/config.hpp): save and load of the flat aliases come from the library.
 #if EMAKIT_EXTERN_ALIASES
-#define EMAKIT_CHECKPOINT_EXTERN(Alias)                                        \
-  extern template void save(const Alias&, const std::filesystem::path&); \
-  extern template void load(Alias&, const std::filesystem::path&, LoadMode);
-EMAKIT_CHECKPOINT_EXTERN(FixedEma)
-EMAKIT_CHECKPOINT_EXTERN(WarmupEma)
-EMAKIT_CHECKPOINT_EXTERN(RampEma)
-EMAKIT_CHECKPOINT_EXTERN(PowerEma)
-EMAKIT_CHECKPOINT_EXTERN(SwaAverage)
-#undef EMAKIT_CHECKPOINT_EXTERN
+#define EMAKIT_EXTERN_CHECKPOINT(Decay)                                                                   \
+  extern template void save(const Ema<Decay, StepSchedule, FlatStorage>&, const std::filesystem::path&); \
+  extern template void load(Ema<Decay, StepSchedule, FlatStorage>&, const std::filesystem::path&, LoadMode);
+EMAKIT_FOR_EACH_FLAT_ALIAS_DECAY(EMAKIT_EXTERN_CHECKPOINT)
+#undef EMAKIT_EXTERN_CHECKPOINT
 #endif
 
 }  // namespace emakit

@@ -84,13 +84,12 @@ std::string describe(const Ema<D, S, St>& ema) {
       ema.calls(), ema.step(), ema.num_updates(), ema.decay());
 }
 
-// Compiled mode (detail/config.hpp): the aliases' descriptions come from the library.
+// Compiled mode (detail/config.hpp): the flat aliases' descriptions come from the library.
 #if EMAKIT_EXTERN_ALIASES
-extern template std::string describe(const FixedEma&);
-extern template std::string describe(const WarmupEma&);
-extern template std::string describe(const RampEma&);
-extern template std::string describe(const PowerEma&);
-extern template std::string describe(const SwaAverage&);
+#define EMAKIT_EXTERN_DESCRIBE(Decay) \
+  extern template std::string describe(const Ema<Decay, StepSchedule, FlatStorage>&);
+EMAKIT_FOR_EACH_FLAT_ALIAS_DECAY(EMAKIT_EXTERN_DESCRIBE)
+#undef EMAKIT_EXTERN_DESCRIBE
 #endif
 
 }  // namespace emakit
