@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Build emakit's unit tests with AddressSanitizer + UndefinedBehaviorSanitizer (g++, Debian's
-# LibTorch 1.13) in build/asan and run them: ctest -L unit.
+# Build emakit's unit, conformance and distributed tests with AddressSanitizer +
+# UndefinedBehaviorSanitizer (g++, Debian's LibTorch 1.13) in build/asan and run them:
+# ctest -L 'unit|conformance|distributed'. The conformance tests need EMAKIT_PYTHON (the venv of
+# scripts/test.sh, which exports it); without it they are skipped, which the summary only accepts
+# when emakit_expected_skips allows it (EMAKIT_ALLOW_SKIP=torch2 in scripts/test.sh).
 #
 #   ./scripts/sanitize.sh
 #   EMAKIT_CTEST_ARGS="-R Soak" ./scripts/sanitize.sh      # extra ctest arguments
@@ -9,7 +12,8 @@
 #   EMAKIT_SANITIZE_BUILD_TYPE  CMake build type of build/asan (default: RelWithDebInfo)
 #   EMAKIT_SANITIZE_OPT         its optimization/debug flags (default: "-O1 -g1": line tables for
 #                               the sanitizers' stacks, -O1 to keep the instrumented run fast)
-#   EMAKIT_CTEST_ARGS           extra ctest arguments (after -L unit)
+#   EMAKIT_CTEST_ARGS           extra ctest arguments (after -L ...)
+#   EMAKIT_SANITIZE_LABELS      the ctest labels run (default: unit|conformance|distributed)
 #   EMAKIT_SANITIZE_TIMEOUT     per-test ctest timeout in seconds (default: 900)
 #
 # Only emakit (include/emakit), the LibTorch header code it inlines, and the tests are
@@ -29,13 +33,14 @@ cd "$EMAKIT_ROOT"
 build_type="${EMAKIT_SANITIZE_BUILD_TYPE:-RelWithDebInfo}"
 opt_flags="${EMAKIT_SANITIZE_OPT:--O1 -g1}"
 timeout="${EMAKIT_SANITIZE_TIMEOUT:-900}"
+labels="${EMAKIT_SANITIZE_LABELS:-unit|conformance|distributed}"
 read -r -a ctest_extra <<<"${EMAKIT_CTEST_ARGS:-}"
 dir="build/asan"
 name="asan"
 what="ASan+UBSan, g++, Debian LibTorch 1.13"
 
 # g++ brings libasan/libubsan/liblsan (libgcc-12-dev depends on them).
-emakit_apt_ensure g++ make cmake ccache libtorch-dev libfmt-dev catch2
+emakit_apt_ensure g++ make cmake ccache libtorch-dev libfmt-dev catch2 libgloo-dev
 
 sanitize_flags="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 
@@ -54,8 +59,7 @@ mapfile -t torch_args < <(emakit_debian_torch_args)
 summary() { printf '==> [%s] %s\n' "$name" "$1"; }
 
 emakit_say "[$name] configure ($what, $build_type: $opt_flags)"
-# EMAKIT_PYTHON empty: the unit tests do not need it, and the conformance tests are not built
-# here (their target is not emakit_tests).
+# EMAKIT_TEST_TIMEOUT: the instrumented tests run several times slower than the plain ones.
 if ! cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE="$build_type" \
        -DCMAKE_CXX_COMPILER=g++ \
        "-DCMAKE_CXX_FLAGS=$sanitize_flags" \
@@ -63,24 +67,26 @@ if ! cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE="$build_type" \
        "-DCMAKE_EXE_LINKER_FLAGS=$sanitize_flags" \
        "-DCMAKE_SHARED_LINKER_FLAGS=$sanitize_flags" \
        -DEMAKIT_BUILD_TESTS=ON -DEMAKIT_BUILD_EXAMPLES=OFF -DEMAKIT_BUILD_BENCHMARKS=OFF \
-       -DEMAKIT_PACKAGE_TESTS=OFF -DEMAKIT_PYTHON= "${torch_args[@]}"; then
+       -DEMAKIT_PACKAGE_TESTS=OFF -DEMAKIT_PYTHON="${EMAKIT_PYTHON:-}" -DEMAKIT_TEST_TIMEOUT="$timeout" \
+       "${torch_args[@]}"; then
   summary "FAILED: configure ($what)"
   exit 1
 fi
 
-emakit_say "[$name] build emakit_tests (-j$EMAKIT_JOBS)"
+emakit_say "[$name] build emakit_tests, emakit_conformance_tests, emakit_distributed_tests (-j$EMAKIT_JOBS)"
 build_start=$SECONDS
-if ! cmake --build "$dir" --target emakit_tests -j "$EMAKIT_JOBS"; then
+if ! cmake --build "$dir" --target emakit_tests emakit_conformance_tests emakit_distributed_tests \
+       -j "$EMAKIT_JOBS"; then
   summary "FAILED: build ($what)"
   exit 1
 fi
 emakit_say "[$name] built in $((SECONDS - build_start)) s"
 
-emakit_say "[$name] ctest -L unit"
+emakit_say "[$name] ctest -L '$labels'"
 log="$dir/ctest.log"
 test_start=$SECONDS
 ctest_rc=0
-(cd "$dir" && ctest -L unit -j "$EMAKIT_JOBS" --timeout "$timeout" --output-on-failure \
+(cd "$dir" && ctest -L "$labels" -j "$EMAKIT_JOBS" --timeout "$timeout" --output-on-failure \
    "${ctest_extra[@]}") 2>&1 | tee "$log" || ctest_rc=$?
 emakit_say "[$name] tests ran in $((SECONDS - test_start)) s"
 
