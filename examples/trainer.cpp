@@ -1,11 +1,14 @@
 // A hand-written C++ training loop with emakit::EmaHook: noisy SGD on a synthetic regression
 // task, validation with the EMA weights, a checkpoint every fifth of the run, and resuming.
 //
-//   emakit_example_trainer [steps] [seed] [checkpoint]
+//   emakit_example_trainer [steps] [seed] [checkpoint] [phema folder]
 //
 // With a checkpoint path, the run saves to it as it goes and, when the file is already there,
 // resumes from it: model, optimizer, EMA and step counter, so that an interrupted run ends with
-// the same weights as an uninterrupted one. The noise in the labels and the large learning rate
+// the same weights as an uninterrupted one. With a phema folder (checkpoint "" for none), a
+// post-hoc EMA (emakit::PostHocEma, two profiles) runs alongside and snapshots into the folder
+// five times in the run, for emakit_example_posthoc_tool; it is not in the checkpoint, so a
+// resumed run cannot take one. The noise in the labels and the large learning rate
 // make the online weights jitter around the optimum; the EMA averages the jitter out.
 #include <emakit/emakit.hpp>
 
@@ -18,8 +21,10 @@
 
 #include <fmt/core.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <string>
 
 namespace {
@@ -51,8 +56,9 @@ int main(int argc, char** argv) {
   const long steps = argc > 1 ? std::strtol(argv[1], nullptr, 10) : 3000;
   const long seed = argc > 2 ? std::strtol(argv[2], nullptr, 10) : 0;
   const std::string checkpoint = argc > 3 ? argv[3] : "";
-  if (steps <= 0 || argc > 4) {
-    fmt::print(stderr, "usage: {} [steps > 0] [seed] [checkpoint file]\n", argv[0]);
+  const std::string phema = argc > 4 ? argv[4] : "";
+  if (steps <= 0 || argc > 5) {
+    fmt::print(stderr, "usage: {} [steps > 0] [seed] [checkpoint file or \"\"] [post-hoc snapshot folder]\n", argv[0]);
     return 2;
   }
   torch::manual_seed(seed);
@@ -79,6 +85,14 @@ int main(int argc, char** argv) {
     first = step.item<long>() + 1;
     fmt::print("resumed from {} after step {}\n", checkpoint, first - 1);
   }
+  std::optional<emakit::PostHocEma> posthoc;
+  if (!phema.empty()) {
+    if (first != 1) {
+      fmt::print(stderr, "a resumed run cannot take a post-hoc snapshot folder (the post-hoc EMA is not in the checkpoint)\n");
+      return 2;
+    }
+    posthoc.emplace(*model, emakit::PostHocOptions(phema).snapshot_every(std::max(1L, steps / 5)));
+  }
   fmt::print("{}\n\n{:>6}  {:>12}  {:>12}\n", hook.ema<emakit::WarmupEma>("model"), "step", "online", "EMA");
 
   const long every = steps / 10 > 0 ? steps / 10 : 1;
@@ -91,6 +105,7 @@ int main(int argc, char** argv) {
     torch::mse_loss(model->forward(x), y).backward();
     optimizer.step();
     hook.after_optimizer_step();
+    if (posthoc) posthoc->update();  // snapshots at multiples of steps / 5
     if (step % every == 0 || step == steps) {
       online = test_loss(model, x_test, y_test);
       {
@@ -111,6 +126,8 @@ int main(int argc, char** argv) {
     }
   }
   hook.train_end();  // the model keeps the EMA weights
+  if (posthoc)
+    fmt::print("post-hoc EMA: {} snapshots in {}\n", emakit::list_snapshots(phema).size(), phema);
   fmt::print("\ntest loss at the end: online {:.6f}, EMA {:.6f} ({:+.1f}%); the model now holds the EMA weights: {:.6f}\n",
              online, with_ema, 100.0 * (with_ema / online - 1.0), test_loss(model, x_test, y_test));
   return 0;
