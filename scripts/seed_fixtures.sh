@@ -3,8 +3,12 @@
 # (tests/conformance/fixtures/<stem>.tar.xz and <stem>.txt) with the real packages: makes the seed
 # venv (scripts/requirements-seed.txt, cached like the first venv; ~3 min and 6.9 GB cold), runs
 # each generator into a fresh folder and packs its output. <stem>.txt records the package
-# versions, the sha256 of the generator and of _common.py (a fixture whose generator changed is
-# reported stale by ctest), and this command. Commit both files.
+# versions (the same lines as the archive's versions.txt, each a pin of requirements-seed.txt),
+# the sha256 of the archive (checked before ctest unpacks it), of the generator and of _common.py
+# (a fixture whose generator changed is reported stale by ctest), the Python and ATen's CPU
+# capability it ran with, and this command. Commit both files. A seed-packages run
+# (EMAKIT_SEED_PACKAGES=1 ./scripts/test.sh) diffs its live output with the committed fixture
+# and fails on drift (cmake/emakit_run_conformance_script.cmake).
 #
 #   ./scripts/seed_fixtures.sh                 every seed generator (luxonis_peer, nvalchemi_peer)
 #   ./scripts/seed_fixtures.sh luxonis_peer    one
@@ -27,15 +31,17 @@ for stem in "${stems[@]}"; do
   emakit_say "running $script with $python"
   (cd tests/conformance && "$python" "$stem.py" "$work/$stem") >"$work/$stem.log" 2>&1 \
     || { cat "$work/$stem.log"; emakit_die "$script failed"; }
-  [[ ! -e "$work/$stem.skipped" ]] || emakit_die "$script skipped itself: $(cat "$work/$stem.skipped")"
   # Reproducible archives: sorted names, fixed owner and times.
   tar --sort=name --owner=0 --group=0 --numeric-owner --mtime='2000-01-01 00:00Z' \
       -C "$work" -cf - "$stem" | xz -9e >"$fixtures/$stem.tar.xz"
   {
     printf '# Recorded output of tests/conformance/%s.py with the real packages, replayed by ctest\n' "$stem"
     printf '# when the seed venv is not used. Regenerate: ./scripts/seed_fixtures.sh %s\n' "$stem"
-    printf '# (python %s)\n' "$("$python" -c 'import platform; print(platform.python_version())')"
+    printf '# (python %s, ATen CPU capability %s)\n' \
+      "$("$python" -c 'import platform; print(platform.python_version())')" \
+      "$("$python" -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')"
     cat "$work/$stem/versions.txt"
+    printf 'sha256 %s.tar.xz %s\n' "$stem" "$(sha256sum "$fixtures/$stem.tar.xz" | cut -d' ' -f1)"
     printf 'sha256 %s.py %s\n' "$stem" "$(sha256sum "$script" | cut -d' ' -f1)"
     printf 'sha256 _common.py %s\n' "$(sha256sum tests/conformance/_common.py | cut -d' ' -f1)"
   } >"$fixtures/$stem.txt"

@@ -3,11 +3,9 @@ import sys
 
 import _common
 
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
 out = sys.argv[1]
-try:
-    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-except Exception as e:
-    _common.skipped(out, f"torch.optim.swa_utils cannot be imported: {e}")
 
 
 def state(avg):

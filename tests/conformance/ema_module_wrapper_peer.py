@@ -29,14 +29,9 @@ import sys
 import torch
 from torch import nn
 
+from ema_pytorch import EMAModuleWrapper
+
 out_dir = sys.argv[1]
-try:
-    from ema_pytorch import EMAModuleWrapper
-except Exception as e:
-    with open(out_dir + ".skipped", "w") as f:
-        f.write(f"ema_pytorch.EMAModuleWrapper cannot be imported ({type(e).__name__}: {e})")
-    print("SKIPPED:", e)
-    sys.exit(0)
 
 
 class Encoder(nn.Module):

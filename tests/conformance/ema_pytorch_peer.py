@@ -3,12 +3,10 @@ import sys
 
 import _common
 
+import ema_pytorch
+from ema_pytorch import EMA
+
 out = sys.argv[1]
-try:
-    import ema_pytorch
-    from ema_pytorch import EMA
-except Exception as e:  # the package does not install here
-    _common.skipped(out, f"ema-pytorch cannot be imported: {e}")
 
 
 def ema_state(ema):

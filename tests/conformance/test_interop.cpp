@@ -1,6 +1,8 @@
 // Moving a run between Python and C++ with the real packages: a state a Python peer saved is
 // imported and the run continues in C++ with the peer's numbers; an emakit export is read by
 // Python's torch.load (weights_only) and loaded by the peer itself (tests/conformance/_check_export.py).
+// The first step after the import starts from the imported state (replay.hpp), so it also shows
+// that the import carried the peer's numbers; tolerances as test_peers.cpp (kLerp, derived there).
 #include <emakit/interop.hpp>
 
 #include "../../examples/subprocess.hpp"
@@ -12,10 +14,18 @@ using namespace emakit_conformance;
 
 namespace {
 
+constexpr double kLerp = 1.5;  // ulps per update: ATen's lerp against emakit's (test_peers.cpp)
+
+// The replay from `first` compared each tensor the peer recorded, every model tensor at every step.
+void require_counts(const Replay& r, const fs::path& dir, std::int64_t first) {
+  REQUIRE(r.compared == expected_comparisons(dir, first));
+  REQUIRE(r.compared == model_tensors(dir) * r.steps);
+}
+
 // Runs tests/conformance/_check_export.py with the venv's Python; returns its exit status.
 int check_in_python(const std::string& exported, const fs::path& reference, const char* peer) {
-  const char* python = std::getenv("EMAKIT_PYTHON");
-  REQUIRE(python != nullptr);
+  const std::string python = EMAKIT_CONFORMANCE_PYTHON;
+  REQUIRE(!python.empty());
   return emakit_subprocess::run({python, fmt::format("{}/_check_export.py", EMAKIT_CONFORMANCE_SCRIPTS), exported,
                                  reference.string(), peer});
 }
@@ -35,7 +45,7 @@ TEST_CASE("ema-pytorch: a run saved in Python continues in C++ with the same num
   const auto report = emakit::import_state(ema, emakit::Peer::ema_pytorch, step_file(*dir, "state", 120).string());
   CHECK(report.clean());
   CHECK(ema.step() == load_dict(step_file(*dir, "step", 120)).at("counter.step").item<std::int64_t>());
-  replay(*dir, sources, ema, false, ema_pytorch_counters, false, /*first_step=*/121);
+  require_counts(replay(*dir, sources, ema, false, ema_pytorch_counters, kLerp, false, /*first_step=*/121), *dir, 121);
 
   const auto path = temp_path("ema_pytorch_export");
   emakit::export_state(ema, emakit::Peer::ema_pytorch, path);
@@ -52,7 +62,7 @@ TEST_CASE("AveragedModel: a run saved in Python continues in C++, the export loa
   auto ema = emakit::averaged_model_ema(sources, {.decay = 0.95, .use_buffers = false});
   CHECK(emakit::import_state(ema, emakit::Peer::averaged_model, step_file(*dir, "state", 12).string()).clean());
   CHECK(ema.num_updates() == load_dict(step_file(*dir, "step", 12)).at("counter.n_averaged").item<std::int64_t>());
-  replay(*dir, sources, ema, false, averaged_model_counters, false, 13);
+  require_counts(replay(*dir, sources, ema, false, averaged_model_counters, kLerp, false, 13), *dir, 13);
 
   const auto path = temp_path("averaged_model_export");
   emakit::export_state(ema, emakit::Peer::averaged_model, path);
@@ -68,7 +78,7 @@ TEST_CASE("timm ModelEmaV3: a run saved in Python continues in C++, the export l
   auto ema = emakit::timm_model_ema_v3(
       sources, {.decay = 0.99, .min_decay = 0.1, .update_after_step = 2, .use_warmup = true, .warmup_power = 0.75});
   CHECK(emakit::import_state(ema, emakit::Peer::timm_v3, step_file(*dir, "state", 25).string()).clean());
-  replay(*dir, sources, ema, /*pass_step=*/true, no_counters, false, 26);
+  require_counts(replay(*dir, sources, ema, /*pass_step=*/true, no_counters, kLerp, false, 26), *dir, 26);
 
   const auto path = temp_path("timm_export");
   emakit::export_state(ema, emakit::Peer::timm_v3, path);

@@ -4,9 +4,17 @@
 // (EMAKIT_SEED_PACKAGES=1 ./scripts/test.sh), or, by default, the recorded fixtures in
 // tests/conformance/fixtures/ (package versions and the regenerating command beside them).
 //
-// Tolerance: counters, copies, integer tensors and flags exact; averaged float32 tensors
-// |emakit - peer| <= 1e-6 * max(1, |peer|) (PyTorch's CPU lerp kernels use fused multiply-add,
-// emakit's portable pass does not: the same formula, up to one rounding per update).
+// Tolerances (replay.hpp: every update starts from the peer's previous state, so the bounds are
+// for one update; ulps of float32 at M = max(|a|, |x|, |result|) elementwise, a the state before,
+// x the source, w = 1 - d the weight):
+//   kLerp = 1.5 ulps, both packages: nvalchemi's EMAHook averages through AveragedModel's
+//     get_ema_multi_avg_fn, and luxonis-train 0.6.0's ModelEma (also inside EMACallback) through
+//     torch._foreach_lerp_(ema, model, 1 - d) (its _foreach_mul_/_foreach_add_ fallback is for a
+//     torch without _foreach_lerp_, not the pinned one): ATen's lerp, emakit's formula with one
+//     rounding fewer (the fused product; the derivation is test_peers.cpp's).
+//   The average swapped into the model (validation, train end, the checkpoint's weights) is a
+//   copy of emakit's own average, bitwise; the weights restored after validation, the model's
+//   own, bitwise; counters, copies, integer tensors and flags exact.
 //
 // Differences by design, asserted here (README "Coming from Python"):
 //   - EMAHook with use_buffers=True averages integer buffers (num_batches_tracked) in integer
@@ -51,17 +59,31 @@ struct NetImpl : torch::nn::Cloneable<NetImpl> {
 };
 TORCH_MODULE(Net);
 
-struct Stats {
-  double max_rel = 0;
-  int compared = 0;
-  int bitwise = 0;
-};
+constexpr double kLerp = 1.5, kLuxonis = kLerp;  // see the top of the file
 
-// Each rec[prefix + name] against ours[name]: integers exact (except the names in
-// `integer_differences_allowed`, which must then equal `copied_from[name]`), floats within 1e-6.
-template <class Lookup>
-void compare(Lookup ours_of, const Dict& rec, const std::string& prefix, Stats& s,
-             const std::set<std::string>& integer_differences_allowed = {}, const Dict* copied_from = nullptr) {
+// The operands of the update of `name` at a step (replay.hpp's check_tensor): the state before
+// (the peer's previous one, which emakit started from; before the peer's first recorded state,
+// emakit's own) and the source.
+std::vector<Operand> update_operands(const std::string& name, const Dict& rec, const Dict& previous,
+                                     const std::map<std::string, at::Tensor>& ours_before) {
+  std::vector<Operand> out;
+  const auto ours = ours_before.find(name);
+  if (ours != ours_before.end()) {
+    const auto peer = previous.find("peer." + name);
+    out.push_back({peer != previous.end() ? peer->second : ours->second, ours->second});
+  }
+  const auto source = rec.find("source." + name);
+  if (source != rec.end()) out.push_back({source->second, source->second});
+  return out;
+}
+
+// Each rec[prefix + name] against ours_of(name) (check_tensor, with operands_of(name)): integers
+// exact (except the names in `integer_differences_allowed`, which must then equal
+// `copied_from[name]`), floats a copy of an operand or within `max_ulps`.
+template <class Lookup, class Operands>
+void compare(Lookup ours_of, const Dict& rec, const std::string& prefix, Tally& t, Operands operands_of,
+             double max_ulps, const std::set<std::string>& integer_differences_allowed = {},
+             const Dict* copied_from = nullptr) {
   int seen = 0;
   for (const auto& [key, peer] : rec) {
     if (key.rfind(prefix, 0) != 0) continue;
@@ -70,23 +92,43 @@ void compare(Lookup ours_of, const Dict& rec, const std::string& prefix, Stats& 
     const at::Tensor* ours = ours_of(name);
     REQUIRE(ours != nullptr);
     ++seen;
-    if (!peer.is_floating_point()) {
-      if (integer_differences_allowed.count(name) && !torch::equal(*ours, peer)) {
-        REQUIRE(copied_from != nullptr);
-        CHECK(torch::equal(*ours, copied_from->at("source." + name)));  // emakit copies integers
-      } else {
-        CHECK(torch::equal(*ours, peer));
-      }
+    if (!peer.is_floating_point() && integer_differences_allowed.count(name) && !torch::equal(*ours, peer)) {
+      REQUIRE(copied_from != nullptr);
+      ++t.compared;
+      ++t.bitwise;
+      CHECK(torch::equal(*ours, copied_from->at("source." + name)));  // emakit copies integers
       continue;
     }
-    REQUIRE(ours->scalar_type() == peer.scalar_type());
-    const double rel = rel_diff(*ours, peer);
-    s.max_rel = std::max(s.max_rel, rel);
-    ++s.compared;
-    s.bitwise += torch::equal(*ours, peer) ? 1 : 0;
-    CHECK(rel <= 1e-6);
+    check_tensor(t, key, *ours, peer, operands_of(name), max_ulps);
   }
-  CHECK(seen > 0);
+  REQUIRE(seen > 0);
+}
+
+// Operands that are copies of the average: the peer's average (peer.* of `rec`) and emakit's.
+auto average_operands(const Dict& rec, const emakit::StateDict& ours) {
+  return [&rec, &ours](const std::string& name) {
+    std::vector<Operand> out;
+    const auto peer = rec.find("peer." + name);
+    const at::Tensor* mine = ours.find(name);
+    if (peer != rec.end() && mine != nullptr) out.push_back({peer->second, *mine});
+    return out;
+  };
+}
+// Operands that are the model's own tensors (source.* of `rec`).
+auto source_operands(const Dict& rec) {
+  return [&rec](const std::string& name) {
+    std::vector<Operand> out;
+    const auto source = rec.find("source." + name);
+    if (source != rec.end()) out.push_back({source->second, source->second});
+    return out;
+  };
+}
+
+// Clones of emakit's averages before an update.
+std::map<std::string, at::Tensor> clone_all(const emakit::StateDict& held) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : held) out.emplace(item.key(), item.value().clone());
+  return out;
 }
 
 auto in_state(const emakit::StateDict& d) {
@@ -102,9 +144,8 @@ auto in_module(torch::nn::Module& m) {
 
 std::int64_t counter(const Dict& rec, const std::string& name) { return rec.at("counter." + name).item<std::int64_t>(); }
 
-void report(const std::string& what, std::int64_t steps, const Stats& s) {
-  std::cout << what << ": " << steps << " steps, " << s.compared << " tensor comparisons (" << s.bitwise
-            << " bitwise equal), max relative difference " << s.max_rel << "\n";
+void report(const std::string& what, std::int64_t steps, const Tally& s, double bound) {
+  std::cout << what << ": " << steps << " steps, " << s.summary(bound) << "\n";
 }
 
 using FixedEma = emakit::Ema<emakit::Fixed>;
@@ -112,21 +153,27 @@ using RampEma = emakit::Ema<emakit::ExponentialRamp>;
 
 // Replays an nvalchemi scenario through emakit::EmaHook (at the first eligible step or at setup):
 // the creation step, the averages, num_updates and n_averaged after every batch.
-Stats replay_ema_hook(const fs::path& dir, const emakit::EmaHookOptions& o, emakit::Creation creation,
+Tally replay_ema_hook(const fs::path& dir, const emakit::EmaHookOptions& o, emakit::Creation creation,
                       const std::set<std::string>& integer_differences = {}) {
-  Stats s;
+  Tally s;
   Net net;
   load_into(*net, load_dict(dir / "step_0000.pt"), "source.");
   emakit::EmaHook hook;
   hook.add(*net, emakit::ema_hook_recipe(o), {.creation = creation});
   hook.setup();
   const auto steps = load_dict(dir / "meta.pt").at("steps").item<std::int64_t>();
-  Dict last_update;
+  Dict last_update, previous;
   std::int64_t updates = 0;
   for (std::int64_t step = 1; step <= steps; ++step) {
     INFO("batch " << step);
     const Dict rec = load_dict(step_file(dir, "step", step));
     load_into(*net, rec, "source.");
+    std::map<std::string, at::Tensor> before;
+    if (hook.created("model")) {
+      const emakit::StateDict held = hook.ema<FixedEma>("model").averages();
+      start_from(held, previous);
+      before = clone_all(held);
+    }
     hook.after_optimizer_step({.vetoed = rec.at("vetoed").item<std::int64_t>() != 0});
     CHECK(hook.created("model") == (counter(rec, "created") != 0));
     if (!hook.created("model")) continue;
@@ -137,16 +184,20 @@ Stats replay_ema_hook(const fs::path& dir, const emakit::EmaHookOptions& o, emak
     CHECK(ema.num_updates() == counter(rec, "n_averaged"));
     CHECK(ema.step() == counter(rec, "step_count"));
     const emakit::StateDict averages = ema.averages();
-    compare(in_state(averages), rec, "peer.", s, integer_differences, &last_update);
+    compare(
+        in_state(averages), rec, "peer.", s,
+        [&](const std::string& name) { return update_operands(name, rec, previous, before); }, kLerp,
+        integer_differences, &last_update);
+    previous = rec;
   }
-  report(dir.filename().string() + " (EmaHook)", steps, s);
+  report(dir.filename().string() + " (EmaHook)", steps, s, kLerp);
   return s;
 }
 
 // A luxonis EMACallback fit through emakit::EmaHook. `call_at_window_start`: the C++ trainer
 // calls the hook only at batch_idx % accumulate == 0 (recipe accumulate 1), else every batch.
-Stats replay_callback(const fs::path& dir, double decay, double tau, bool call_at_window_start) {
-  Stats s;
+Tally replay_callback(const fs::path& dir, double decay, double tau, bool call_at_window_start) {
+  Tally s;
   const Dict meta = load_dict(dir / "meta.pt");
   const auto steps = meta.at("steps").item<std::int64_t>();
   const auto accumulate = meta.at("accumulate").item<std::int64_t>();
@@ -158,15 +209,21 @@ Stats replay_callback(const fs::path& dir, double decay, double tau, bool call_a
   hook.setup();  // on_fit_start
   std::int64_t epoch = 0;
   const fs::path ckpt = fs::temp_directory_path() / ("emakit_luxonis_" + std::to_string(::getpid()) + ".pt");
+  Dict previous, last;
   for (std::int64_t call = 1; call <= steps; ++call) {
     INFO("batch " << call);
     const Dict rec = load_dict(step_file(dir, "step", call));
     load_into(*net, rec, "source.");
-    if (!call_at_window_start || counter(rec, "batch_idx") % accumulate == 0) hook.after_optimizer_step();
     auto& ema = hook.ema<RampEma>("model");
+    start_from(ema.averages(), previous);
+    const auto before = clone_all(ema.averages());
+    if (!call_at_window_start || counter(rec, "batch_idx") % accumulate == 0) hook.after_optimizer_step();
     CHECK(ema.num_updates() == counter(rec, "updates"));
     const emakit::StateDict averages = ema.averages();
-    compare(in_state(averages), rec, "peer.", s);
+    compare(
+        in_state(averages), rec, "peer.", s,
+        [&](const std::string& name) { return update_operands(name, rec, previous, before); }, kLuxonis);
+    previous = last = rec;
     if (fs::exists(step_file(dir, "val", epoch + 1)) &&
         load_dict(step_file(dir, "val", epoch + 1)).at("calls").item<std::int64_t>() == call) {
       ++epoch;
@@ -174,27 +231,55 @@ Stats replay_callback(const fs::path& dir, double decay, double tau, bool call_a
       const Dict val = load_dict(step_file(dir, "val", epoch));
       {
         auto scope = hook.validation();  // on_validation_epoch_start: the average in the model
-        compare(in_module(*net), val, "valid.", s);
+        compare(in_module(*net), val, "valid.", s, average_operands(rec, averages), kLuxonis);
       }
-      compare(in_module(*net), val, "restored.", s);  // on_validation_end: the weights back
+      // on_validation_end: the weights back
+      compare(in_module(*net), val, "restored.", s, source_operands(rec), 0);
       const Dict cp = load_dict(step_file(dir, "ckpt", epoch));
       REQUIRE(cp.at("calls").item<std::int64_t>() == call);
       hook.save_checkpoint(ckpt);
       Net loaded;
       emakit::load_weights(*loaded, ckpt);  // the checkpoint's model weights: the average
-      compare(in_module(*loaded), cp, "state_dict.", s);
-      compare(in_state(averages), cp, "ema_state_dict.", s);
+      compare(in_module(*loaded), cp, "state_dict.", s, average_operands(rec, averages), kLuxonis);
+      compare(in_state(averages), cp, "ema_state_dict.", s, average_operands(rec, averages), kLuxonis);
       CHECK(ema.num_updates() == cp.at("updates").item<std::int64_t>());
-      compare(in_module(*net), rec, "source.", s);  // saving left the model's weights alone
+      // saving left the model's weights alone
+      compare(in_module(*net), rec, "source.", s, source_operands(rec), 0);
     }
   }
   fs::remove(ckpt);
   CHECK(epoch == meta.at("epochs").item<std::int64_t>());
   hook.train_end();  // on_train_end: the model keeps the average
-  compare(in_module(*net), load_dict(dir / "end.pt"), "end.", s);
+  const emakit::StateDict final_averages = hook.ema<RampEma>("model").averages();
+  compare(in_module(*net), load_dict(dir / "end.pt"), "end.", s, average_operands(last, final_averages), kLuxonis);
   report(dir.filename().string() + (call_at_window_start ? " (hook at batch_idx % n == 0)" : " (hook, accumulate)"),
-         steps, s);
+         steps, s, kLuxonis);
   return s;
+}
+
+// The batches at which the nvalchemi peer had made its averaged model (counter.created).
+int count_created(const fs::path& dir) {
+  const auto steps = load_dict(dir / "meta.pt").at("steps").item<std::int64_t>();
+  int n = 0;
+  for (std::int64_t step = 1; step <= steps; ++step) n += counter(load_dict(step_file(dir, "step", step)), "created") != 0;
+  return n;
+}
+
+// The comparisons replay_callback makes: each recorded peer.* per batch, and per epoch the
+// valid.*, restored.*, state_dict.*, ema_state_dict.* and the model's source.* after the save,
+// and end.* once.
+int callback_comparisons(const fs::path& dir) {
+  const Dict meta = load_dict(dir / "meta.pt");
+  int n = count_keys(dir, "peer.");
+  for (std::int64_t epoch = 1; epoch <= meta.at("epochs").item<std::int64_t>(); ++epoch) {
+    const Dict val = load_dict(step_file(dir, "val", epoch));
+    const Dict cp = load_dict(step_file(dir, "ckpt", epoch));
+    for (const auto& [key, _] : val) n += key.rfind("valid.", 0) == 0 || key.rfind("restored.", 0) == 0;
+    for (const auto& [key, _] : cp) n += key.rfind("state_dict.", 0) == 0 || key.rfind("ema_state_dict.", 0) == 0;
+    n += model_tensors(dir);  // the model's source.* after the save
+  }
+  for (const auto& [key, _] : load_dict(dir / "end.pt")) n += key.rfind("end.", 0) == 0;
+  return n;
 }
 
 // A checkpoint of an EmaHook with nvalchemi's config `base` after one step, at a file of its own
@@ -220,9 +305,11 @@ TEST_CASE("luxonis-train ModelEma: ramped decay over the whole state dict", "[co
   if (!dir) return;
   auto sources = sources_from(*dir);
   auto ema = emakit::luxonis_model_ema(sources, {.decay = 0.99, .decay_tau = 5.0});
-  replay(*dir, sources, ema, false, [](const auto& e, const Dict& rec) {
+  const auto r = replay(*dir, sources, ema, false, [](const auto& e, const Dict& rec) {
     CHECK(e.num_updates() == rec.at("counter.updates").template item<std::int64_t>());
-  });
+  }, kLuxonis);
+  REQUIRE(r.compared == expected_comparisons(*dir));
+  REQUIRE(r.compared == model_tensors(*dir) * r.steps);
 }
 
 TEST_CASE("luxonis-train ModelEma: use_dynamic_decay=False is FixedEma in the model's dtype", "[conformance][luxonis]") {
@@ -230,17 +317,19 @@ TEST_CASE("luxonis-train ModelEma: use_dynamic_decay=False is FixedEma in the mo
   if (!dir) return;
   auto sources = sources_from(*dir);
   emakit::FixedEma ema(sources, emakit::Fixed(0.7), {}, emakit::EmaOptions().keep_model_dtype(true));
-  replay(*dir, sources, ema, false, [](const auto& e, const Dict& rec) {
+  const auto r = replay(*dir, sources, ema, false, [](const auto& e, const Dict& rec) {
     CHECK(e.num_updates() == rec.at("counter.updates").template item<std::int64_t>());
-  });
+  }, kLuxonis);
+  REQUIRE(r.compared == expected_comparisons(*dir));
+  REQUIRE(r.compared == model_tensors(*dir) * r.steps);
 }
 
 TEST_CASE("luxonis-train EMACallback in a Lightning fit: accumulation windows, validation swap, checkpoints, train end",
           "[conformance][luxonis]") {
   const auto dir = scenario_dir("luxonis_peer", "callback_accumulate");
   if (!dir) return;
-  const Stats s = replay_callback(*dir, 0.9, 3.0, /*call_at_window_start=*/false);
-  CHECK(s.compared > 0);
+  const Tally s = replay_callback(*dir, 0.9, 3.0, /*call_at_window_start=*/false);
+  REQUIRE(s.compared == callback_comparisons(*dir));
 }
 
 TEST_CASE("luxonis-train EMACallback: windows restart each epoch (batch_idx), the preset's accumulate does not",
@@ -267,8 +356,8 @@ TEST_CASE("luxonis-train EMACallback: windows restart each epoch (batch_idx), th
   CHECK(peer_updates.size() == 6);
   CHECK(ours.size() == 5);
   // The way to reproduce it: call the hook at the callback's own window starts, accumulate 1.
-  const Stats s = replay_callback(*dir, 0.9, 3.0, /*call_at_window_start=*/true);
-  CHECK(s.compared > 0);
+  const Tally s = replay_callback(*dir, 0.9, 3.0, /*call_at_window_start=*/true);
+  REQUIRE(s.compared == callback_comparisons(*dir));
 }
 
 // ---- nvalchemi-toolkit -----------------------------------------------------------------------
@@ -280,24 +369,32 @@ TEST_CASE("nvalchemi EMAHook: start_step, update_every and vetoed steps (preset)
   // The strategy advances ctx.step_count only when the optimizer step ran: a vetoed batch
   // (will_skip) completes no step, as emakit's update({.vetoed = true}).
   auto ema = emakit::ema_hook(sources, {.decay = 0.9, .update_every = 2, .start_step = 3, .use_buffers = false});
-  replay(*dir, sources, ema, /*pass_step=*/false, [](const auto& e, const Dict& rec) {
+  const auto r = replay(*dir, sources, ema, /*pass_step=*/false, [](const auto& e, const Dict& rec) {
     CHECK(e.num_updates() == rec.at("counter.num_updates").template item<std::int64_t>());
     CHECK(e.step() == rec.at("counter.step_count").template item<std::int64_t>());
-  });
+  }, kLerp);
+  // The peer records its state once it made its averaged model: every model tensor at those steps.
+  REQUIRE(r.compared == expected_comparisons(*dir));
+  REQUIRE(r.compared == model_tensors(*dir) * count_created(*dir));
 }
 
 TEST_CASE("nvalchemi EMAHook: lazy creation at the first eligible step (EmaHook)", "[conformance][nvalchemi]") {
   const auto dir = scenario_dir("nvalchemi_peer", "vetoed_start_every");
   if (!dir) return;
-  replay_ema_hook(*dir, {.decay = 0.9, .update_every = 2, .start_step = 3, .use_buffers = false},
-                  emakit::Creation::at_first_eligible_step);
+  const Tally s = replay_ema_hook(*dir, {.decay = 0.9, .update_every = 2, .start_step = 3, .use_buffers = false},
+                                  emakit::Creation::at_first_eligible_step);
+  REQUIRE(s.compared == expected_comparisons(*dir));
+  REQUIRE(s.compared == model_tensors(*dir) * count_created(*dir));
 }
 
 TEST_CASE("nvalchemi EMAHook: use_buffers=True, made at SETUP", "[conformance][nvalchemi]") {
   const auto dir = scenario_dir("nvalchemi_peer", "buffers_at_setup");
   if (!dir) return;
   // AveragedModel averages num_batches_tracked in integer arithmetic; emakit copies integers.
-  replay_ema_hook(*dir, {.decay = 0.8, .start_step = 2}, emakit::Creation::at_setup, {"bn.num_batches_tracked"});
+  const Tally s =
+      replay_ema_hook(*dir, {.decay = 0.8, .start_step = 2}, emakit::Creation::at_setup, {"bn.num_batches_tracked"});
+  REQUIRE(s.compared == expected_comparisons(*dir));
+  REQUIRE(s.compared == model_tensors(*dir) * count_created(*dir));
 }
 
 TEST_CASE("nvalchemi EMAHook: resume with pending state applied at creation, num_updates restored",
@@ -306,7 +403,7 @@ TEST_CASE("nvalchemi EMAHook: resume with pending state applied at creation, num
   if (!dir) return;
   const emakit::EmaHookOptions o{.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = false};
   const auto steps = load_dict(*dir / "meta.pt").at("steps").item<std::int64_t>();
-  Stats s;
+  Tally s;
   Net net;
   load_into(*net, load_dict(*dir / "step_0000.pt"), "source.");
   auto hook = std::make_unique<emakit::EmaHook>();
@@ -314,11 +411,28 @@ TEST_CASE("nvalchemi EMAHook: resume with pending state applied at creation, num
   hook->setup();
   const fs::path file = fs::temp_directory_path() / ("emakit_nvalchemi_" + std::to_string(::getpid()) + ".pt");
   bool resumed_creation_checked = false;
+  Dict previous;
   for (std::int64_t step = 1; step <= steps; ++step) {
     INFO("batch " << step);
     const Dict rec = load_dict(step_file(*dir, "step", step));
     load_into(*net, rec, "source.");
+    std::map<std::string, at::Tensor> before;
+    if (hook->created("model")) {
+      const emakit::StateDict held = hook->ema<FixedEma>("model").averages();
+      start_from(held, previous);
+      before = clone_all(held);
+    }
     hook->after_optimizer_step({.vetoed = rec.at("vetoed").item<std::int64_t>() != 0});
+    if (counter(rec, "created") != 0) {
+      auto& ema = hook->ema<FixedEma>("model");
+      CHECK(ema.num_updates() == counter(rec, "num_updates"));
+      CHECK(ema.step() == counter(rec, "step_count"));
+      const emakit::StateDict averages = ema.averages();
+      compare(
+          in_state(averages), rec, "peer.", s,
+          [&](const std::string& name) { return update_operands(name, rec, previous, before); }, kLerp);
+    }
+    previous = rec;
     if (step == 8) {  // the Python run saves hook.state_dict() here and a fresh hook loads it
       hook->save_checkpoint(file);
       hook = std::make_unique<emakit::EmaHook>();
@@ -333,16 +447,12 @@ TEST_CASE("nvalchemi EMAHook: resume with pending state applied at creation, num
       resumed_creation_checked = true;
       CHECK(hook->created("model"));
     }
-    if (counter(rec, "created") == 0) continue;
-    auto& ema = hook->ema<FixedEma>("model");
-    CHECK(ema.num_updates() == counter(rec, "num_updates"));
-    CHECK(ema.step() == counter(rec, "step_count"));
-    const emakit::StateDict averages = ema.averages();
-    compare(in_state(averages), rec, "peer.", s);
   }
   fs::remove(file);
   CHECK(resumed_creation_checked);
-  report("resume (EmaHook, checkpoint at batch 8)", steps, s);
+  report("resume (EmaHook, checkpoint at batch 8)", steps, s, kLerp);
+  REQUIRE(s.compared == count_keys(*dir, "peer."));
+  REQUIRE(s.compared == model_tensors(*dir) * count_created(*dir));
 
   // The state EMAHook saved at batch 8 (its AveragedModel's module.* and n_averaged), imported
   // into a fresh preset Ema, continues to the same numbers (steps given: ctx.step_count + 1).
@@ -365,7 +475,8 @@ TEST_CASE("nvalchemi EMAHook: resume with pending state applied at creation, num
   }
   CHECK(ema.num_updates() == saved.at("num_updates").item<std::int64_t>());
   std::int64_t step_count = saved.at("step_count").item<std::int64_t>();
-  Stats s2;
+  Tally s2;
+  previous.clear();  // the first step after the import starts from the imported state
   for (std::int64_t step = 9; step <= steps; ++step) {
     INFO("batch " << step << " (imported)");
     const Dict rec = load_dict(step_file(*dir, "step", step));
@@ -373,16 +484,23 @@ TEST_CASE("nvalchemi EMAHook: resume with pending state applied at creation, num
       torch::NoGradGuard no_grad;
       for (auto& t : sources) t.tensor.copy_(rec.at("source." + t.name));
     }
+    start_from(ema.averages(), previous);
+    const auto before = clone_all(ema.averages());
     const bool vetoed = rec.at("vetoed").item<std::int64_t>() != 0;
     emakit::StepInfo info{.vetoed = vetoed};
     if (!vetoed) info.step = ++step_count;
     ema.update(info);
     CHECK(ema.num_updates() == counter(rec, "num_updates"));
-    if (counter(rec, "created") == 0) continue;
-    const emakit::StateDict averages = ema.averages();
-    compare(in_state(averages), rec, "peer.", s2);
+    if (counter(rec, "created") != 0) {
+      const emakit::StateDict averages = ema.averages();
+      compare(
+          in_state(averages), rec, "peer.", s2,
+          [&](const std::string& name) { return update_operands(name, rec, previous, before); }, kLerp);
+    }
+    previous = rec;
   }
-  report("resume (preset, imported Python state)", steps - 8, s2);
+  report("resume (preset, imported Python state)", steps - 8, s2, kLerp);
+  REQUIRE(s2.compared == count_keys(*dir, "peer.", 9));
 }
 
 TEST_CASE("nvalchemi EMAHook: a state with another config is refused, naming the field, nothing loaded",
@@ -478,8 +596,11 @@ TEST_CASE("nvalchemi EMAHook: pending state aligned to the model's dtype at crea
   CHECK(ema.num_updates() == aligned.at("num_updates").item<std::int64_t>());
   CHECK(ema.num_updates() == aligned.at("n_averaged").item<std::int64_t>());
   const emakit::StateDict averages = ema.averages();
-  Stats s;
-  compare(in_state(averages), aligned, "peer.", s);  // dtype checked (float64 both) and values
+  // dtype checked (float64 both) and values: the float32 values widened, exactly (0 ulps).
+  Tally s;
+  compare(in_state(averages), aligned, "peer.", s, [](const std::string&) { return std::vector<Operand>{}; }, 0);
+  REQUIRE(s.compared == static_cast<int>(averages.size()));
+  report("dtype_alignment", 0, s, 0);
   CHECK(averages.find("lin.weight")->scalar_type() == at::kDouble);
 }
 

@@ -3,11 +3,9 @@ import sys
 
 import _common
 
+from timm.utils.model_ema import ModelEmaV3
+
 out = sys.argv[1]
-try:
-    from timm.utils.model_ema import ModelEmaV3
-except Exception as e:
-    _common.skipped(out, f"timm cannot be imported: {e}")
 
 
 def state(ema):
