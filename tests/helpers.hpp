@@ -12,9 +12,14 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <string>
 #include <utility>
@@ -72,16 +77,119 @@ inline void cast_floats(torch::nn::Module& m, torch::Dtype dtype) {
     if (b.is_floating_point()) b.set_data(b.to(dtype));
 }
 
-// actual == expected up to float rounding of arithmetic on operands of expected's magnitude. An EMA step
-// a + w * (b - a) on values near 1 is off by ulps of 1 even where the result is near 0, which
-// allclose's default atol (1e-8) refuses for some random draws (and randn draws differ by CPU).
-inline bool close_in_float(const torch::Tensor& actual, const torch::Tensor& expected) {
-  const double scale = 1.0 + expected.abs().max().item<double>();
-  return torch::allclose(actual, expected, 1e-5, 1e-5 * scale);
+// ---- distances in ulps ------------------------------------------------------------------------
+//
+// ulp(m) in a dtype: the spacing of that dtype's values at magnitude m (2^(floor(log2 m) - p + 1)
+// with p the dtype's significand bits; the subnormal spacing below its smallest normal).
+//
+// Bounds the tests state, in U = one ulp of the average's dtype at M = max(|a|, |x|), the
+// magnitude of a lerp's operands (its result can be far smaller than its operands, when a and x
+// have opposite signs, so ulps of the result would bound nothing):
+//   ATen's lerp formula, a + w(x - a) for |w| < 1/2 else x + (w - 1)(x - a), each operation
+//   rounded once in the dtype (the fused CPU pass, _foreach_lerp_): w rounded to the dtype < 1 U
+//   (|w - fl(w)| |x - a| <= 2^-p |w| 2M); x - a rounded <= 1 U, times |w| or |w - 1| <= 1/2:
+//   1/2 U; the product <= 1/2 U; the sum <= 1 U: 3 U from the exact lerp.
+//   LibTorch 1.13's _foreach_mul_ + _foreach_add_, a(1 - w) + w x: 1 - w and w rounded < 1 U
+//   together (their weights sum to 1), two products 1/2 U each, the sum 1 U: 3 U.
+//   A reference computed in double and rounded once to the dtype: 1/2 U (plus a few double ulps).
+//   A half or bf16 average computed in fp32 and rounded once: its fp32 value is 3 fp32 ulps from
+//   the exact lerp, the two roundings to the dtype 1/2 U each: 1 U (the results lie on the
+//   dtype's grid, whose spacing is U at most, and differ by less than 2 U).
+
+// Significand bits (with the implicit one) and smallest normal exponent of a floating dtype.
+inline std::pair<int, int> float_format(torch::Dtype dtype) {
+  switch (dtype) {
+    case torch::kDouble: case torch::kComplexDouble: return {53, -1022};
+    case torch::kFloat: case torch::kComplexFloat: return {24, -126};
+    case torch::kHalf: return {11, -14};
+    case torch::kBFloat16: return {8, -126};
+    default: TORCH_CHECK(false, "float_format: not a floating dtype: ", dtype);
+  }
+  return {0, 0};
+}
+
+// One ulp of `dtype` at magnitude m (m >= 0, finite).
+inline double ulp_of(double m, torch::Dtype dtype) {
+  const auto [digits, min_exponent] = float_format(dtype);
+  const int e = m > 0 ? std::max(std::ilogb(m), min_exponent) : min_exponent;
+  return std::ldexp(1.0, e - (digits - 1));
+}
+
+// The largest |a - b| over the elements, in ulps of `dtype` at `scale` (a magnitude per element,
+// broadcast to a's shape). Both NaN, or equal infinities: 0; one NaN or a lone infinity: infinity.
+// Complex tensors compare their real and imaginary parts. Different shapes: infinity.
+inline double max_ulps_at(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& scale, torch::Dtype dtype) {
+  if (a.sizes() != b.sizes()) return std::numeric_limits<double>::infinity();
+  auto flat = [](const torch::Tensor& t) {
+    const auto d = t.detach().cpu();
+    return (d.is_complex() ? torch::view_as_real(d.to(torch::kComplexDouble)) : d.to(torch::kDouble)).contiguous().reshape({-1});
+  };
+  const auto s = scale.detach().cpu().to(a.is_complex() ? torch::kComplexDouble : torch::kDouble).expand(a.sizes());
+  const auto x = flat(a), y = flat(b), m = flat(s).abs();
+  const double* px = x.data_ptr<double>();
+  const double* py = y.data_ptr<double>();
+  const double* pm = m.data_ptr<double>();
+  double worst = 0;
+  for (std::int64_t i = 0; i < x.numel(); ++i) {
+    if (std::isnan(px[i]) || std::isnan(py[i])) {
+      if (std::isnan(px[i]) != std::isnan(py[i])) return std::numeric_limits<double>::infinity();
+      continue;
+    }
+    if (px[i] == py[i]) continue;
+    if (std::isinf(px[i]) || std::isinf(py[i]) || std::isinf(pm[i])) return std::numeric_limits<double>::infinity();
+    worst = std::max(worst, std::abs(px[i] - py[i]) / ulp_of(pm[i], dtype));
+  }
+  return worst;
+}
+
+// The same in ulps at max(|a|, |b|), in a's dtype unless given.
+inline double max_ulps(const torch::Tensor& a, const torch::Tensor& b, torch::Dtype dtype) {
+  if (a.sizes() != b.sizes()) return std::numeric_limits<double>::infinity();
+  const auto wide = a.is_complex() ? torch::kComplexDouble : torch::kDouble;
+  auto magnitude = [&](const torch::Tensor& t) {
+    const auto d = t.detach().cpu().to(wide);
+    return d.is_complex() ? torch::view_as_real(d).abs() : d.abs();
+  };
+  auto m = torch::maximum(magnitude(a), magnitude(b));
+  if (a.is_complex()) m = torch::view_as_complex(m.contiguous());
+  return max_ulps_at(a, b, m, dtype);
+}
+inline double max_ulps(const torch::Tensor& a, const torch::Tensor& b) { return max_ulps(a, b, a.scalar_type()); }
+
+// max(|a|, |x|) in double: the magnitude of a lerp's operands, for max_ulps_at.
+inline torch::Tensor operand_magnitude(const torch::Tensor& a, const torch::Tensor& x) {
+  return torch::maximum(a.detach().cpu().to(torch::kDouble).abs(), x.detach().cpu().to(torch::kDouble).abs());
 }
 
 inline bool bitwise_equal(const torch::Tensor& a, const torch::Tensor& b) {
   return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && torch::equal(a, b);
+}
+
+// A file of the repository, found from this header's own path (tests/helpers.hpp): the README and
+// docs/*.md for the tests that check what they say. Throws naming the path when it is missing.
+inline std::filesystem::path repo_file(const std::string& relative) {
+  const auto path = std::filesystem::path(__FILE__).parent_path().parent_path() / relative;
+  TORCH_CHECK(std::filesystem::is_regular_file(path), "repo_file: no file ", path.string(),
+              " (the tests read the repository's documentation from the source tree)");
+  return path;
+}
+
+// C++ code with its whitespace normalised: none, except one space between two word characters
+// (what the preprocessor's stringification of the same tokens gives, compared the same way).
+inline std::string squeeze_code(const std::string& code) {
+  auto word = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_'; };
+  std::string out;
+  bool gap = false;
+  for (char c : code) {
+    if (std::isspace(static_cast<unsigned char>(c)) != 0) {
+      gap = true;
+      continue;
+    }
+    if (gap && !out.empty() && word(out.back()) && word(c)) out += ' ';
+    out += c;
+    gap = false;
+  }
+  return out;
 }
 
 // A fresh folder under the system's temporary folder, removed with everything in it at scope end.

@@ -7,6 +7,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <stdexcept>
@@ -28,14 +29,20 @@ TEST_CASE("An update averages every floating tensor with ema = d*ema + (1-d)*x",
   const auto result = ema.update();
   CHECK(result.action == Action::averaged);
   CHECK(result.step == 1);
-  CHECK(result.decay == Approx(0.9).epsilon(1e-15));
-  const auto expected = before * 0.9 + model->fc->weight.detach() * 0.1;
-  CHECK(torch::allclose(ema.average("fc.weight"), expected, /*rtol=*/1e-6, /*atol=*/1e-7));
-  CHECK(torch::allclose(ema.average("fc.weight"), before.lerp(model->fc->weight.detach(), 0.1), 1e-6, 1e-7));
+  // The EMA reports 1 - w with w = 1 - 0.9: one rounding of 1 - d in [1/2, 1], 2^-54 at most.
+  CHECK(std::abs(result.decay - 0.9) <= std::ldexp(1.0, -54));
+  // In ulps of fp32 at max(|before|, |x|) (helpers.hpp): the update is 3 from the exact lerp;
+  // d*ema + (1-d)*x in fp32 is too (0.9 and 0.1 rounded: < 1 together, two products 1/2 each, the
+  // sum 1): 6 apart. ATen's own lerp is the same formula but for a fused product (FMA): 1.5.
+  const auto x = model->fc->weight.detach();
+  const auto magnitude = emakit_test::operand_magnitude(before, x);
+  const auto expected = before * 0.9 + x * 0.1;
+  CHECK(emakit_test::max_ulps_at(ema.average("fc.weight"), expected, magnitude, torch::kFloat) <= 6);
+  CHECK(emakit_test::max_ulps_at(ema.average("fc.weight"), before.lerp(x, 0.1), magnitude, torch::kFloat) <= 1.5);
   CHECK(ema.num_updates() == 1);
   CHECK(ema.calls() == 1);
   CHECK(ema.step() == 1);
-  CHECK(ema.decay() == Approx(0.9));
+  CHECK(ema.decay() == result.decay);
 }
 
 TEST_CASE("Non-floating tensors are copied, never averaged", "[ema]") {
@@ -98,7 +105,11 @@ TEST_CASE("A bf16 model gets an fp32 average that follows it, a bf16 average sta
     bf16.update();
   }
   const double expected = 1.0 + 0.5 * (1.0 - std::pow(0.9999, 100));  // 1.004975...
-  CHECK(fp32.average("fc.weight").max().item<double>() == Approx(expected).epsilon(1e-5));
+  // Each of the 100 updates rounds its sum once (1/2 ulp of 1: 2^-24; x - a is exact and the
+  // product's rounding is an ulp of 5e-5), and w's rounding to fp32 moves the result by < 1e-9.
+  const double got = fp32.average("fc.weight").max().item<double>();
+  CHECK(std::abs(got - expected) <= 100 * std::ldexp(1.0, -24) + 1e-9);
+  CHECK(fp32.average("fc.weight").min().item<double>() == got);  // every element alike
   CHECK(torch::equal(bf16.average("fc.weight"), torch::ones({4, 3}, torch::kBFloat16)));  // stuck at 1
 }
 
@@ -110,8 +121,11 @@ TEST_CASE("The average's dtype and device are chosen apart from the model's", "[
   const auto before = model->fc->weight.detach().to(torch::kDouble);
   emakit_test::perturb(*model);
   f64.update();
-  const auto expected = before * 0.9999 + model->fc->weight.detach().to(torch::kDouble) * (1.0 - 0.9999);
-  CHECK(torch::allclose(f64.average("fc.weight"), expected, 1e-12, 1e-14));
+  const auto x = model->fc->weight.detach().to(torch::kDouble);
+  const auto expected = before * 0.9999 + x * (1.0 - 0.9999);
+  // Both are 3 double ulps at max(|before|, |x|) from the exact lerp (helpers.hpp): 6 apart.
+  CHECK(emakit_test::max_ulps_at(f64.average("fc.weight"), expected, emakit_test::operand_magnitude(before, x),
+                                 torch::kDouble) <= 6);
 }
 
 TEST_CASE("The swap guard puts the EMA weights in the model and restores the model's own", "[ema][swap]") {
@@ -207,17 +221,18 @@ TEST_CASE("Loading a state of another config is an error naming the field and bo
   emakit::FixedEma a(*model, emakit::Fixed(0.999));
   emakit::FixedEma b(*model, emakit::Fixed(0.9));
   CHECK_THROWS_WITH(b.load_state_dict(a.state_dict()),
-                    Contains("config.decay.beta") && Contains("0.999") && Contains("0.9"));
+                    Contains("config differs: config.decay.beta is 0.999 in the state, 0.9 in this EMA"));
   emakit::RampEma c(*model);
-  CHECK_THROWS_WITH(c.load_state_dict(a.state_dict()), Contains("Fixed") && Contains("ExponentialRamp"));
+  CHECK_THROWS_WITH(c.load_state_dict(a.state_dict()), Contains("config differs: decay policy is Fixed in the state, ExponentialRamp in this EMA"));
   emakit::FixedEma d(*model, emakit::Fixed(0.999), emakit::StepSchedule().update_every(3));
   CHECK_THROWS_WITH(d.load_state_dict(a.state_dict()),
-                    Contains("config.schedule.update_every") && Contains("1") && Contains("3"));
+                    Contains("config differs: config.schedule.update_every is 1 in the state, 3 in this EMA"));
   // The buffer mode is part of the config (nvalchemi's EMAHook refuses another use_buffers too).
   emakit::FixedEma e(*model, emakit::Fixed(0.999), {}, emakit::EmaOptions().buffers(emakit::BufferMode::copy));
   const auto before = snapshot(e.averages());
   CHECK_THROWS_WITH(e.load_state_dict(a.state_dict()),
-                    Contains("config.options.buffers") && Contains("average") && Contains("copy"));
+                    Contains("config differs: config.options.buffers (EmaOptions::buffers) is average in the state, copy "
+                             "in this EMA"));
   CHECK(same_averages(e.averages(), before));
   // A state written before the buffer mode was saved has no such key: it loads, unchecked.
   emakit::StateDict older;
