@@ -521,8 +521,51 @@ TEST_CASE("Hook: a loaded EMA state is aligned to the EMA's dtype", "[hooks]") {
   CHECK(wide->fc->weight.scalar_type() == torch::kDouble);
 }
 
-TEST_CASE("Hook: the README's example compiles and does what it says", "[hooks]") {
+namespace {
+
+// The lines of the first ```cpp block of a Markdown file from the first line holding `first` to
+// the next holding `last`, with their // comments dropped; empty if there is no such range.
+std::string doc_example(const std::filesystem::path& file, const std::string& first, const std::string& last) {
+  std::ifstream in(file);
+  std::string line, out;
+  bool in_block = false, inside = false;
+  while (std::getline(in, line)) {
+    if (!in_block) {
+      in_block = line == "```cpp";
+      continue;
+    }
+    if (line == "```") break;
+    if (!inside && line.find(first) == std::string::npos) continue;
+    inside = true;
+    const auto comment = line.find("//");
+    out += line.substr(0, comment) + "\n";
+    if (line.find(last) != std::string::npos) return out;
+  }
+  return {};
+}
+
+// The working folder for its lifetime (the example writes "last.pt" where it runs).
+struct WorkingFolder {
+  std::filesystem::path previous = std::filesystem::current_path();
+  explicit WorkingFolder(const std::filesystem::path& p) { std::filesystem::current_path(p); }
+  ~WorkingFolder() { std::filesystem::current_path(previous); }
+};
+
+}  // namespace
+
+// Runs the code and keeps its text (the preprocessor's spelling, compared squeezed) in `text`.
+#define EMAKIT_EXAMPLE(text, ...) \
+  text = #__VA_ARGS__;            \
+  __VA_ARGS__
+
+TEST_CASE("Hook: the example of docs/hooks.md compiles and does what it says", "[hooks]") {
+  // The example's hook calls are written here once, run, and their text compared with the page's
+  // (its comments dropped): an edit to either fails here. The model, optimizer and step count
+  // around them are this test's (a smaller run).
+  const std::string page = doc_example(emakit_test::repo_file("docs/hooks.md"), "emakit::EmaHook hook;", "hook.train_end();");
+  REQUIRE_FALSE(page.empty());
   TempDir dir;
+  WorkingFolder here(dir.path);
   torch::manual_seed(12);
   TinyNet model;
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
@@ -535,32 +578,37 @@ TEST_CASE("Hook: the README's example compiles and does what it says", "[hooks]"
   auto validate = [&](TinyNet&) { ++validations; };
   const std::int64_t steps = 2000;
   const bool scaler_skipped_step = false;
-  const auto last = dir.path / "last.pt";
 
-  emakit::EmaHook hook;
-  hook.add(*model, emakit::Recipe(emakit::Fixed(0.999)));
-  hook.setup();
-  for (std::int64_t step = 1; step <= steps; ++step) {
-    train_step(model, optimizer);
-    hook.after_optimizer_step({.vetoed = scaler_skipped_step});
-    if (step % 1000 == 0) {
-      {
-        auto scope = hook.validation();
-        validate(model);
+  std::string text;
+  EMAKIT_EXAMPLE(text,
+    emakit::EmaHook hook;
+    hook.add(*model, emakit::Recipe(emakit::Fixed(0.999)));
+    hook.setup();
+    for (std::int64_t step = 1; step <= steps; ++step) {
+      train_step(model, optimizer);
+      hook.after_optimizer_step({.vetoed = scaler_skipped_step});
+      if (step % 1000 == 0) {
+        {
+          auto scope = hook.validation();
+          validate(model);
+        }
+        hook.save_checkpoint("last.pt");
       }
-      hook.save_checkpoint(last);
     }
-  }
-  hook.train_end();
+    hook.train_end();)
+  CHECK(emakit_test::squeeze_code(text) == emakit_test::squeeze_code(page));
 
-  CHECK(validations == 2);
+  CHECK(validations == steps / 1000);
   auto& ema = hook.ema<emakit::FixedEma>("model");
+  CHECK(ema.decay_policy() == emakit::Fixed(0.999));
   CHECK(ema.num_updates() == steps);
   CHECK(model_holds(*model, ema.averages()));
   TinyNet deployed;
-  emakit::load_weights(*deployed, last);
+  emakit::load_weights(*deployed, dir.path / "last.pt");
   CHECK(same(weights_of(*deployed), averages_of(ema.averages())));  // saved at the last step
 }
+
+#undef EMAKIT_EXAMPLE
 
 TEST_CASE("Hook: a truncated or bit-flipped checkpoint file is an error naming it, and nothing is loaded", "[hooks]") {
   TempDir dir;

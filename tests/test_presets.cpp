@@ -1,5 +1,5 @@
-// Presets for the Python peers, their options, and the README's migration table (which must
-// compile: it is written out here). Numerical equality with the real packages is checked by the
+// Presets for the Python peers, their options, and the migration table of
+// docs/coming-from-python.md (its code is written out here, compiled, and compared with the page). Numerical equality with the real packages is checked by the
 // conformance tests (tests/conformance/).
 #include <emakit/emakit.hpp>
 #include <emakit/interop.hpp>
@@ -8,6 +8,11 @@
 #include "helpers.hpp"
 
 #include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <string>
+#include <vector>
 
 #include <catch2/catch.hpp>
 
@@ -15,49 +20,159 @@ using Catch::Matchers::Contains;
 using emakit::Action;
 using emakit_test::TinyNet;
 
-TEST_CASE("The README's migration table compiles and makes the EMA it says", "[presets]") {
-  TinyNet model;
-  // ema_pytorch.EMA(model, beta=0.9999, update_after_step=100, update_every=10)
-  auto a = emakit::ema_pytorch(*model, {.beta = 0.9999, .update_after_step = 100, .update_every = 10});
-  // timm ModelEmaV3(model, decay=0.9998, use_warmup=True); ema.update(model, step=step)
-  auto b = emakit::timm_model_ema_v3(*model, {.decay = 0.9998, .use_warmup = true});
-  b.update({.step = 1});
-  // AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999), use_buffers=True)
-  auto c = emakit::averaged_model_ema(*model, {.decay = 0.999, .use_buffers = true});
-  // AveragedModel(model)   (SWA)
-  auto d = emakit::averaged_model_swa(*model);
-  // EMAHook(decay=0.999, update_every=2, start_step=100); hook(ctx, AFTER_OPTIMIZER_STEP, will_skip)
-  auto e = emakit::ema_hook(*model, {.decay = 0.999, .update_every = 2, .start_step = 100});
-  e.update({.vetoed = true});
-  // luxonis-train ModelEma(model, decay=0.9999, decay_tau=2000)
-  auto f = emakit::luxonis_model_ema(*model, {.decay = 0.9999, .decay_tau = 2000});
-  // nvalchemi EMAHook registered with a trainer: lazy creation, pending state, config check
-  emakit::EmaHook hook;
-  hook.add(*model, emakit::ema_hook_recipe({.decay = 0.999, .start_step = 100}),
-           {.creation = emakit::Creation::at_first_eligible_step});
-  hook.after_optimizer_step({.vetoed = true});
-  // luxonis-train EMACallback(decay=0.5, decay_tau=2000), accumulate_grad_batches=4
-  TinyNet other;
-  emakit::EmaHook callback;
-  callback.add(*other, emakit::luxonis_ema_callback_recipe({.decay = 0.5, .decay_tau = 2000, .accumulate = 4}));
-  callback.setup();
+namespace {
 
-  CHECK(a.decay_policy() == emakit::InversePowerWarmup(0.9999).update_after_step(100).single_precision(true));
-  CHECK(a.schedule() == emakit::StepSchedule()
-                            .warmup(emakit::Warmup::copy_before_start)
-                            .start_step(102)
-                            .update_every(10)
-                            .every_offset(1));
-  CHECK(b.decay_policy().warmup());
-  CHECK(c.decay_policy() == emakit::Fixed(0.999));
-  CHECK(d.schedule().warmup() == emakit::Warmup::skip_before_start);
-  CHECK(e.schedule().start_step() == 100);
-  CHECK(e.step() == 0);  // the vetoed step completed nothing
-  CHECK(f.decay_policy() == emakit::ExponentialRamp(0.9999, 2000));
-  CHECK_FALSE(hook.created("model"));  // nothing eligible yet: no EMA, no memory
-  CHECK(callback.ema<emakit::RampEma>("model").decay_policy() == emakit::ExponentialRamp(0.5, 2000));
-  CHECK(callback.ema<emakit::RampEma>("model").schedule().accumulate() == 4);
+// The rows of the migration table in docs/coming-from-python.md (the table under "| Python |
+// emakit |"): per row, the Python cell's code spans and the emakit cell's code spans joined by a
+// space.
+struct TableRow {
+  std::vector<std::string> python;
+  std::string cpp;
+};
+std::vector<TableRow> migration_table() {
+  std::ifstream in(emakit_test::repo_file("docs/coming-from-python.md"));
+  std::vector<TableRow> rows;
+  std::string line;
+  bool inside = false;
+  auto spans = [](const std::string& cell) {
+    std::vector<std::string> out;
+    for (std::size_t at = cell.find('`'); at != std::string::npos; at = cell.find('`', at)) {
+      const auto close = cell.find('`', at + 1);
+      if (close == std::string::npos) break;
+      out.push_back(cell.substr(at + 1, close - at - 1));
+      at = close + 1;
+    }
+    return out;
+  };
+  while (std::getline(in, line)) {
+    if (line.rfind("| Python | emakit |", 0) == 0) {
+      inside = true;
+      continue;
+    }
+    if (!inside || line.rfind("|---", 0) == 0) continue;
+    if (line.rfind("| ", 0) != 0) break;  // the table's end
+    const auto mid = line.find(" | ", 2);
+    REQUIRE(mid != std::string::npos);
+    TableRow row{spans(line.substr(2, mid - 2)), ""};
+    for (const auto& code : spans(line.substr(mid + 3))) row.cpp += (row.cpp.empty() ? "" : " ") + code;
+    rows.push_back(std::move(row));
+  }
+  return rows;
 }
+
+// The numbers of a Python snippet: keyword arguments ("EMA(model, beta=0.9999, update_every=10)"
+// -> {beta: 0.9999, update_every: 10}; True/False -> 1/0) and the single arguments of calls
+// ("get_ema_multi_avg_fn(0.999)" -> {get_ema_multi_avg_fn: 0.999}).
+std::map<std::string, double> python_kwargs(const std::string& call) {
+  std::map<std::string, double> out;
+  static const std::regex kwarg(R"(([A-Za-z_]+)[=(]([-+0-9.eE]+|True|False)(?=[,)]|$))");
+  for (auto it = std::sregex_iterator(call.begin(), call.end(), kwarg); it != std::sregex_iterator(); ++it) {
+    const std::string value = (*it)[2];
+    out[(*it)[1]] = value == "True" ? 1.0 : value == "False" ? 0.0 : std::stod(value);
+  }
+  return out;
+}
+
+}  // namespace
+
+// Runs the code and keeps its text (the preprocessor's spelling, compared squeezed) in `text`.
+#define EMAKIT_ROW(text, ...) \
+  text = #__VA_ARGS__;        \
+  __VA_ARGS__
+
+TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes the EMA its Python column says",
+          "[presets]") {
+  // Each row's emakit code is written here once, run, and its text compared with the table's; the
+  // numbers the checks expect are read from the table's Python column. An edit to the table, to
+  // this code or to a preset fails here.
+  const auto rows = migration_table();
+  REQUIRE(rows.size() == 9);
+  std::vector<std::string> code(rows.size());
+  const std::int64_t step = 1;
+  const bool will_skip = true;
+  auto py = [&](std::size_t row, const std::string& key) {
+    const auto args = python_kwargs(rows[row].python.at(0));
+    INFO("row " << row << " (" << rows[row].python.at(0) << ") has no " << key);
+    REQUIRE(args.count(key) == 1);
+    return args.at(key);
+  };
+  auto whole = [](double v) { return static_cast<std::int64_t>(v); };
+  {
+    TinyNet model;
+    EMAKIT_ROW(code[0], auto ema = emakit::ema_pytorch(*model, {.beta = 0.9999, .update_after_step = 100, .update_every = 10});)
+    CHECK(ema.decay_policy() ==
+          emakit::InversePowerWarmup(py(0, "beta")).update_after_step(whole(py(0, "update_after_step"))).single_precision(true));
+    CHECK(ema.schedule() == emakit::StepSchedule()
+                                .warmup(emakit::Warmup::copy_before_start)
+                                .start_step(whole(py(0, "update_after_step")) + 2)
+                                .update_every(whole(py(0, "update_every")))
+                                .every_offset(1));
+  }
+  {
+    TinyNet model;
+    EMAKIT_ROW(code[1], auto ema = emakit::timm_model_ema_v3(*model, {.decay = 0.9998, .use_warmup = true}); ema.update({.step = step});)
+    CHECK(ema.decay_policy() == emakit::InversePowerWarmup(py(1, "decay")).warmup(py(1, "use_warmup") == 1.0));
+    CHECK(ema.step() == step);
+  }
+  {
+    TinyNet model;
+    emakit_test::cast_floats(*model, torch::kBFloat16);
+    EMAKIT_ROW(code[2], emakit::FixedEma ema(*model, emakit::Fixed(0.9), {}, emakit::EmaOptions().keep_model_dtype(true));)
+    CHECK(ema.decay_policy() == emakit::Fixed(py(2, "decay")));
+    CHECK(ema.average("fc.weight").scalar_type() == torch::kBFloat16);  // timm keeps the model's dtype
+  }
+  {
+    TinyNet model;
+    EMAKIT_ROW(code[3], auto ema = emakit::averaged_model_ema(*model, {.decay = 0.999, .use_buffers = true});)
+    CHECK(ema.decay_policy() == emakit::Fixed(py(3, "get_ema_multi_avg_fn")));
+    CHECK(ema.schedule().warmup() == emakit::Warmup::skip_before_start);
+    CHECK(ema.options().buffers() == (py(3, "use_buffers") == 1.0 ? emakit::BufferMode::average : emakit::BufferMode::copy));
+  }
+  {
+    TinyNet model;
+    EMAKIT_ROW(code[4], auto swa = emakit::averaged_model_swa(*model);)
+    CHECK(rows[4].python.at(0) == "AveragedModel(model)");
+    CHECK(swa.schedule().warmup() == emakit::Warmup::skip_before_start);
+    CHECK(swa.options().buffers() == emakit::BufferMode::copy);  // use_buffers=False, AveragedModel's default
+  }
+  {
+    TinyNet model;
+    EMAKIT_ROW(code[5], auto ema = emakit::ema_hook(*model, {.decay = 0.999, .update_every = 2, .start_step = 100}); ema.update({.vetoed = will_skip});)
+    CHECK(ema.decay_policy() == emakit::Fixed(py(5, "decay")));
+    CHECK(ema.schedule().update_every() == whole(py(5, "update_every")));
+    CHECK(ema.schedule().start_step() == whole(py(5, "start_step")));
+    CHECK(ema.step() == 0);  // the vetoed step completed nothing
+  }
+  {
+    TinyNet model;
+    EMAKIT_ROW(code[6], auto ema = emakit::luxonis_model_ema(*model, {.decay = 0.9999, .decay_tau = 2000});)
+    CHECK(ema.decay_policy() == emakit::ExponentialRamp(py(6, "decay"), py(6, "decay_tau")));
+  }
+  {
+    TinyNet model;
+    EMAKIT_ROW(code[7], emakit::EmaHook hook; hook.add(*model, emakit::ema_hook_recipe({.decay = 0.999, .start_step = 100}), {.creation = emakit::Creation::at_first_eligible_step}); hook.after_optimizer_step({.vetoed = will_skip});)
+    CHECK(rows[7].python.at(0) == "EMAHook(...)");
+    CHECK_FALSE(hook.created("model"));  // nothing eligible yet: no EMA, no memory
+  }
+  {
+    TinyNet model;
+    emakit::EmaHook hook;
+    EMAKIT_ROW(code[8], hook.add(*model, emakit::luxonis_ema_callback_recipe({.decay = 0.5, .decay_tau = 2000, .accumulate = 4}));)
+    hook.setup();
+    const auto& ema = hook.ema<emakit::RampEma>("model");
+    CHECK(ema.decay_policy() == emakit::ExponentialRamp(py(8, "decay"), py(8, "decay_tau")));
+    REQUIRE(rows[8].python.size() == 2);
+    const auto lightning = python_kwargs(rows[8].python[1]);
+    REQUIRE(lightning.count("accumulate_grad_batches") == 1);
+    CHECK(ema.schedule().accumulate() == whole(lightning.at("accumulate_grad_batches")));
+  }
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    INFO("row " << i << " of the table: " << rows[i].cpp);
+    CHECK(emakit_test::squeeze_code(rows[i].cpp) == emakit_test::squeeze_code(code[i]));
+  }
+}
+
+#undef EMAKIT_ROW
 
 TEST_CASE("ema-pytorch preset: integers untouched, ignored names follow copies only", "[presets]") {
   TinyNet model;
@@ -92,11 +207,14 @@ TEST_CASE("Switch EMA pulls the model towards the average on its steps", "[prese
   CHECK(torch::equal(w, torch::full({2}, 4.0)));
   ema.update();  // step 2: ema 3, then model = lerp(4, 3, 0.75) = 3.25
   CHECK(torch::equal(ema.average("w"), torch::full({2}, 3.0)));
-  CHECK(torch::allclose(w, torch::full({2}, 3.25)));
+  CHECK(torch::equal(w, torch::full({2}, 3.25)));  // 3 + (0.75 - 1) * (3 - 4): every step exact
   ema.switch_model(0.0);
   CHECK(torch::equal(w, torch::full({2}, 3.0)));
-  CHECK_THROWS_WITH(emakit::EmaOptions().switch_model(2, 1.0), Contains("beta") && Contains("1"));
-  CHECK_THROWS_WITH(emakit::EmaOptions().switch_model(-1), Contains("-1"));
+  CHECK_THROWS_WITH(emakit::EmaOptions().switch_model(2, 1.0),
+                    Contains("EmaOptions::switch_model beta must be in [0, 1), got 1"));
+  CHECK_THROWS_WITH(emakit::EmaOptions().switch_model(-1), Contains("EmaOptions::switch_model every must be >= 0, got -1"));
+  CHECK_THROWS_WITH(emakit::EmaOptions().switch_model(2, 0.5, -3),
+                    Contains("EmaOptions::switch_model offset must be >= 0, got -3"));
   CHECK_THROWS_WITH(emakit::EmaOptions().non_floating(emakit::BufferMode::average), Contains("copy or ignore"));
 }
 
