@@ -95,14 +95,14 @@ TEST_CASE("Uniform gives an equal-weight mean, with the lerp weight 1/n exactly"
 
 TEST_CASE("Decay options out of range are rejected with the value", "[decay][errors]") {
   CHECK_THROWS_AS(emakit::Fixed(1.0), std::invalid_argument);
-  CHECK_THROWS_WITH(emakit::Fixed(1.0), Contains("Fixed::beta") && Contains("[0, 1)") && Contains("1"));
-  CHECK_THROWS_WITH(emakit::Fixed(-0.5), Contains("-0.5"));
+  CHECK_THROWS_WITH(emakit::Fixed(1.0), Contains("Fixed::beta must be in [0, 1), got 1"));
+  CHECK_THROWS_WITH(emakit::Fixed(-0.5), Contains("Fixed::beta must be in [0, 1), got -0.5"));
   CHECK_THROWS_WITH(emakit::Fixed(std::nan("")), Contains("Fixed::beta"));
-  CHECK_THROWS_WITH(emakit::ExponentialRamp(0.9999, 0.0), Contains("ExponentialRamp::tau") && Contains("> 0"));
-  CHECK_THROWS_WITH(emakit::ExponentialRamp(0.9999, -3), Contains("-3"));
-  CHECK_THROWS_WITH(emakit::ExponentialRamp(1.5, 10), Contains("ExponentialRamp::decay") && Contains("1.5"));
-  CHECK_THROWS_WITH(emakit::InversePowerWarmup().inv_gamma(0), Contains("inv_gamma"));
-  CHECK_THROWS_WITH(emakit::InversePowerWarmup().power(-1), Contains("power") && Contains("-1"));
+  CHECK_THROWS_WITH(emakit::ExponentialRamp(0.9999, 0.0), Contains("ExponentialRamp::tau must be > 0, got 0"));
+  CHECK_THROWS_WITH(emakit::ExponentialRamp(0.9999, -3), Contains("ExponentialRamp::tau must be > 0, got -3"));
+  CHECK_THROWS_WITH(emakit::ExponentialRamp(1.5, 10), Contains("ExponentialRamp::decay must be in [0, 1), got 1.5"));
+  CHECK_THROWS_WITH(emakit::InversePowerWarmup().inv_gamma(0), Contains("InversePowerWarmup::inv_gamma must be > 0, got 0"));
+  CHECK_THROWS_WITH(emakit::InversePowerWarmup().power(-1), Contains("InversePowerWarmup::power must be > 0, got -1"));
   CHECK_THROWS_WITH(emakit::InversePowerWarmup(0.9).min_value(0.95), Contains("min_value") && Contains("0.95"));
   CHECK_THROWS_WITH(emakit::InversePowerWarmup().update_after_step(-2), Contains("update_after_step") && Contains("-2"));
   CHECK_THROWS_WITH(emakit::PowerFunction(-1.0), Contains("gamma") && Contains("-1"));

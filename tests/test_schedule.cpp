@@ -87,11 +87,12 @@ TEST_CASE("A step supplied by the caller is the step", "[schedule]") {
 }
 
 TEST_CASE("Schedule options out of range are rejected with the value", "[schedule][errors]") {
-  CHECK_THROWS_WITH(StepSchedule().update_every(0), Contains("update_every") && Contains("> 0") && Contains("0"));
-  CHECK_THROWS_WITH(StepSchedule().update_every(-4), Contains("-4"));
-  CHECK_THROWS_WITH(StepSchedule().start_step(-1), Contains("start_step") && Contains("-1"));
-  CHECK_THROWS_WITH(StepSchedule().accumulate(0), Contains("accumulation window") && Contains("0"));
-  CHECK_THROWS_WITH(StepSchedule().every_offset(-1), Contains("every_offset"));
+  CHECK_THROWS_WITH(StepSchedule().update_every(0), Contains("StepSchedule::update_every must be > 0, got 0"));
+  CHECK_THROWS_WITH(StepSchedule().update_every(-4), Contains("StepSchedule::update_every must be > 0, got -4"));
+  CHECK_THROWS_WITH(StepSchedule().start_step(-1), Contains("StepSchedule::start_step must be >= 0, got -1"));
+  CHECK_THROWS_WITH(StepSchedule().accumulate(0),
+                    Contains("StepSchedule::accumulate (accumulation window) must be > 0, got 0"));
+  CHECK_THROWS_WITH(StepSchedule().every_offset(-1), Contains("StepSchedule::every_offset must be >= 0, got -1"));
   CHECK_THROWS_AS(StepSchedule().warmup(static_cast<Warmup>(9)), std::invalid_argument);
 }
 
