@@ -19,7 +19,9 @@
 # cuda_tests.xml (JUnit, all of them, when time is left at the end), cuda_bench.json,
 # cuda_peers.json, cuda_results.md, summary.txt. summary.txt has one line per test run (PASSED,
 # FAILED with the failed test cases, SKIPPED) and the tests' `BYTES_PER_PARAM <label> <value>`
-# lines (GPU bytes an EMA holds per parameter) as they are.
+# lines (GPU bytes an EMA holds per parameter) as they are, and the race tests' `PROVOKED
+# <held>/<rounds> rounds: <read>` lines (rounds that provoked each race). On a machine with a GPU
+# the tests run with EMAKIT_EXPECT_CUDA=1: a CUDA check that cannot run there fails.
 # Every stage after the build gets a timeout cut from one deadline, EMAKIT_GPU_CHECK_BUDGET_S
 # (default 300 s) after the start, so that the whole run stays within it.
 set -uo pipefail
@@ -95,6 +97,11 @@ if ! "$python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() el
   # EMAKIT_GPU_CHECK_DRY=1: go on without a GPU, to check the build steps of this script.
   [[ "${EMAKIT_GPU_CHECK_DRY:-0}" == 1 ]] || { say "FAILED: torch sees no CUDA device"; exit 1; }
   say "no CUDA device: dry run (EMAKIT_GPU_CHECK_DRY=1), the tests and benchmarks will report skipped"
+else
+  # A GPU is here: the CUDA tests must run all of it. With EMAKIT_EXPECT_CUDA=1 a test binary that
+  # sees no device, and a check that cannot run (no allocator statistics ...), fail instead of
+  # skipping (tests/cuda/main.cpp, tests/cuda/expect.hpp).
+  export EMAKIT_EXPECT_CUDA=1
 fi
 
 info="$("$python" -c 'import os, torch; print(os.path.dirname(torch.__file__)); print(torch.version.cuda or "")')"
@@ -144,7 +151,7 @@ run_tests() {
   rc=$?
   case $rc in
     0) say "$what: PASSED ($(grep -E '^(All tests passed|test cases)' "$out/$file" | tail -n1))" ;;
-    77) say "$what: SKIPPED (no device seen by LibTorch)"; return 1 ;;
+    77) say "$what: SKIPPED (no device seen by LibTorch, or checks that could not run here: see $file)"; return 1 ;;
     124) say "$what: FAILED (timed out after $seconds s; see $file)"; tail -n 20 "$out/$file"; return 1 ;;
     *) say "$what: FAILED (rc $rc; $(grep -E '^test cases' "$out/$file" | tail -n1); failed: $(failed_cases "$out/$file"); see $file)"
        tail -n 40 "$out/$file"; return 1 ;;
@@ -157,6 +164,8 @@ if grep -qh '^BYTES_PER_PARAM ' "$out/cuda_tests.txt" "$out/cuda_race_tests.txt"
 else
   say "no BYTES_PER_PARAM lines: the GPU memory test ([memory]) did not run"
 fi
+# How many rounds of each race test provoked its race (a race no round provoked fails its test).
+grep -h '^PROVOKED ' "$out/cuda_race_tests.txt" 2>/dev/null | tee -a "$summary"
 
 # ---- benchmarks -------------------------------------------------------------------------------
 bench="$build/benchmarks/emakit_bench_ema_update"

@@ -4,8 +4,9 @@
 // host goes on; the test then does at once what a trainer does right after update() (evaluate
 // the EMA module, run the next forward, gather a sharded EMA, take the next optimizer step) and
 // checks what it reads against the average computed on its own on the CPU, in double. A missing
-// wait shows as stale or half-updated values. Each round reports (WARN) when the current stream
-// was already idle at the read, i.e. when the race was not provoked.
+// wait shows as stale or half-updated values. A round whose current stream was already idle at
+// the read did not provoke its race (a WARN says so); each test counts, per race, the rounds that
+// did, and fails on a CUDA device when no round provoked one: such a test would have tested nothing.
 //
 // Also here: the GPU memory an EMA holds per parameter (a `BYTES_PER_PARAM <label> <value>` line
 // per precision on stdout, which benchmarks/gpu_check.sh copies into its summary), an update
@@ -18,6 +19,7 @@
 #include <emakit/sharded.hpp>
 
 #include "../helpers.hpp"
+#include "expect.hpp"
 
 #include <ATen/ops/_foreach_add.h>
 #include <ATen/ops/_foreach_mul.h>
@@ -55,6 +57,7 @@
 #include <cstdint>
 #include <iostream>
 #include <limits>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -107,12 +110,37 @@ class Busy {
   c10::Event end_{dev.type()};
 };
 
-// Says when a round did not provoke its race (the current stream was idle by the time of the read).
-void report_provocation(bool held, const std::string& what) {
-  if (dev.is_cuda() && !held)
-    WARN("the current stream had finished its busy work before " << what
-                                                                 << ": this round did not provoke the race");
-}
+// Per race (named by the read that would see stale values), the rounds run and the rounds that
+// provoked it: the current stream was still busy, so the update had not run, when the read came.
+// require_each() fails (on a CUDA device) for a race that no round provoked: the rounds passed
+// without testing the wait. On the CPU (EMAKIT_RACE_TESTS_ON_CPU) nothing is ever pending.
+class Provocations {
+ public:
+  void record(bool held, const std::string& what) {
+    Count& c = counts_[what];
+    c.rounds += 1;
+    c.held += held ? 1 : 0;
+    if (dev.is_cuda() && !held)
+      WARN("the current stream had finished its busy work before " << what
+                                                                   << ": this round did not provoke the race");
+  }
+  void require_each() const {
+    REQUIRE(!counts_.empty());
+    for (const auto& [what, c] : counts_) {
+      std::cout << fmt::format("PROVOKED {}/{} rounds: {}\n", c.held, c.rounds, what) << std::flush;
+      if (!dev.is_cuda()) continue;
+      INFO(c.held << " of " << c.rounds << " rounds provoked the race at " << what
+                  << " (0: the busy work ended before the read every time, so nothing was tested)");
+      CHECK(c.held > 0);
+    }
+  }
+
+ private:
+  struct Count {
+    int rounds = 0, held = 0;
+  };
+  std::map<std::string, Count> counts_;
+};
 
 // An optimizer step on the current stream: t = t/2 + value for every tensor, in two foreach calls.
 void step(const std::vector<at::Tensor>& ts, double value) {
@@ -213,6 +241,7 @@ TORCH_MODULE(BnNet);
 template <class EmaT, class Update, class Read>
 void module_read_rounds(torch::nn::Sequential& seq, EmaT& ema, Update update, Read read) {
   Busy busy;
+  Provocations provoked;
   const auto names = param_names(*seq);
   for (int round = 0; round < 3; ++round) {
     INFO("round " << round);
@@ -225,10 +254,11 @@ void module_read_rounds(torch::nn::Sequential& seq, EmaT& ema, Update update, Re
     const at::Tensor got = flat_copy(read());  // right after update(): no wait() in between
     const bool held = busy.running();
     const at::Tensor expected = lerp_expected(before, src, 1.0 - r.decay);
-    report_provocation(held, "the read");
+    provoked.record(held, "the read");
     INFO("elements still holding the previous average: " << stale_elements(got, before) << " of " << got.numel());
     CHECK(bad_elements(got, expected) == 0);
   }
+  provoked.require_each();
 }
 
 // A one-rank process group (see the top of this file).
@@ -331,6 +361,7 @@ TEST_CASE("Races: buffers written after update() and before wait() stay out of t
   std::vector<std::string> names;
   for (int i = 0; i < 300; ++i) names.push_back(model[static_cast<std::size_t>(i)].name);
   emakit::FixedEma ema(model, emakit::Fixed(0.5), {}, long_side_stream());
+  Provocations provoked;
   for (int round = 0; round < 3; ++round) {
     INFO("round " << round);
     const auto avg = ema.averages();
@@ -358,9 +389,10 @@ TEST_CASE("Races: buffers written after update() and before wait() stay out of t
     ema.wait();                 // before the next optimizer step, as documented
     step(params, 100.0);        // the next optimizer step
     const double w = 1.0 - r.decay;
-    report_provocation(held, "the next forward's buffer writes");
+    provoked.record(held, "the next forward's buffer writes");
     check_bn_round(ema.averages(), names, w, {before, src}, {before_mean, src_mean}, {before_var, src_var}, src_count);
   }
+  provoked.require_each();
 }
 
 TEST_CASE("Races: a BatchNorm1d forward in train mode right after update()", "[cuda][race]") {
@@ -372,6 +404,7 @@ TEST_CASE("Races: a BatchNorm1d forward in train mode right after update()", "[c
   const auto params = net->parameters();
   const auto names = param_names(*net);
   const at::Tensor x = torch::randn({32, 64}, on_dev());
+  Provocations provoked;
   for (int round = 0; round < 3; ++round) {
     INFO("round " << round);
     {
@@ -397,14 +430,16 @@ TEST_CASE("Races: a BatchNorm1d forward in train mode right after update()", "[c
     ema.wait();
     step(params, 100.0);
     const double w = 1.0 - r.decay;
-    report_provocation(held, "the next forward");
+    provoked.record(held, "the next forward");
     check_bn_round(ema.averages(), names, w, {before, src}, {before_mean, src_mean}, {before_var, src_var}, src_count);
   }
+  provoked.require_each();
 }
 
 TEST_CASE("Races: gather_averages() and its kin right after a side-stream update", "[cuda][race][sharded]") {
   Busy busy;
   OneRankGroup one;
+  Provocations provoked;  // each reader, over both placements
   INFO("process group: " << (EMAKIT_RACE_TESTS_GLOO ? "Gloo, one rank" : "bare c10d::ProcessGroup, one rank"));
   for (const bool offload : {false, true}) {
     INFO((offload ? "CPU-offloaded average" : "device average"));
@@ -433,7 +468,7 @@ TEST_CASE("Races: gather_averages() and its kin right after a side-stream update
       run_round(k + 1.0, [&](const at::Tensor& before, const at::Tensor& src, double w, bool held) {
         const auto gathered = emakit::gather_averages(ema);  // right after update(): no wait()
         const at::Tensor got = flat_copy(in_order(gathered, names));
-        report_provocation(held, "gather_averages()");
+        provoked.record(held, "gather_averages()");
         INFO("elements still holding the previous average: " << stale_elements(got, before));
         CHECK(bad_elements(got, lerp_expected(before, src, w)) == 0);
       });
@@ -444,7 +479,7 @@ TEST_CASE("Races: gather_averages() and its kin right after a side-stream update
         {
           auto swapped = emakit::swap_gathered_into(ema, *bag);
           const at::Tensor in_model = flat_copy(bag->parameters());
-          report_provocation(held, "swap_gathered_into()");
+          provoked.record(held, "swap_gathered_into()");
           // The model is bf16: the average rounded to it.
           CHECK(bad_elements(in_model, lerp_expected(before, src, w), 1e-2) == 0);
         }
@@ -456,7 +491,7 @@ TEST_CASE("Races: gather_averages() and its kin right after a side-stream update
       run_round(4.0, [&](const at::Tensor& before, const at::Tensor& src, double w, bool held) {
         const auto dir = one.dir.path / (offload ? "ckpt_offload" : "ckpt");
         emakit::save_sharded(ema, dir);
-        report_provocation(held, "save_sharded()");
+        provoked.record(held, "save_sharded()");
         emakit::ShardedEma other(*bag, emakit::Fixed(0.5), {}, options,
                                  emakit::ShardedStorage(one.group, std::chrono::seconds(60)));
         emakit::load_sharded(other, dir);
@@ -464,6 +499,7 @@ TEST_CASE("Races: gather_averages() and its kin right after a side-stream update
       });
     }
   }
+  provoked.require_each();
 }
 
 // ---- the next optimizer step ---------------------------------------------------------------------
@@ -472,9 +508,8 @@ namespace {
 
 // Three rounds queued back to back behind one busy stretch (each optimizer step right behind the
 // previous update), then the next optimizer step; the averages must be the chain of lerps of the
-// sources each update saw.
-void hook_rounds(bool before_step) {
-  Busy busy;
+// sources each update saw. Run twice (`attempt`): the race must be provoked at least once.
+void hook_attempt(Busy& busy, Provocations& provoked, bool before_step) {
   torch::manual_seed(4);
   ParamBag bag(300, 4096, torch::kBFloat16);
   emakit::EmaHook hook;
@@ -501,8 +536,18 @@ void hook_rounds(bool before_step) {
   const bool held = busy.running();
   const at::Tensor got = flat_copy(in_order(ema.averages(), names));
   for (std::size_t k = 0; k < srcs.size(); ++k) expected = lerp_expected(expected, srcs[k], weights[k]);
-  report_provocation(held, "the next optimizer step");
+  provoked.record(held, "the next optimizer step");
   CHECK(bad_elements(got, expected) == 0);
+}
+
+void hook_rounds(bool before_step) {
+  Busy busy;
+  Provocations provoked;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    INFO("attempt " << attempt);
+    hook_attempt(busy, provoked, before_step);
+  }
+  provoked.require_each();
 }
 
 }  // namespace
@@ -579,10 +624,7 @@ TEST_CASE("Races: offload + side stream: wait() orders the copies, not the host 
 
 TEST_CASE("GPU bytes an EMA holds per parameter, and no allocation per update", "[cuda][memory]") {
 #if EMAKIT_RACE_TESTS_ALLOCATOR_STATS
-  if (!dev.is_cuda()) {
-    WARN("the device allocator statistics are for CUDA only");
-    return;
-  }
+  if (!dev.is_cuda()) EMAKIT_CUDA_UNAVAILABLE("the device allocator statistics are for CUDA only (a CPU build)");
   // 64M parameters in 256 tensors of 1 MiB (in fp32) each, four times the staging bound.
   constexpr std::int64_t tensors = 256, each = std::int64_t{1} << 18, params = tensors * each;
   constexpr std::int64_t staging = std::int64_t{16} << 20, slack = std::int64_t{1} << 20;
@@ -642,7 +684,8 @@ TEST_CASE("GPU bytes an EMA holds per parameter, and no allocation per update", 
     }
   }
 #else
-  WARN("this LibTorch has no device-generic allocator statistics (c10/core/CachingDeviceAllocator.h)");
+  EMAKIT_CUDA_UNAVAILABLE("this LibTorch has no device-generic allocator statistics (c10/core/CachingDeviceAllocator.h): "
+                          "the GPU bytes per parameter and the allocations per update were not measured");
 #endif
 }
 

@@ -3,7 +3,9 @@
 #include <emakit/emakit.hpp>
 
 #include "../helpers.hpp"
+#include "expect.hpp"
 
+#include <ATen/record_function.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <catch2/catch.hpp>
 
@@ -14,6 +16,7 @@
 #define EMAKIT_TEST_DEVICE_ALLOCATOR_STATS 0
 #endif
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -35,6 +38,47 @@ std::vector<emakit::SourceTensor> cuda_model(torch::Dtype dtype, std::int64_t bi
 void step(std::vector<emakit::SourceTensor>& model, double value) {
   torch::NoGradGuard no_grad;
   for (auto& t : model) t.tensor.mul_(0.5).add_(value);
+}
+
+// The aten ops that f() dispatches on this thread and that it called itself (not those nested in
+// them), by name: as tests/test_kernel.cpp's op census.
+template <class F>
+std::map<std::string, int> top_level_ops(F&& f) {
+  static thread_local std::map<std::string, int>* active = nullptr;
+  static thread_local int depth = 0;
+  std::map<std::string, int> ops;
+  active = &ops;
+  depth = 0;
+  auto handle = at::addThreadLocalCallback(
+      at::RecordFunctionCallback(
+          [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+            if (active != nullptr && depth == 0) (*active)[fn.name()] += 1;
+            depth += 1;
+            return nullptr;
+          },
+          [](const at::RecordFunction&, at::ObserverContext*) { depth -= 1; })
+          .scopes({at::RecordScope::FUNCTION}));
+  try {
+    f();
+  } catch (...) {
+    at::removeCallback(handle);
+    active = nullptr;
+    throw;
+  }
+  at::removeCallback(handle);
+  active = nullptr;
+  return ops;
+}
+
+int count_of(const std::map<std::string, int>& ops, const std::string& name) {
+  const auto it = ops.find(name);
+  return it == ops.end() ? 0 : it->second;
+}
+
+std::string listing(const std::map<std::string, int>& ops) {
+  std::string out;
+  for (const auto& [name, n] : ops) out += name + " x" + std::to_string(n) + "; ";
+  return out;
 }
 
 [[maybe_unused]] void synchronize() {
@@ -160,17 +204,37 @@ TEST_CASE("A CUDA update allocates no device memory", "[cuda][memory]") {
     CHECK(allocator->getDeviceStats(0).allocation[0].allocated == before);
   }
 #else
-  WARN("this LibTorch has no device-generic allocator statistics (c10/core/CachingDeviceAllocator.h)");
+  EMAKIT_CUDA_UNAVAILABLE("this LibTorch has no device-generic allocator statistics (c10/core/CachingDeviceAllocator.h): "
+                          "the allocations of a CUDA update were not counted");
 #endif
 }
 
 TEST_CASE("The CUDA path runs _foreach_lerp_ on LibTorch >= 2 and mul_ + add_ on 1.13", "[cuda]") {
+  // 53 fp32 tensors averaged into fp32 on the same device: one (device, dtype) group, so one
+  // foreach lerp (or one _foreach_mul_ and one _foreach_add_), and no op per tensor.
   INFO("EMAKIT_HAS_FOREACH_LERP = " << EMAKIT_HAS_FOREACH_LERP);
   auto model = cuda_model(torch::kFloat, 1000);
   emakit::FixedEma ema(model, emakit::Fixed(0.75));
   step(model, 1.0);
   std::vector<torch::Tensor> expected;
   for (const auto& t : model) expected.push_back(ema.average(t.name).lerp(t.tensor, 0.25));
-  ema.update();
-  for (std::size_t i = 0; i < model.size(); ++i) CHECK(torch::allclose(ema.average(model[i].name), expected[i], 1e-6, 1e-6));
+  const auto ops = top_level_ops([&] { ema.update(); });
+  INFO("ops of one update: " << listing(ops));
+#if EMAKIT_HAS_FOREACH_LERP
+  CHECK(count_of(ops, "aten::_foreach_lerp_") == 1);
+  CHECK(count_of(ops, "aten::_foreach_mul_") == 0);
+  CHECK(count_of(ops, "aten::_foreach_add_") == 0);
+#else
+  CHECK(count_of(ops, "aten::_foreach_lerp_") == 0);
+  CHECK(count_of(ops, "aten::_foreach_mul_") == 1);
+  CHECK(count_of(ops, "aten::_foreach_add_") == 1);
+#endif
+  for (const char* per_tensor : {"aten::lerp_", "aten::mul_", "aten::add_", "aten::copy_"}) {
+    INFO(per_tensor);
+    CHECK(count_of(ops, per_tensor) == 0);
+  }
+  for (std::size_t i = 0; i < model.size(); ++i) {
+    INFO(model[i].name);
+    CHECK(torch::allclose(ema.average(model[i].name), expected[i], 1e-6, 1e-6));
+  }
 }
