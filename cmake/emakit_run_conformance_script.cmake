@@ -10,11 +10,12 @@
 # A generator with a recorded fixture (-DFIXTURE=<stem>.tar.xz -DFIXTURE_INFO=<stem>.txt
 # -DREQUIREMENTS=scripts/requirements-seed.txt -DCOMPARE=_compare_outputs.py; the seed packages,
 # tests/conformance/fixtures/):
+#   - in both modes the fixture must not be stale: every package version recorded in
+#     FIXTURE_INFO is a pin of REQUIREMENTS, and the sha256 of the generator and of _common.py
+#     are the recorded ones.
 #   - without PYTHON (the default run) the fixture is unpacked into OUT instead, after checking
-#     that it is what was recorded and not stale: the archive's sha256 is the one in FIXTURE_INFO;
-#     every package version recorded in FIXTURE_INFO is a pin of REQUIREMENTS; the sha256 of the
-#     generator and of _common.py are the recorded ones; and the versions.txt inside the archive
-#     lists exactly the versions FIXTURE_INFO records.
+#     that it is what was recorded: the archive's sha256 is the one in FIXTURE_INFO, and the
+#     versions.txt inside the archive lists exactly the versions FIXTURE_INFO records.
 #   - with PYTHON (the seed venv, EMAKIT_SEED_PACKAGES=1) the generator runs for real into OUT,
 #     the versions it drove must be the pins, and its live output is diffed with the committed
 #     fixture (COMPARE, run with PYTHON: the same files, tensors bitwise equal); drift fails.
@@ -76,8 +77,12 @@ if(PYTHON AND NOT EXISTS "${PYTHON}")
                       "venv's Python, or EMAKIT_PYTHON= for a build without Python)")
 endif()
 
-if(FIXTURE AND NOT PYTHON)
-  # Stale fixture: the generator's code changed since it was recorded.
+if(FIXTURE)
+  # Stale fixture (in both modes: a live run must not pass while the default run would fail):
+  # the generator's code changed since it was recorded, or a version it records is not a pin.
+  if(NOT EXISTS "${FIXTURE_INFO}")
+    message(FATAL_ERROR "the fixture record ${FIXTURE_INFO} is missing")
+  endif()
   get_filename_component(dir "${SCRIPT}" DIRECTORY)
   foreach(source "${SCRIPT}" "${dir}/_common.py")
     get_filename_component(name "${source}" NAME)
@@ -89,6 +94,9 @@ if(FIXTURE AND NOT PYTHON)
     endif()
   endforeach()
   check_versions("${FIXTURE_INFO}" "the fixture ${FIXTURE}")
+endif()
+
+if(FIXTURE AND NOT PYTHON)
   get_filename_component(parent "${OUT}" DIRECTORY)
   unpack_fixture("${parent}")
   file(STRINGS "${OUT}/versions.txt" versions)
