@@ -67,7 +67,6 @@ inline Dict load_dict(const fs::path& path) {
   return out;
 }
 
-// The folder of a scenario, or nullopt after printing why it is skipped.
 // Every parameter and buffer of a module, by its full name.
 inline std::map<std::string, at::Tensor> tensors_of(torch::nn::Module& m) {
   std::map<std::string, at::Tensor> out;
