@@ -161,6 +161,11 @@ inline torch::Tensor operand_magnitude(const torch::Tensor& a, const torch::Tens
   return torch::maximum(a.detach().cpu().to(torch::kDouble).abs(), x.detach().cpu().to(torch::kDouble).abs());
 }
 
+// A decay the EMA reports against the policy's d: the EMA averages with w = 1 - d and reports
+// 1 - w. For d >= 1/2 both subtractions are exact (Sterbenz); for d < 1/2, 1 - d rounds once in
+// [1/2, 1] (2^-54 at most) and 1 - w is exact. So |reported - d| <= 2^-54.
+inline bool reported_decay_is(double reported, double d) { return std::abs(reported - d) <= std::ldexp(1.0, -54); }
+
 inline bool bitwise_equal(const torch::Tensor& a, const torch::Tensor& b) {
   return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && torch::equal(a, b);
 }
