@@ -186,7 +186,15 @@ run_tests() {
 # The test that failed, from Catch2's console report: "test_x.cpp: test case name".
 failed_test() {
   awk '
-    /^------------------------------------------------------------+$/ { if (header) { header = 0 } else { header = 1; getline name } next }
+    /^------------------------------------------------------------+$/ {
+      if (header) { header = 0; next }  # a test case name (wrapped at 80 columns), then its sections, indented
+      header = 1; name = ""; sections = 0
+      while ((getline line) > 0 && line !~ /^------------------------------------------------------------+$/) {
+        if (line ~ /^  / || sections) { sections = 1; continue }
+        name = name (name == "" ? "" : " ") line
+      }
+      header = 0; next
+    }
     match($0, /[A-Za-z0-9_]+\.cpp:[0-9]+: FAILED/) && !found {
       file = substr($0, RSTART, RLENGTH); sub(/:[0-9]+: FAILED/, "", file); failed = name; found = 1
     }
