@@ -152,6 +152,7 @@ if [[ -n "$ONLY" ]]; then IFS=, read -r -a IDS <<<"$ONLY"; fi
 mutants_py check "$ROOT" "${IDS[@]}" || die "fix scripts/mutants.txt: a mutant that does not apply is an error" 2
 
 START=$SECONDS
+rm -rf "$LOGS"  # this run's logs only
 mkdir -p "$WORK" "$LOGS" "$RUNDIR"
 rm -rf "$TREE"
 mkdir -p "$TREE"
@@ -187,10 +188,11 @@ run_tests() {
 failed_test() {
   awk '
     /^------------------------------------------------------------+$/ {
-      if (header) { header = 0; next }  # a test case name (wrapped at 80 columns), then its sections, indented
+      if (header) { header = 0; next }  # a test case name (wrapped at 80 columns), then its sections
       header = 1; name = ""; sections = 0
       while ((getline line) > 0 && line !~ /^------------------------------------------------------------+$/) {
-        if (line ~ /^  / || sections) { sections = 1; continue }
+        if (line ~ /^  [^ ]/ || sections) { sections = 1; continue }  # sections: two spaces
+        sub(/^ +/, "", line)  # a wrapped name goes on without indent, or indented past a ':'
         name = name (name == "" ? "" : " ") line
       }
       header = 0; next
