@@ -48,7 +48,7 @@ LOGS="$WORK/logs"
 RUNDIR="$WORK/run"
 
 say() { printf '==> %s\n' "$*"; }
-die() { printf '==> ERROR: %s\n' "$*" >&2; exit "${2:-1}"; }
+die() { printf '==> ERROR: %s\n' "$1" >&2; exit "${2:-1}"; }
 
 # The mutant list's parser and the apply/restore step (python3: exact text, counted).
 mutants_py() {
