@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <stdexcept>
+#include <vector>
 
 using Catch::Matchers::Contains;
 using emakit::Action;
@@ -419,4 +420,66 @@ TEST_CASE("PowerFunction through an Ema: the first update copies, then (1 - dt/t
   ema.update();
   r = ema.update();  // step 4, dt 2
   CHECK(emakit_test::reported_decay_is(r.decay, std::pow(0.5, emakit::sigma_rel_to_gamma(0.10) + 1)));
+}
+
+// A checkpoint's config is compared exactly: a decay policy field that differs from this EMA's in
+// its last bit is another config, refused naming the field (a float32 comparison would let it load).
+TEST_CASE("A state whose config field differs in the last bit of a double is refused", "[ema][state][errors]") {
+  emakit_test::TinyNet model;
+  const double beta = 0.999;
+  const double next = std::nextafter(beta, 1.0);  // one ulp above: the same float32, another double
+  REQUIRE(static_cast<float>(next) == static_cast<float>(beta));
+  emakit::FixedEma saved(*model, emakit::Fixed(beta));
+  emakit::FixedEma other(*model, emakit::Fixed(next));
+  const auto before = emakit_test::snapshot(other.averages());
+  CHECK_THROWS_WITH(other.load_state_dict(saved.state_dict()), Contains("config.decay.beta"));
+  CHECK(emakit_test::same_averages(other.averages(), before));
+  // A field of another policy: InversePowerWarmup's power.
+  const double power = 2.0 / 3.0;
+  emakit::WarmupEma warm(*model, emakit::InversePowerWarmup().power(power));
+  emakit::WarmupEma warm_next(*model, emakit::InversePowerWarmup().power(std::nextafter(power, 1.0)));
+  CHECK_THROWS_WITH(warm_next.load_state_dict(warm.state_dict()), Contains("config.decay.power"));
+  // Exactly equal configs load.
+  emakit::FixedEma same(*model, emakit::Fixed(beta));
+  CHECK(same.load_state_dict(saved.state_dict()).clean());
+}
+
+// Uniform gives the lerp weight 1/n itself (Uniform::weight), and an Ema averages with exactly that
+// weight, as torch's AveragedModel (SWA) does: 1 - decay() = 1 - (1 - 1/n) rounds differently.
+namespace {
+
+// ema = lerp(ema, x, w) in the update's formula (detail/simd.hpp, ATen's lerp), in double.
+torch::Tensor lerp_formula(const torch::Tensor& ema, const torch::Tensor& x, double w) {
+  torch::Tensor out = ema.clone();
+  auto o = out.accessor<double, 1>();
+  auto s = x.accessor<double, 1>();
+  for (std::int64_t i = 0; i < out.size(0); ++i)
+    o[i] = std::abs(w) < 0.5 ? o[i] + w * (s[i] - o[i]) : s[i] + (w - 1.0) * (s[i] - o[i]);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("An Ema with Uniform lerps with the weight 1/n exactly, not 1 - (1 - 1/n)", "[ema][decay]") {
+  torch::manual_seed(11);
+  torch::Tensor w = torch::randn({64}, torch::kDouble);
+  emakit::Ema<emakit::Uniform, emakit::StepSchedule, emakit::FlatStorage> ema(
+      std::vector<emakit::SourceTensor>{{"w", w}});
+  torch::Tensor reference = w.clone();  // the average starts as a copy of the model
+  int told_apart = 0;  // updates at which the weight 1 - d would give another average
+  for (int n = 1; n <= 6; ++n) {
+    {
+      torch::NoGradGuard no_grad;
+      w.copy_(torch::randn({64}, torch::kDouble));
+    }
+    const double weight = n == 1 ? 1.0 : 1.0 / n;
+    const torch::Tensor with_decay = lerp_formula(reference, w, 1.0 - (1.0 - weight));
+    reference = lerp_formula(reference, w, weight);
+    if (!emakit_test::bitwise_equal(with_decay, reference)) ++told_apart;
+    const auto r = ema.update();
+    REQUIRE(r.action == emakit::Action::averaged);
+    INFO("update " << n << ", weight " << weight);
+    CHECK(emakit_test::bitwise_equal(ema.average("w"), reference));
+  }
+  CHECK(told_apart >= 2);  // n = 3 and n = 5 at least: the comparison can tell the two weights apart
 }

@@ -390,8 +390,9 @@ TEST_CASE("The AVX2 copies of the segment loops round exactly like the baseline 
 }
 
 namespace {
-// AnonHugePages (kB) of the mapping that holds `address`, from /proc/self/smaps; -1 if unknown.
-long huge_kib_at(const void* address) {
+// The rest of the line `field` (e.g. "VmFlags:") of the mapping that holds `address`, from
+// /proc/self/smaps; empty if there is none.
+std::string smaps_field_at(const void* address, const std::string& field) {
   std::ifstream smaps("/proc/self/smaps");
   std::string line;
   bool inside = false;
@@ -400,11 +401,11 @@ long huge_kib_at(const void* address) {
     unsigned long lo = 0, hi = 0;
     if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find(':') > line.find('-')) {
       inside = a >= lo && a < hi;
-    } else if (inside && line.rfind("AnonHugePages:", 0) == 0) {
-      return std::stol(line.substr(14));
+    } else if (inside && line.rfind(field, 0) == 0) {
+      return line.substr(field.size());
     }
   }
-  return -1;
+  return {};
 }
 
 std::string thp_mode() {
@@ -439,7 +440,17 @@ TEST_CASE("Large CPU averages are backed by huge pages where Linux allows it", "
   if (mode.empty() || mode.find("[never]") != std::string::npos || !collapse)
     EMAKIT_SKIP("transparent huge pages off (\"" << mode << "\") or kernel " << u.release << " without MADV_COLLAPSE");
   const auto& big = ema.average("big");  // its 2 MiB-aligned interior is a mapping of its own
-  CHECK(huge_kib_at(static_cast<const char*>(big.data_ptr()) + big.nbytes() / 2) > 0);
+  const void* middle = static_cast<const char*>(big.data_ptr()) + big.nbytes() / 2;
+  // What emakit decides: the interior is advised MADV_HUGEPAGE, which smaps shows as the VmFlags
+  // flag "hg" of that mapping (deterministic). Whether the kernel then collapses it at once
+  // (MADV_COLLAPSE) is best effort: it declines under memory pressure or fragmentation (seen here
+  // once in four runs on a loaded machine), so the huge pages it holds are reported, not checked.
+  const std::string flags = smaps_field_at(middle, "VmFlags:");
+  INFO("VmFlags:" << flags);
+  REQUIRE_FALSE(flags.empty());
+  CHECK((" " + flags + " ").find(" hg ") != std::string::npos);
+  const std::string huge = smaps_field_at(middle, "AnonHugePages:");
+  WARN("the 16 MiB average's mapping holds AnonHugePages:" << huge << " (MADV_COLLAPSE is best effort)");
 }
 
 // ---- the foreach path (CUDA's), on CPU tensors ---------------------------------------------
