@@ -38,19 +38,25 @@ function(check_versions file what)
   endforeach()
 endfunction()
 
+# check_recorded_sha256(FILE WHAT): FIXTURE_INFO's line "sha256 <FILE's name> <hash>" is FILE's
+# sha256; otherwise fails with WHAT (what a mismatch means) and the two hashes.
+function(check_recorded_sha256 file what)
+  get_filename_component(name "${file}" NAME)
+  file(SHA256 "${file}" now)
+  file(STRINGS "${FIXTURE_INFO}" recorded REGEX "^sha256 ${name} ")
+  if(NOT recorded STREQUAL "sha256 ${name} ${now}")
+    message(FATAL_ERROR "${what}: the sha256 of ${name} is ${now}, ${FIXTURE_INFO} records '${recorded}'; "
+                        "regenerate the fixture with ./scripts/seed_fixtures.sh")
+  endif()
+endfunction()
+
 # unpack_fixture(DESTINATION_PARENT): checks FIXTURE against FIXTURE_INFO and unpacks it; the
 # archive holds one folder named like OUT.
 function(unpack_fixture parent)
   if(NOT EXISTS "${FIXTURE}" OR NOT EXISTS "${FIXTURE_INFO}")
     message(FATAL_ERROR "the fixture ${FIXTURE} (or ${FIXTURE_INFO}) is missing")
   endif()
-  get_filename_component(archive "${FIXTURE}" NAME)
-  file(SHA256 "${FIXTURE}" now)
-  file(STRINGS "${FIXTURE_INFO}" recorded REGEX "^sha256 ${archive} ")
-  if(NOT recorded STREQUAL "sha256 ${archive} ${now}")
-    message(FATAL_ERROR "the fixture ${FIXTURE} is not the recorded one: its sha256 is ${now}, ${FIXTURE_INFO} "
-                        "records '${recorded}'; regenerate both with ./scripts/seed_fixtures.sh")
-  endif()
+  check_recorded_sha256("${FIXTURE}" "the fixture ${FIXTURE} is not the recorded one")
   get_filename_component(stem "${OUT}" NAME)
   file(REMOVE_RECURSE "${parent}/${stem}")
   file(MAKE_DIRECTORY "${parent}")
@@ -86,12 +92,7 @@ if(FIXTURE)
   get_filename_component(dir "${SCRIPT}" DIRECTORY)
   foreach(source "${SCRIPT}" "${dir}/_common.py")
     get_filename_component(name "${source}" NAME)
-    file(SHA256 "${source}" now)
-    file(STRINGS "${FIXTURE_INFO}" recorded REGEX "^sha256 ${name} ")
-    if(NOT recorded STREQUAL "sha256 ${name} ${now}")
-      message(FATAL_ERROR "stale fixture ${FIXTURE}: ${name} changed since it was recorded "
-                          "(recorded '${recorded}', now ${now}); regenerate it with ./scripts/seed_fixtures.sh")
-    endif()
+    check_recorded_sha256("${source}" "stale fixture ${FIXTURE}: ${name} changed since it was recorded")
   endforeach()
   check_versions("${FIXTURE_INFO}" "the fixture ${FIXTURE}")
 endif()

@@ -3,9 +3,9 @@
 #include <emakit/emakit.hpp>
 
 #include "../helpers.hpp"
+#include "../op_census.hpp"
 #include "expect.hpp"
 
-#include <ATen/record_function.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <catch2/catch.hpp>
 
@@ -38,47 +38,6 @@ std::vector<emakit::SourceTensor> cuda_model(torch::Dtype dtype, std::int64_t bi
 void step(std::vector<emakit::SourceTensor>& model, double value) {
   torch::NoGradGuard no_grad;
   for (auto& t : model) t.tensor.mul_(0.5).add_(value);
-}
-
-// The aten ops that f() dispatches on this thread and that it called itself (not those nested in
-// them), by name: as tests/test_kernel.cpp's op census.
-template <class F>
-std::map<std::string, int> top_level_ops(F&& f) {
-  static thread_local std::map<std::string, int>* active = nullptr;
-  static thread_local int depth = 0;
-  std::map<std::string, int> ops;
-  active = &ops;
-  depth = 0;
-  auto handle = at::addThreadLocalCallback(
-      at::RecordFunctionCallback(
-          [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
-            if (active != nullptr && depth == 0) (*active)[fn.name()] += 1;
-            depth += 1;
-            return nullptr;
-          },
-          [](const at::RecordFunction&, at::ObserverContext*) { depth -= 1; })
-          .scopes({at::RecordScope::FUNCTION}));
-  try {
-    f();
-  } catch (...) {
-    at::removeCallback(handle);
-    active = nullptr;
-    throw;
-  }
-  at::removeCallback(handle);
-  active = nullptr;
-  return ops;
-}
-
-int count_of(const std::map<std::string, int>& ops, const std::string& name) {
-  const auto it = ops.find(name);
-  return it == ops.end() ? 0 : it->second;
-}
-
-std::string listing(const std::map<std::string, int>& ops) {
-  std::string out;
-  for (const auto& [name, n] : ops) out += name + " x" + std::to_string(n) + "; ";
-  return out;
 }
 
 [[maybe_unused]] void synchronize() {
@@ -218,20 +177,20 @@ TEST_CASE("The CUDA path runs _foreach_lerp_ on LibTorch >= 2 and mul_ + add_ on
   step(model, 1.0);
   std::vector<torch::Tensor> expected;
   for (const auto& t : model) expected.push_back(ema.average(t.name).lerp(t.tensor, 0.25));
-  const auto ops = top_level_ops([&] { ema.update(); });
-  INFO("ops of one update: " << listing(ops));
+  const emakit_test::OpCensus ops = emakit_test::census_of([&] { ema.update(); });  // ops[name]: those it called itself
+  INFO("ops of one update: " << ops.str());
 #if EMAKIT_HAS_FOREACH_LERP
-  CHECK(count_of(ops, "aten::_foreach_lerp_") == 1);
-  CHECK(count_of(ops, "aten::_foreach_mul_") == 0);
-  CHECK(count_of(ops, "aten::_foreach_add_") == 0);
+  CHECK(ops["aten::_foreach_lerp_"] == 1);
+  CHECK(ops["aten::_foreach_mul_"] == 0);
+  CHECK(ops["aten::_foreach_add_"] == 0);
 #else
-  CHECK(count_of(ops, "aten::_foreach_lerp_") == 0);
-  CHECK(count_of(ops, "aten::_foreach_mul_") == 1);
-  CHECK(count_of(ops, "aten::_foreach_add_") == 1);
+  CHECK(ops["aten::_foreach_lerp_"] == 0);
+  CHECK(ops["aten::_foreach_mul_"] == 1);
+  CHECK(ops["aten::_foreach_add_"] == 1);
 #endif
   for (const char* per_tensor : {"aten::lerp_", "aten::mul_", "aten::add_", "aten::copy_"}) {
     INFO(per_tensor);
-    CHECK(count_of(ops, per_tensor) == 0);
+    CHECK(ops[per_tensor] == 0);
   }
   for (std::size_t i = 0; i < model.size(); ++i) {
     INFO(model[i].name);
