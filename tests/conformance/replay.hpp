@@ -30,6 +30,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "../helpers.hpp"
 #include "../skip.hpp"
 
 #include <algorithm>
@@ -119,41 +120,12 @@ inline std::optional<fs::path> scenario_dir(const std::string& peer, const std::
 
 // ---- ulps ------------------------------------------------------------------------------------
 
-// The spacing of `dtype`'s values at each magnitude (elementwise): eps * 2^floor(log2 m) for a
-// normal m, and the subnormal spacing below the smallest normal. In double.
-inline at::Tensor ulp_at(const at::Tensor& magnitude, at::ScalarType dtype) {
-  double eps = 0, tiny = 0;
-  switch (dtype) {
-    case at::kFloat:
-      eps = std::numeric_limits<float>::epsilon();
-      tiny = std::numeric_limits<float>::min();
-      break;
-    case at::kDouble:
-      eps = std::numeric_limits<double>::epsilon();
-      tiny = std::numeric_limits<double>::min();
-      break;
-    case at::kHalf:
-      eps = 0x1p-10;
-      tiny = 0x1p-14;
-      break;
-    case at::kBFloat16:
-      eps = 0x1p-7;
-      tiny = 0x1p-126;
-      break;
-    default:
-      FAIL("no ulp for dtype " << dtype);
-  }
-  return at::exp2(at::floor(at::log2(magnitude.to(at::kDouble).abs().clamp_min(tiny)))) * eps;
-}
-
 // max over the elements of |ours - peer| in ulps of the dtype at `magnitude`.
 inline double ulp_distance(const at::Tensor& ours, const at::Tensor& peer, const at::Tensor& magnitude) {
   REQUIRE(ours.scalar_type() == peer.scalar_type());
   REQUIRE(ours.sizes() == peer.sizes());
-  if (peer.numel() == 0) return 0;
   REQUIRE_FALSE(peer.isnan().any().item<bool>());
-  const at::Tensor d = (ours.to(at::kDouble) - peer.to(at::kDouble)).abs() / ulp_at(magnitude, peer.scalar_type());
-  return d.max().item<double>();
+  return emakit_test::max_ulps_at(ours, peer, magnitude, peer.scalar_type());  // the tests' one ulp measure
 }
 
 // What the comparisons of a test saw.

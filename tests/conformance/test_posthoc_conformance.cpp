@@ -15,7 +15,7 @@
 //     ~1e-16 (a later profile adds nothing on [0, target] that the target-time snapshot of its
 //     gamma lacks), so that makes no difference beyond rounding.
 //
-// Tolerances, in ulps of float32 (replay.hpp's ulp_at), each derived where it is checked:
+// Tolerances, in ulps of float32 (tests/helpers.hpp's max_ulps_at), each derived where it is checked:
 //   tracking: the EMA is carried over k updates (no per-step reference to restart from: the peer
 //     records its checkpoints every 10 calls), each within kLerp = 1.5 ulps of ATen's lerp
 //     (test_peers.cpp) plus 1 ulp for the weight, which the two compute with different formulas in
@@ -110,8 +110,7 @@ double max_ulps(const emakit::StateDict& ours, const Dict& data, const std::stri
     if (!theirs.is_floating_point() || !ours[name].is_floating_point()) continue;  // integers: not averaged
     REQUIRE(ours[name].scalar_type() == theirs.scalar_type());
     const at::Tensor a = ours[name].to(torch::kDouble) * scale;
-    const at::Tensor ulp = emakit_conformance::ulp_at(magnitude_of(name), theirs.scalar_type());
-    worst = std::max(worst, ((a - theirs.to(torch::kDouble)).abs() / ulp).max().item<double>());
+    worst = std::max(worst, emakit_test::max_ulps_at(a, theirs, magnitude_of(name), theirs.scalar_type()));
     ++compared;
   }
   return worst;
