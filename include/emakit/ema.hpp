@@ -19,7 +19,9 @@
 // kernel, so update() does no name lookups and allocates nothing. Module::to() keeps the handles
 // valid (it uses set_data), but the average does not move with the model: it stays on its own
 // device and in its own dtype, and the next update reads the model from wherever it went (the
-// kernel re-plans once). A tensor that changes shape after binding is an error.
+// kernel re-plans once). A tensor that changes shape after binding is an error. A model owned by
+// a shared_ptr (a ModuleHolder's) that is destroyed before its Ema: update() and swap_into()
+// refuse, naming it; the EMA's own state still reads (docs/ema.md, "The bound model's lifetime").
 #pragma once
 
 #include <emakit/detail/config.hpp>
@@ -261,6 +263,9 @@ EMAKIT_FUNC bool overlap(const at::Tensor& a, const at::Tensor& b);
 // The same dtype, shape and bytes (NaNs compare by their bits).
 EMAKIT_FUNC bool bitwise_equal(const at::Tensor& a, const at::Tensor& b);
 
+// The error of a call that would use the bound model after that model was destroyed.
+[[noreturn]] EMAKIT_FUNC void fail_model_destroyed(const char* what);
+
 
 }  // namespace detail
 
@@ -479,6 +484,17 @@ class Ema {
   // no longer uses). Checked where it would go unnoticed: swap_into().
   void check_model_unchanged(const char* what) const;
 
+  // The bound module still exists, for a module owned by a shared_ptr (a ModuleHolder's, or
+  // make_shared's): the Ema keeps handles to the model's tensors, so after the model is destroyed
+  // (a model rebuilt for a new run) update() would go on averaging tensors nothing uses, and
+  // swap_into() would write the average into them. Checked by every call that reads or writes the
+  // bound model's tensors; reading the EMA's own state (averages, state_dict, save) is not. One
+  // atomic load per call. A module not owned by a shared_ptr, or a list of tensors, cannot be
+  // checked: model_owned_ is false.
+  void check_model_alive(const char* what) const {
+    if (model_owned_ && model_.expired()) detail::fail_model_destroyed(what);
+  }
+
   Decay decay_;
   Schedule schedule_;
   Storage storage_;
@@ -491,6 +507,7 @@ class Ema {
   std::vector<Entry> entries_;         // every name the EMA holds, in the model's order (tied: several per slot)
   std::vector<at::Tensor> sources_;    // the model's tensors, one per slot (handles)
   std::weak_ptr<const torch::nn::Module> model_;  // the bound module, when it is owned by a shared_ptr
+  bool model_owned_ = false;                      // model_ was set (expired() then means destroyed)
   std::shared_ptr<detail::SwapState> swap_;
   detail::BusyFlag busy_;
   std::int64_t calls_ = 0;
@@ -514,6 +531,7 @@ Ema<Decay, Schedule, Storage>::~Ema() = default;
 template <DecayPolicy Decay, SchedulePolicy Schedule, StoragePolicy Storage>
 UpdateResult Ema<Decay, Schedule, Storage>::update(StepInfo info) {
   ensure_bound("update");
+  check_model_alive("update");
   detail::BusyScope busy(busy_, "update");
   check_model_not_swapped("update");
   check_step_in(info);
@@ -605,6 +623,7 @@ template <DecayPolicy Decay, SchedulePolicy Schedule, StoragePolicy Storage>
 void Ema<Decay, Schedule, Storage>::switch_model(double beta) {
   ensure_bound("switch_model");
   detail::check_unit_interval(beta, "switch_model beta");
+  check_model_alive("switch_model");
   check_model_not_swapped("switch_model");
   c10::NoGradGuard no_grad;
   for (const auto& s : kernel_.settled_slots()) {
@@ -621,6 +640,7 @@ void Ema<Decay, Schedule, Storage>::switch_model(double beta) {
 template <DecayPolicy Decay, SchedulePolicy Schedule, StoragePolicy Storage>
 SwapGuard Ema<Decay, Schedule, Storage>::swap_into() {
   ensure_bound("swap_into");
+  check_model_alive("swap_into");
   if (swap_->guards > 0) return SwapGuard(swap_);
   const auto& slots = kernel_.settled_slots();
   kernel_.check_sources();
@@ -752,6 +772,7 @@ Ema<Decay, Schedule, Storage>::Ema(const torch::nn::Module* model, std::vector<S
 template <DecayPolicy Decay, SchedulePolicy Schedule, StoragePolicy Storage>
 void Ema<Decay, Schedule, Storage>::bind(const torch::nn::Module* model, std::vector<SourceTensor> tensors) {
   if (model != nullptr) model_ = model->weak_from_this();
+  model_owned_ = !model_.expired();  // the model is alive here: set iff a shared_ptr owns it
   const std::size_t n = tensors.size();
   std::vector<std::string> all_names;
   all_names.reserve(n);
@@ -1003,7 +1024,7 @@ void Ema<Decay, Schedule, Storage>::transfer(const torch::nn::Module& model, boo
 template <DecayPolicy Decay, SchedulePolicy Schedule, StoragePolicy Storage>
 void Ema<Decay, Schedule, Storage>::check_model_unchanged(const char* what) const {
   const auto model = model_.lock();
-  if (!model) return;  // bound to tensors, or a module not owned by a shared_ptr
+  if (!model) return;  // bound to tensors, or a module not owned by a shared_ptr (destroyed: check_model_alive)
   const auto theirs = detail::tensors_by_name(*model);
   const auto& slots = kernel_.slots();
   for (const auto& e : entries_) {
@@ -1088,6 +1109,14 @@ EMAKIT_FUNC bool overlap(const at::Tensor& a, const at::Tensor& b) {
   const auto [a0, a1] = byte_extent(a);
   const auto [b0, b1] = byte_extent(b);
   return a0 < b1 && b0 < a1;
+}
+
+[[noreturn]] EMAKIT_FUNC void fail_model_destroyed(const char* what) {
+  fail("{}(): the model this Ema was bound to has been destroyed (a rebuilt model?), so the EMA would average, "
+       "or write into, tensors that no model uses; make a new Ema for the new model, or load this EMA's state "
+       "into it (new_ema.load_state_dict(ema.state_dict()), or ema.copy_to(new_model) for the weights). This "
+       "EMA's own state still reads: averages(), state_dict(), save()",
+       what);
 }
 
 EMAKIT_FUNC bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
