@@ -134,6 +134,10 @@ TEST_CASE("An Ema whose model was destroyed refuses update and swap_into, its ow
   CHECK(moved_on.calls() == calls);
   CHECK(moved_on.num_updates() == updates);
   CHECK(moved_on.update().action == Action::averaged);  // the new Ema works on its live model
+  emakit::FixedEma handed_over(*fresh_model, emakit::Fixed(0.9));
+  handed_over.load_state_dict(ema.state_dict());
+  CHECK(emakit_test::same_averages(handed_over.averages(), averages_before));
+  CHECK(handed_over.calls() == calls);
 
   ema.copy_to(*fresh_model);
   CHECK(require_model_holds(*fresh_model, ema.averages()) == averages_before.size());

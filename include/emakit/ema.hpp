@@ -487,8 +487,9 @@ class Ema {
   // The bound module still exists, for a module owned by a shared_ptr (a ModuleHolder's, or
   // make_shared's): the Ema keeps handles to the model's tensors, so after the model is destroyed
   // (a model rebuilt for a new run) update() would go on averaging tensors nothing uses, and
-  // swap_into() would write the average into them. Checked by every call that reads or writes the
-  // bound model's tensors; reading the EMA's own state (averages, state_dict, save) is not. One
+  // swap_into() would write the average into them. Checked by the calls that use the bound
+  // model's tensors: update(), switch_model(), swap_into(). Not by those that read the EMA's own
+  // state (averages, state_dict, save), nor by copy_to/copy_from, whose model is an argument. One
   // atomic load per call. A module not owned by a shared_ptr, or a list of tensors, cannot be
   // checked: model_owned_ is false.
   void check_model_alive(const char* what) const {
