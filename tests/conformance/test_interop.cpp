@@ -3,7 +3,11 @@
 // Python's torch.load (weights_only) and loaded by the peer itself (tests/conformance/_check_export.py).
 // The first step after the import starts from the imported state (replay.hpp), so it also shows
 // that the import carried the peer's numbers; tolerances as test_peers.cpp (kLerp, derived there).
+// The Python side of docs/coming-from-python.md's recipes runs as the page shows it
+// (tests/conformance/_doc_recipes.py extracts each block from the page).
 #include <emakit/interop.hpp>
+
+#include <caffe2/serialize/inline_container.h>
 
 #include "../../examples/subprocess.hpp"
 #include "replay.hpp"
@@ -28,6 +32,66 @@ int check_in_python(const std::string& exported, const fs::path& reference, cons
   REQUIRE(!python.empty());
   return emakit_subprocess::run({python, fmt::format("{}/_check_export.py", EMAKIT_CONFORMANCE_SCRIPTS), exported,
                                  reference.string(), peer});
+}
+
+// Runs the recipe `name` of docs/coming-from-python.md in `folder` (tests/conformance/_doc_recipes.py);
+// returns its exit status.
+int run_recipe(const std::string& name, const fs::path& folder) {
+  const std::string python = EMAKIT_CONFORMANCE_PYTHON;
+  REQUIRE(!python.empty());
+  const std::string page = fmt::format("{}/../../docs/coming-from-python.md", EMAKIT_CONFORMANCE_SCRIPTS);
+  return emakit_subprocess::run(
+      {python, fmt::format("{}/_doc_recipes.py", EMAKIT_CONFORMANCE_SCRIPTS), page, name, folder.string()});
+}
+
+// A fresh, empty folder for a recipe's files.
+fs::path recipe_folder(const char* name) {
+  const fs::path folder = fs::temp_directory_path() / fmt::format("emakit_recipe_{}_{}", name, ::getpid());
+  fs::remove_all(folder);
+  fs::create_directories(folder);
+  return folder;
+}
+
+// Whether data.pkl of a torch.save file pickles an OrderedDict at its root (what state_dict()
+// returns), rather than a plain dict.
+bool saved_an_ordered_dict(const fs::path& file) {
+  caffe2::serialize::PyTorchStreamReader zip(file.string());
+  auto [data, size] = zip.getRecord("data.pkl");
+  const std::string_view pickle(static_cast<const char*>(data.get()), size);
+  return pickle.substr(2, 25) == "ccollections\nOrderedDict\n";
+}
+
+// Both directions of a peer's recipes. `exported`: an EMA with averages to hand to Python;
+// `fresh`: an EMA of the same model and options, which imports what Python saved and then holds,
+// bitwise, the averages the Python peer held (reference.pt); returns it for counter checks.
+template <class E>
+void check_recipes(const char* peer_name, emakit::Peer peer, const E& exported, E& fresh) {
+  const fs::path folder = recipe_folder(peer_name);
+  emakit::export_state(exported, peer, folder / "ema.pt");
+  CHECK(run_recipe(fmt::format("{}_load", peer_name), folder) == 0);
+
+  fs::remove(folder / "ema.pt");
+  REQUIRE(run_recipe(fmt::format("{}_save", peer_name), folder) == 0);
+  // What the page's line saves: a state_dict() made a plain dict (for timm, of the averaged model
+  // alone: keys without module.).
+  CHECK(!saved_an_ordered_dict(folder / "ema.pt"));
+  std::map<std::string, at::Tensor> before;  // averages() shares the EMA's tensors: copies
+  for (const auto& item : fresh.averages()) before.emplace(item.key(), item.value().clone());
+  const auto report = emakit::import_state(fresh, peer, folder / "ema.pt");
+  CHECK(report.clean());
+  const Dict reference = load_dict(folder / "reference.pt");
+  std::size_t compared = 0, changed = 0;
+  for (const auto& item : fresh.averages()) {
+    INFO(item.key());
+    const at::Tensor& held = reference.at("peer." + item.key());
+    CHECK(torch::equal(item.value(), held));
+    changed += torch::equal(before.at(item.key()), held) ? 0 : 1;
+    ++compared;
+  }
+  CHECK(compared == fresh.averages().size());
+  CHECK(compared == before.size());
+  CHECK(changed > 0);  // the import moved the averages (15 noisy steps in Python)
+  fs::remove_all(folder);
 }
 
 std::string temp_path(const char* name) {
@@ -116,4 +180,83 @@ TEST_CASE("Importing a file that is not a peer's state is an error naming the fi
                     Catch::Matchers::Contains("/nonexistent/ema.pt"));
   CHECK(torch::equal(ema.averages()["lin.weight"], before));
   CHECK(ema.num_updates() == 0);
+}
+
+// docs/coming-from-python.md's Python lines, run as the page shows them, both ways. The old page
+// said ema.load_state_dict(torch.load("ema.pt")), which ema-pytorch refuses (the online model's
+// keys are missing); timm's own layout (ema.module.state_dict(), keys without module.) was refused
+// as "missing key 'average.lin.weight'".
+TEST_CASE("docs/coming-from-python.md: the ema-pytorch recipes run as the page shows them, both ways",
+          "[conformance][interop][docs][ema-pytorch]") {
+  const auto dir = scenario_dir("ema_pytorch_peer", "defaults_with_skips");
+  if (!dir) return;
+  auto sources = sources_from(*dir);
+  auto exported = emakit::ema_pytorch(sources);
+  REQUIRE(emakit::import_state(exported, emakit::Peer::ema_pytorch, step_file(*dir, "state", 120)).clean());
+  auto fresh_sources = sources_from(*dir);
+  auto fresh = emakit::ema_pytorch(fresh_sources);
+  check_recipes("ema_pytorch", emakit::Peer::ema_pytorch, exported, fresh);
+  CHECK(fresh.step() == 15);  // the recipe's peer: 15 update calls
+}
+
+TEST_CASE("docs/coming-from-python.md: the timm ModelEmaV3 recipes run as the page shows them, both ways",
+          "[conformance][interop][docs][timm]") {
+  const auto dir = scenario_dir("timm_peer", "warmup_with_step");
+  if (!dir) return;
+  auto sources = sources_from(*dir);
+  const emakit::TimmModelEmaV3Options options{
+      .decay = 0.99, .min_decay = 0.1, .update_after_step = 2, .use_warmup = true, .warmup_power = 0.75};
+  auto exported = emakit::timm_model_ema_v3(sources, options);
+  REQUIRE(emakit::import_state(exported, emakit::Peer::timm_v3, step_file(*dir, "state", 25)).clean());
+  auto fresh_sources = sources_from(*dir);
+  auto fresh = emakit::timm_model_ema_v3(fresh_sources);
+  check_recipes("timm_v3", emakit::Peer::timm_v3, exported, fresh);  // of ema.module
+}
+
+TEST_CASE("docs/coming-from-python.md: the AveragedModel recipes run as the page shows them, both ways",
+          "[conformance][interop][docs][averaged-model]") {
+  const auto dir = scenario_dir("averaged_model_peer", "ema_no_buffers");
+  if (!dir) return;
+  auto sources = sources_from(*dir);
+  auto exported = emakit::averaged_model_ema(sources, {.decay = 0.95, .use_buffers = false});
+  REQUIRE(emakit::import_state(exported, emakit::Peer::averaged_model, step_file(*dir, "state", 12)).clean());
+  auto fresh_sources = sources_from(*dir);
+  auto fresh = emakit::averaged_model_ema(fresh_sources, {.decay = 0.95, .use_buffers = false});
+  check_recipes("averaged_model", emakit::Peer::averaged_model, exported, fresh);
+  CHECK(fresh.num_updates() == 15);
+}
+
+// What users save without dict(...): state_dict()'s OrderedDict, made here by the real torch.save.
+// LibTorch's unpickler (1.13 and 2.x alike) failed on it with "isGenericDict() INTERNAL ASSERT
+// FAILED ... please report a bug to PyTorch"; import_state names the fix, and loads nothing.
+TEST_CASE("Importing torch.save(ema.state_dict()), an OrderedDict, is refused with the fix, dict(...)",
+          "[conformance][interop][ema-pytorch]") {
+  const auto dir = scenario_dir("ema_pytorch_peer", "defaults_with_skips");
+  if (!dir) return;
+  const fs::path folder = recipe_folder("ordered_dict");
+  const std::string code = fmt::format(
+      "import sys; sys.path.insert(0, '{}'); import torch, _common; from ema_pytorch import EMA\n"
+      "ema = EMA(_common.Net()); ema.update()\n"
+      "torch.save(ema.state_dict(), '{}'); torch.save({{'ema': ema.state_dict()}}, '{}')\n",
+      std::string(EMAKIT_CONFORMANCE_SCRIPTS), (folder / "ordered.pt").string(), (folder / "nested.pt").string());
+  REQUIRE(emakit_subprocess::run({std::string(EMAKIT_CONFORMANCE_PYTHON), "-c", code}) == 0);
+  REQUIRE(saved_an_ordered_dict(folder / "ordered.pt"));
+
+  auto sources = sources_from(*dir);
+  auto ema = emakit::ema_pytorch(sources);
+  const auto before = ema.averages()["lin.weight"].clone();
+  const std::string ordered = (folder / "ordered.pt").string();
+  CHECK_THROWS_WITH(emakit::import_state(ema, emakit::Peer::ema_pytorch, ordered),
+                    Catch::Matchers::Equals(fmt::format(
+                        "emakit: import_state: '{}' holds an OrderedDict (torch.save(ema.state_dict(), path)), which "
+                        "LibTorch cannot read; save a plain dict: torch.save(dict(ema.state_dict()), path)",
+                        ordered)));
+  const std::string nested = (folder / "nested.pt").string();
+  CHECK_THROWS_WITH(emakit::import_state(ema, emakit::Peer::ema_pytorch, nested),
+                    Catch::Matchers::Contains("'" + nested + "' holds an OrderedDict inside its dict") &&
+                        Catch::Matchers::Contains("torch.save(dict(ema.state_dict()), path)") &&
+                        !Catch::Matchers::Contains("INTERNAL ASSERT"));
+  CHECK(torch::equal(ema.averages()["lin.weight"], before));
+  CHECK(ema.num_updates() == 0);
+  fs::remove_all(folder);
 }
