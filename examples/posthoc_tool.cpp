@@ -8,6 +8,12 @@
 // The .pt output is a dict name -> tensor: torch.load("ema-0.07.pt") in Python,
 // torch::pickle_load in C++, model.load_state_dict(...) with the model's names. It is written
 // atomically: on any error there is no output file.
+//
+// Exit status: 0 written (or listed); 1 an error (a folder of two runs, a corrupt file, ...);
+// 2 bad arguments; 3 a synthesis refused because its result would not be the EMA asked for (a
+// snapshot set with gaps, a target far outside the tracked profiles, weights past the bound, an
+// ill-conditioned system): the message names the flag that accepts it (--allow-partial,
+// --max-extrapolation, --max-weight, --max-condition).
 #include <emakit/posthoc.hpp>
 
 #include <CLI/CLI.hpp>
@@ -16,6 +22,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <limits>
 #include <map>
 #include <optional>
 #include <set>
@@ -30,15 +37,15 @@ int list(const std::string& folder) {
   std::set<std::int64_t> times;
   std::map<std::uint32_t, double> profiles;
   std::uint64_t total = 0;
-  fmt::print("{:>12}  {:>12}  {:>7}  {:>9}  {:>11}  {:>5}  {:>7}  {:>9}  {}\n", "t", "step", "profile", "sigma_rel",
-             "gamma", "dt", "tensors", "MiB", "file");
+  fmt::print("{:>12}  {:>12}  {:>7}  {:>9}  {:>11}  {:>5}  {:>7}  {:>9}  {:>8}  {}\n", "t", "step", "profile",
+             "sigma_rel", "gamma", "dt", "tensors", "MiB", "run", "file");
   for (const auto& s : snapshots) {
     std::set<std::string> dtypes;
     for (const auto& t : s.tensors)
       if (t.averaged) dtypes.insert(c10::toString(t.stored_dtype));
-    fmt::print("{:>12}  {:>12}  {:>7}  {:>9.5f}  {:>11.6f}  {:>5}  {:>7}  {:>9.2f}  {} ({})\n", s.t, s.step, s.profile,
-               s.sigma_rel, s.gamma, s.update_every, s.tensors.size(), megabytes(s.file_size),
-               s.path.filename().string(), fmt::join(dtypes, ", "));
+    fmt::print("{:>12}  {:>12}  {:>7}  {:>9.5f}  {:>11.6f}  {:>5}  {:>7}  {:>9.2f}  {:>8}  {} ({})\n", s.t, s.step,
+               s.profile, s.sigma_rel, s.gamma, s.update_every, s.tensors.size(), megabytes(s.file_size),
+               s.run.short_hex(), s.path.filename().string(), fmt::join(dtypes, ", "));
     times.insert(s.t);
     profiles[s.profile] = s.sigma_rel;
     total += s.file_size;
@@ -50,6 +57,10 @@ int list(const std::string& folder) {
     for (const auto& [index, sigma_rel] : profiles) fmt::print(" {}:{:.4f}", index, sigma_rel);
     fmt::print("), {} times from t = {} to {}, {:.1f} MiB\n", times.size(), *times.begin(), *times.rbegin(),
                megabytes(total));
+    const auto runs = emakit::snapshot_runs(snapshots);
+    for (const auto& r : runs) fmt::print("{}\n", r.describe());
+    if (runs.size() > 1)
+      fmt::print("warning: {} training runs share this folder; a synthesis refuses it until one is left\n", runs.size());
   }
   if (const auto stale = emakit::interrupted_writes(folder); !stale.empty())
     fmt::print("{} temporary files of interrupted writes (not snapshots; safe to delete when nothing writes here)\n",
@@ -66,13 +77,17 @@ struct SynthesizeArgs {
   std::string format = "pt";
   std::string dtype;
   double max_condition = emakit::default_max_condition;
+  double max_extrapolation = emakit::SynthesisOptions::default_max_extrapolation;
+  double max_weight = emakit::SynthesisOptions::default_max_weight;
+  bool allow_partial = false;
   bool dry_run = false;
 };
 
 int synthesize(const SynthesizeArgs& args) {
   auto options = args.gamma ? emakit::SynthesisOptions(*args.gamma) : emakit::SynthesisOptions::from_sigma_rel(*args.sigma_rel);
   if (args.step) options.step(*args.step);
-  options.max_condition(args.max_condition);
+  options.max_condition(args.max_condition).max_extrapolation(args.max_extrapolation).max_weight(args.max_weight);
+  options.allow_partial(args.allow_partial);
   static const std::map<std::string, c10::ScalarType> dtypes = {{"float32", c10::ScalarType::Float},
                                                                 {"float64", c10::ScalarType::Double},
                                                                 {"float16", c10::ScalarType::Half},
@@ -82,8 +97,15 @@ int synthesize(const SynthesizeArgs& args) {
   const auto plan = emakit::plan_synthesis(args.folder, options);
   fmt::print("target: sigma_rel {:.5f} (gamma {:.6f}) at t = {}\n", options.sigma_rel(), options.gamma(),
              static_cast<std::int64_t>(plan.target.t));
-  fmt::print("{} snapshots, condition number {:.3g}, weights before normalisation sum to {:.9f}\n",
-             plan.snapshots.size(), plan.solution.condition, plan.solution.raw_sum);
+  fmt::print("run {}, {} snapshots, tracked sigma_rel {:.4f} to {:.4f}\n", plan.run.short_hex(), plan.snapshots.size(),
+             plan.tracked_min_sigma_rel, plan.tracked_max_sigma_rel);
+  fmt::print("condition number {:.3g}, weights before normalisation sum to {:.9f}\n", plan.solution.condition,
+             plan.solution.raw_sum);
+  fmt::print("largest |weight| {:.4g}, sum of |weight| {:.4g}, profile error {:.3g} (relative L2 distance to the "
+             "target profile)\n",
+             plan.solution.max_abs_weight, plan.solution.abs_sum, plan.solution.profile_error);
+  for (const auto& m : plan.missing)
+    fmt::print("missing (accepted with --allow-partial): profile {} at step {} ({})\n", m.profile, m.step, m.file_name);
   fmt::print("{:>12}  {:>9}  {:>16}  {}\n", "t", "sigma_rel", "weight", "file");
   for (std::size_t i = 0; i < plan.snapshots.size(); ++i)
     fmt::print("{:>12}  {:>9.5f}  {:>16.9e}  {}\n", plan.snapshots[i].t, plan.snapshots[i].sigma_rel,
@@ -119,6 +141,13 @@ int main(int argc, char** argv) {
   synth->add_option("--dtype", args.dtype, "the result's dtype (default: the averages' dtype)")
       ->check(CLI::IsMember({"float32", "float64", "float16", "bfloat16"}));
   synth->add_option("--max-condition", args.max_condition, "refuse systems with a larger condition number");
+  synth->add_option("--max-extrapolation", args.max_extrapolation,
+                    "refuse a sigma_rel outside the tracked range by more than this factor (default 2.5; inf: no limit)")
+      ->check(CLI::Range(1.0, std::numeric_limits<double>::infinity()));
+  synth->add_option("--max-weight", args.max_weight, "refuse weights larger than this in magnitude (default 10)")
+      ->check(CLI::PositiveNumber);
+  synth->add_flag("--allow-partial", args.allow_partial,
+                  "synthesize even when snapshots of the run are missing (they are listed)");
   synth->add_flag("--dry-run,-n", args.dry_run, "print the weights, write nothing");
 
   CLI11_PARSE(app, argc, argv);
@@ -134,6 +163,9 @@ int main(int argc, char** argv) {
                                 args.format);
     }
     return synthesize(args);
+  } catch (const emakit::SynthesisRefused& e) {
+    fmt::print(stderr, "refused: {}\n", e.what());
+    return 3;
   } catch (const std::exception& e) {
     fmt::print(stderr, "error: {}\n", e.what());
     return 1;

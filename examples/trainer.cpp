@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <exception>
 #include <filesystem>
 #include <optional>
 #include <string>
@@ -50,9 +51,7 @@ double test_loss(Mlp& model, const torch::Tensor& x, const torch::Tensor& y) {
   return torch::mse_loss(model->forward(x), y).item<double>();
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int train(int argc, char** argv) {
   const long steps = argc > 1 ? std::strtol(argv[1], nullptr, 10) : 3000;
   const long seed = argc > 2 ? std::strtol(argv[2], nullptr, 10) : 0;
   const std::string checkpoint = argc > 3 ? argv[3] : "";
@@ -131,4 +130,15 @@ int main(int argc, char** argv) {
   fmt::print("\ntest loss at the end: online {:.6f}, EMA {:.6f} ({:+.1f}%); the model now holds the EMA weights: {:.6f}\n",
              online, with_ema, 100.0 * (with_ema / online - 1.0), test_loss(model, x_test, y_test));
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return train(argc, argv);
+  } catch (const std::exception& e) {  // emakit's errors say what was wrong and what to do
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  }
 }

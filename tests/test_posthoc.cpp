@@ -7,6 +7,9 @@
 #include "skip.hpp"
 
 #include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 #include <torch/serialize.h>
 
@@ -23,8 +26,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <random>
 #include <stdexcept>
@@ -293,8 +298,8 @@ TEST_CASE("A corrupt, truncated or foreign snapshot is rejected with an error na
   foreign[0] = 'P';
   rejected(foreign, "is not an emakit snapshot file");
   auto future = bytes;
-  future[8] = 2;
-  rejected(future, "format version 2; this emakit reads version 1");
+  future[8] = 3;
+  rejected(future, "format version 3; this emakit reads versions 1 to 2 (written by a newer emakit");
 
   // A synthesis that would read the corrupt tensor fails and writes no output.
   write_bytes(bad, flipped_data);
@@ -318,6 +323,7 @@ TEST_CASE("Snapshots of another model are rejected naming the file and the tenso
   emakit::SnapshotInfo header;
   header.step = header.t = 4;
   header.gamma = 3.0;
+  header.run = posthoc.run();  // the same run: the model check is what refuses it
   const auto options = emakit::SynthesisOptions::from_sigma_rel(0.07);
 
   tensors["fc.weight"] = torch::zeros({5, 3});
@@ -393,7 +399,7 @@ TEST_CASE("Synthesis errors: no snapshot before the target, not a snapshot time,
 
   // Profiles that (almost) coincide: the condition number is reported.
   const std::vector<emakit::Profile> close = {{10, 6.94}, {10, 6.94 + 1e-7}, {20, 6.94}, {20, 6.94 + 1e-7}};
-  CHECK_THROWS_AS(emakit::solve_posthoc_weights(close, {20, 3.0}), std::runtime_error);
+  CHECK_THROWS_AS(emakit::solve_posthoc_weights(close, {20, 3.0}), emakit::SynthesisRefused);
   CHECK_THROWS_WITH(emakit::solve_posthoc_weights(close, {20, 3.0}), Contains("ill-conditioned: condition number") &&
                                                                          Contains("> 1e+12"));
   CHECK_THROWS_WITH(emakit::solve_posthoc_weights(std::vector<emakit::Profile>{{10, 6.94}, {10, 6.94}}, {10, 3.0}),
@@ -672,11 +678,24 @@ TEST_CASE("A PostHocEma resumes from its state dict, and a state of other profil
 
 // The child of the kill test (hidden: runs only when named, with EMAKIT_POSTHOC_WRITER_DIR set).
 // Writes 2 x 16 MB snapshots for steps 1..3, then rewrites the step-3 ones until it is killed.
+// Every writer is the same run: the first saves its state (the run id) before any snapshot, the
+// next ones resume it, as a trainer restarted from its checkpoint would.
 TEST_CASE("posthoc kill-test writer", "[.posthoc-writer]") {
   const char* dir = std::getenv("EMAKIT_POSTHOC_WRITER_DIR");
   if (dir == nullptr) return;
   std::vector<emakit::SourceTensor> sources = {{"a", torch::zeros({2 << 20})}, {"b", torch::zeros({2 << 20})}};
   emakit::PostHocEma posthoc(sources, emakit::PostHocOptions(dir).snapshot_every(1));
+  const fs::path state = fs::path(dir) / "writer-state.pt";
+  if (fs::exists(state)) {
+    emakit::StateDict saved;
+    for (const auto& item : emakit::detail::read_pickle_dict(state, "the writer's state"))
+      saved.insert(item.key().toStringRef(), item.value().toTensor());
+    posthoc.load_state_dict(saved);
+  } else {
+    c10::impl::GenericDict saved(c10::StringType::get(), c10::TensorType::get());
+    for (const auto& item : posthoc.state_dict()) saved.insert(item.key(), item.value());
+    emakit::detail::write_tensor_dict(state, saved);
+  }
   for (int step = 1; step <= 3; ++step) {
     for (auto& s : sources) s.tensor.uniform_();
     posthoc.update();
@@ -746,4 +765,334 @@ TEST_CASE("A snapshot folder survives a writer killed (SIGKILL) in mid-write", "
   const auto plan = emakit::plan_synthesis(folder.path, emakit::SynthesisOptions::from_sigma_rel(0.07));
   CHECK(plan.snapshots.front().t >= 1);
   CHECK_NOTHROW(emakit::synthesize(plan));
+}
+
+// ---- one run per folder, complete snapshot sets, targets the snapshots can reproduce -----------
+
+namespace {
+
+// Every file of a folder (not recursing) -> its bytes.
+std::map<std::string, std::vector<char>> folder_bytes(const fs::path& folder) {
+  std::map<std::string, std::vector<char>> out;
+  for (const auto& e : fs::directory_iterator(folder))
+    if (e.is_regular_file()) out[e.path().filename().string()] = read_bytes(e.path());
+  return out;
+}
+
+emakit::StateDict read_state(const fs::path& file) {
+  emakit::StateDict out;
+  for (const auto& item : emakit::detail::read_pickle_dict(file, "a test state"))
+    out.insert(item.key().toStringRef(), item.value().toTensor());
+  return out;
+}
+
+// The model of tests/fixtures/posthoc_v1 (its generate.cpp).
+torch::nn::Sequential fixture_model() { return torch::nn::Sequential(torch::nn::Linear(4, 3), torch::nn::BatchNorm1d(3)); }
+
+fs::path fixture_v1() { return emakit_test::repo_file("tests/fixtures/posthoc_v1/state.pt").parent_path(); }
+
+// A copy of the format-1 fixture's snapshot files in `folder`.
+void copy_fixture_snapshots(const fs::path& folder) {
+  for (const auto& e : fs::directory_iterator(fixture_v1()))
+    if (emakit::is_snapshot_file_name(e.path().filename().string())) fs::copy_file(e.path(), folder / e.path().filename());
+}
+
+}  // namespace
+
+TEST_CASE("Each snapshot records its run, its profiles and the run's previous snapshot step", "[posthoc][runs]") {
+  TempFolder folder("run-header");
+  torch::manual_seed(11);
+  emakit_test::TinyNet model;
+  emakit::PostHocEma posthoc(*model, emakit::PostHocOptions(folder.path).snapshot_every(2).sigma_rels({0.05, 0.08, 0.12}));
+  REQUIRE(posthoc.run().recorded());
+  CHECK(posthoc.run().hex().size() == 32);
+  CHECK(posthoc.run_started() > 1700000000);  // Unix seconds, after 2023
+  for (int s = 1; s <= 6; ++s) {
+    emakit_test::perturb(*model);
+    posthoc.update();
+  }
+  posthoc.snapshot();  // a second snapshot at step 6 rewrites those files, in the same place in the chain
+  const auto listed = emakit::list_snapshots(folder.path);
+  REQUIRE(listed.size() == 9);
+  const std::map<std::int64_t, std::int64_t> previous = {{2, 0}, {4, 2}, {6, 4}};
+  for (const auto& s : listed) {
+    INFO(s.path.string());
+    CHECK(s.format_version == 2);
+    CHECK(s.run == posthoc.run());
+    CHECK(s.run_started == posthoc.run_started());
+    CHECK(s.profiles == 3);
+    CHECK(s.previous_step == previous.at(s.step));
+    CHECK(s.fingerprint == emakit::model_fingerprint(s.tensors));
+    CHECK(s.fingerprint == listed.front().fingerprint);
+  }
+  // The fingerprint is of the model: another shape of one tensor changes it.
+  auto other = listed.front().tensors;
+  other.front().sizes.back() += 1;
+  CHECK(emakit::model_fingerprint(other) != listed.front().fingerprint);
+  // Two PostHocEmas are two runs.
+  CHECK(emakit::PostHocEma(*model, emakit::PostHocOptions(folder.path)).run() != posthoc.run());
+  // A header whose stored fingerprint disagrees with its table is corrupt.
+  auto bytes = read_bytes(listed.front().path);
+  const std::size_t fingerprint_at = 16 + 8 * 5 + 4 * 2 + 8 + 16 + 8 * 2;  // see snapshot_file.hpp
+  std::uint64_t stored = 0;
+  std::memcpy(&stored, bytes.data() + fingerprint_at, 8);
+  REQUIRE(stored == listed.front().fingerprint);
+  bytes[fingerprint_at] ^= 0x01;
+  std::uint32_t header_size = 0;
+  std::memcpy(&header_size, bytes.data() + 12, 4);
+  const std::uint32_t crc = emakit::detail::crc32(bytes.data(), 16 + header_size);  // a valid header CRC again
+  std::memcpy(bytes.data() + 16 + header_size, &crc, 4);
+  const fs::path bad = folder.path / "phema-0000000099-0.emkit";
+  write_bytes(bad, bytes);
+  CHECK_THROWS_WITH(emakit::read_snapshot_info(bad), Contains(bad.string()) && Contains("model fingerprint"));
+}
+
+TEST_CASE("Another run's snapshots in the folder are refused at the first update, before anything changes",
+          "[posthoc][runs][errors]") {
+  TempFolder folder("two-runs");
+  torch::manual_seed(12);
+  emakit_test::TinyNet model;
+  const auto options = emakit::PostHocOptions(folder.path).snapshot_every(2);
+  emakit::PostHocEma first(*model, options);
+  for (int s = 1; s <= 4; ++s) {
+    emakit_test::perturb(*model);
+    first.update();
+  }
+  const auto before = folder_bytes(folder.path);
+  REQUIRE(before.size() == 4);
+
+  // Another run, another model, the same folder (a sample re-run with its folder hard-coded).
+  torch::nn::Linear other_model(5, 2);
+  emakit::PostHocEma second(*other_model, options);
+  const auto weight_before = second.ema(0).average("weight").clone();
+  CHECK_THROWS_WITH(second.update(), Contains(folder.path.string()) && Contains("another training run") &&
+                                         Contains("run " + first.run().short_hex()) && Contains("4 snapshots, t = 2 to 4") &&
+                                         Contains("This PostHocEma is run " + second.run().short_hex()) &&
+                                         Contains("load_state_dict") && Contains("ExistingSnapshots::move_aside"));
+  CHECK(second.step() == 0);
+  CHECK(emakit_test::bitwise_equal(second.ema(0).average("weight"), weight_before));
+  CHECK(folder_bytes(folder.path) == before);
+
+  // The run resumed from its state writes on, in the chain after its last snapshot.
+  emakit::PostHocEma resumed(*model, options);
+  resumed.load_state_dict(first.state_dict());
+  CHECK(resumed.run() == first.run());
+  CHECK(resumed.run_started() == first.run_started());
+  for (int s = 5; s <= 6; ++s) {
+    emakit_test::perturb(*model);
+    resumed.update();
+  }
+  const auto info = emakit::read_snapshot_info(folder.path / "phema-0000000006-0.emkit");
+  CHECK(info.run == first.run());
+  CHECK(info.previous_step == 4);
+  CHECK(emakit::plan_synthesis(folder.path, emakit::SynthesisOptions::from_sigma_rel(0.07)).snapshots.size() == 6);
+
+  // A folder that holds two runs anyway (files copied in) is refused by the synthesis, naming both.
+  TempFolder elsewhere("two-runs-other");
+  emakit::PostHocEma third(*model, emakit::PostHocOptions(elsewhere.path).snapshot_every(8));
+  for (int s = 1; s <= 8; ++s) third.update();
+  fs::copy_file(elsewhere.path / "phema-0000000008-0.emkit", folder.path / "phema-0000000008-0.emkit");
+  CHECK_THROWS_WITH(emakit::plan_synthesis(folder.path, emakit::SynthesisOptions::from_sigma_rel(0.07)),
+                    Contains("2 training runs") && Contains("run " + first.run().short_hex() + " (started ") &&
+                        Contains("6 snapshots, t = 2 to 6") && Contains("run " + third.run().short_hex()) &&
+                        Contains("1 snapshot, t = 8 to 8"));
+}
+
+TEST_CASE("ExistingSnapshots::move_aside moves another run's snapshots into previous-run-<id>, whole",
+          "[posthoc][runs]") {
+  TempFolder folder("move-aside");
+  copy_fixture_snapshots(folder.path);  // format 1: no run id
+  const auto legacy = folder_bytes(folder.path);
+  REQUIRE(legacy.size() == 12);
+  torch::manual_seed(13);
+  emakit_test::TinyNet model;
+  const auto options = emakit::PostHocOptions(folder.path).snapshot_every(2).existing_snapshots(emakit::ExistingSnapshots::move_aside);
+  emakit::PostHocEma first(*model, options);
+  for (int s = 1; s <= 2; ++s) first.update();
+  CHECK(folder_bytes(folder.path / "previous-run-none") == legacy);
+  const auto mine = emakit::list_snapshots(folder.path);
+  REQUIRE(mine.size() == 2);
+  for (const auto& s : mine) CHECK(s.run == first.run());
+  const auto first_files = folder_bytes(folder.path);
+
+  emakit::PostHocEma second(*model, options);
+  second.update();
+  second.update();
+  const fs::path aside = folder.path / ("previous-run-" + first.run().short_hex());
+  auto moved = folder_bytes(aside);
+  CHECK(moved.size() == 2);
+  for (const auto& [name, bytes] : moved) CHECK(first_files.at(name) == bytes);
+  CHECK(folder_bytes(folder.path / "previous-run-none") == legacy);  // an earlier move is left alone
+  CHECK(emakit::list_snapshots(folder.path).size() == 2);
+  CHECK(emakit::plan_synthesis(folder.path, emakit::SynthesisOptions::from_sigma_rel(0.07)).run == second.run());
+}
+
+TEST_CASE("Format 1 snapshots and states still read: the fixture synthesizes as it did, and its run goes on",
+          "[posthoc][runs][format]") {
+  const auto listed = emakit::list_snapshots(fixture_v1());
+  REQUIRE(listed.size() == 12);
+  for (const auto& s : listed) {
+    CHECK(s.format_version == 1);
+    CHECK_FALSE(s.run.recorded());
+    CHECK(s.previous_step == -1);
+    CHECK(s.profiles == 0);
+  }
+  // The results format 1's emakit wrote (generate.cpp) are reproduced bitwise.
+  for (const auto& [file, step] : std::vector<std::pair<std::string, std::int64_t>>{{"synth-0.07.pt", 30}, {"synth-0.07-t20.pt", 20}}) {
+    INFO(file);
+    const auto plan = emakit::plan_synthesis(fixture_v1(), emakit::SynthesisOptions::from_sigma_rel(0.07).step(step));
+    CHECK(plan.snapshots.size() == static_cast<std::size_t>(step / 5 * 2));
+    const auto result = emakit::synthesize(plan);
+    const auto recorded = read_state(fixture_v1() / file);
+    REQUIRE(result.size() == recorded.size());
+    std::size_t compared = 0;
+    for (const auto& item : recorded) compared += emakit_test::bitwise_equal(result[item.key()], item.value()) ? 1 : 0;
+    CHECK(compared == 7);  // 0.weight, 0.bias, 1.weight, 1.bias, 1.running_mean, 1.running_var, 1.num_batches_tracked
+  }
+
+  // The format-1 state resumes the run without an id, and its new snapshots (format 2) join the old ones.
+  TempFolder folder("v1-resume");
+  copy_fixture_snapshots(folder.path);
+  auto model = fixture_model();
+  const auto options = emakit::PostHocOptions(folder.path).snapshot_every(5);
+  emakit::PostHocEma fresh(*model, options);
+  CHECK_THROWS_WITH(fresh.update(), Contains("snapshots without a run id: 12 snapshots, t = 5 to 30"));
+  emakit::PostHocEma posthoc(*model, options);
+  const auto state = read_state(fixture_v1() / "state.pt");
+  REQUIRE(emakit::detail::StateReader(state).counter("posthoc.format") == 1);
+  posthoc.load_state_dict(state);
+  CHECK(posthoc.step() == 30);
+  CHECK_FALSE(posthoc.run().recorded());
+  for (int s = 31; s <= 35; ++s) posthoc.update();
+  const auto info = emakit::read_snapshot_info(folder.path / "phema-0000000035-1.emkit");
+  CHECK(info.format_version == 2);
+  CHECK_FALSE(info.run.recorded());
+  CHECK(info.previous_step == 30);
+  CHECK(info.profiles == 2);
+  const auto plan = emakit::plan_synthesis(folder.path, emakit::SynthesisOptions::from_sigma_rel(0.07));
+  CHECK(plan.snapshots.size() == 14);
+  CHECK(plan.missing.empty());
+}
+
+TEST_CASE("A snapshot set with gaps is refused naming each missing file, and allow_partial lists them",
+          "[posthoc][synthesis][errors]") {
+  TempFolder folder("gaps");
+  torch::manual_seed(14);
+  emakit_test::TinyNet model;
+  emakit::PostHocEma posthoc(*model, emakit::PostHocOptions(folder.path).snapshot_every(2));
+  for (int s = 1; s <= 12; ++s) {
+    emakit_test::perturb(*model);
+    posthoc.update();
+  }
+  const auto options = emakit::SynthesisOptions::from_sigma_rel(0.07);
+  const auto full = emakit::synthesize(emakit::plan_synthesis(folder.path, options));
+  const fs::path keep = folder.path / "kept";
+  fs::create_directories(keep);
+  auto remove = [&](std::initializer_list<const char*> names) {
+    for (const char* n : names) fs::rename(folder.path / n, keep / n);
+  };
+  auto restore = [&] {
+    for (const auto& e : fs::directory_iterator(keep)) fs::rename(e.path(), folder.path / e.path().filename());
+  };
+
+  // One profile at the target time (the issue's case: 1.2% away, said nothing).
+  remove({"phema-0000000012-1.emkit"});
+  CHECK_THROWS_AS(emakit::plan_synthesis(folder.path, options), emakit::SynthesisRefused);
+  CHECK_THROWS_WITH(emakit::plan_synthesis(folder.path, options),
+                    Contains("1 snapshot of the run is missing") &&
+                        Contains("profile 1 (sigma_rel 0.1000) at step 12 ('phema-0000000012-1.emkit')") &&
+                        Contains("allow_partial") && Contains("--allow-partial"));
+  auto partial_options = options;
+  partial_options.allow_partial(true);
+  const auto partial = emakit::plan_synthesis(folder.path, partial_options);
+  REQUIRE(partial.missing.size() == 1);
+  CHECK(partial.missing[0].step == 12);
+  CHECK(partial.missing[0].profile == 1);
+  CHECK(partial.missing[0].file_name == "phema-0000000012-1.emkit");
+  CHECK(partial.snapshots.size() == 11);
+  CHECK(distance(emakit::synthesize(partial), full) > 1e-6);  // what the refusal protects against
+  // An earlier target does not need it.
+  CHECK(emakit::plan_synthesis(folder.path, emakit::SynthesisOptions::from_sigma_rel(0.07).step(10)).missing.empty());
+  restore();
+
+  // A whole time in the middle: the step-8 files name step 6 as the one before them.
+  remove({"phema-0000000006-0.emkit", "phema-0000000006-1.emkit"});
+  CHECK_THROWS_WITH(emakit::plan_synthesis(folder.path, options),
+                    Contains("2 snapshots of the run are missing") && Contains("'phema-0000000006-0.emkit'") &&
+                        Contains("'phema-0000000006-1.emkit'"));
+  restore();
+  // The first time: the step-4 files name step 2.
+  remove({"phema-0000000002-0.emkit", "phema-0000000002-1.emkit"});
+  CHECK_THROWS_WITH(emakit::plan_synthesis(folder.path, options), Contains("'phema-0000000002-1.emkit'"));
+  restore();
+  // Every file of one profile: the files record that the run tracks two.
+  remove({"phema-0000000002-1.emkit", "phema-0000000004-1.emkit", "phema-0000000006-1.emkit", "phema-0000000008-1.emkit",
+          "phema-0000000010-1.emkit", "phema-0000000012-1.emkit"});
+  CHECK_THROWS_WITH(emakit::plan_synthesis(folder.path, options),
+                    Contains("6 snapshots of the run are missing") && Contains("profile 1 (no file of it is left) at step 2"));
+  restore();
+  CHECK(distance(emakit::synthesize(emakit::plan_synthesis(folder.path, options)), full) == 0.0);
+}
+
+TEST_CASE("A target the snapshots cannot reproduce is refused, and the plan reports its weights and error",
+          "[posthoc][synthesis][errors]") {
+  // The fixture: sigma_rel 0.05 and 0.10 at t = 5, ..., 30 (the issue's case: sigma_rel 0.001 gave
+  // weights of +-8 with a raw sum of 0.757, and no warning).
+  const auto folder = fixture_v1();
+  CHECK_THROWS_AS(emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(0.001)), emakit::SynthesisRefused);
+  CHECK_THROWS_WITH(emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(0.001)),
+                    Contains("sigma_rel 0.001 lies 50x outside the tracked profiles' range 0.05 to 0.1") &&
+                        Contains("max_extrapolation") && Contains("--max-extrapolation"));
+  CHECK_THROWS_WITH(emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(0.26)), Contains("2.6x outside"));
+  CHECK_THROWS_WITH(emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(0.019)), Contains("2.63x outside"));
+  CHECK_NOTHROW(emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(0.25)));  // 2.5x: the bound itself
+  const auto far = emakit::plan_synthesis(
+      folder, emakit::SynthesisOptions::from_sigma_rel(0.001).max_extrapolation(std::numeric_limits<double>::infinity()));
+  double largest = 0, sum = 0;
+  for (double w : far.solution.weights) {
+    largest = std::max(largest, std::abs(w));
+    sum += std::abs(w);
+  }
+  CHECK(far.solution.max_abs_weight == largest);
+  CHECK(far.solution.abs_sum == sum);
+  CHECK(largest > 5);
+  CHECK(far.solution.profile_error > 0.5);  // the combined profile is far from the one asked for
+
+  // Weights past max_weight, for a target inside the range.
+  auto inside = emakit::SynthesisOptions::from_sigma_rel(0.07);
+  const auto plan = emakit::plan_synthesis(folder, inside);
+  CHECK(plan.tracked_min_sigma_rel == Approx(0.05).epsilon(1e-12));
+  CHECK(plan.tracked_max_sigma_rel == Approx(0.10).epsilon(1e-12));
+  CHECK(plan.solution.max_abs_weight < 1.0);
+  CHECK_THROWS_WITH(emakit::plan_synthesis(folder, inside.max_weight(plan.solution.max_abs_weight / 2)),
+                    Contains("reach") && Contains("max_weight") && Contains("phema-00000000") && Contains("--max-weight"));
+
+  // profile_error is the L2 distance of the profiles, checked by integrating them numerically:
+  // the midpoint rule on each interval between snapshot times (where the profiles end), 2^16
+  // cells each; its error is O(h^2), below 1e-9 of the result here.
+  const auto checked = emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(0.03));
+  auto profile = [](double t, double gamma, double tau) {
+    return tau > t ? 0.0 : (gamma + 1.0) * std::pow(tau / t, gamma) / t;
+  };
+  const int cells = 1 << 16;
+  double diff = 0, own = 0;
+  for (double start = 0; start < checked.target.t; start += 5) {  // the fixture's snapshots are 5 steps apart
+    const double h = 5.0 / cells;
+    for (int k = 0; k < cells; ++k) {
+      const double tau = start + (k + 0.5) * h;
+      double combined = 0;
+      for (std::size_t i = 0; i < checked.snapshots.size(); ++i)
+        combined += checked.solution.weights[i] *
+                    profile(static_cast<double>(checked.snapshots[i].t), checked.snapshots[i].gamma, tau);
+      const double q = profile(checked.target.t, checked.target.gamma, tau);
+      diff += (combined - q) * (combined - q) * h;
+      own += q * q * h;
+    }
+  }
+  CHECK(checked.solution.profile_error == Approx(std::sqrt(diff / own)).epsilon(1e-9));
+  CHECK(checked.solution.profile_error > 0.01);
+
+  // Every target of docs/posthoc.md's sample and the demo's sweep (0.02 to 0.20 from 0.05 and 0.10)
+  // passes the defaults.
+  for (double s : {0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.10, 0.12, 0.13, 0.16, 0.20}) CHECK_NOTHROW(emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(s)));
 }

@@ -17,7 +17,26 @@
 #include <string_view>
 #include <utility>
 
+namespace emakit {
+
+// A post-hoc synthesis refused because its result would not be the EMA asked for: a snapshot set
+// with gaps, a target far outside the tracked profiles, weights past their bound, an
+// ill-conditioned system. The message names the option that accepts it anyway
+// (SynthesisOptions). A std::runtime_error.
+class SynthesisRefused : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+}  // namespace emakit
+
 namespace emakit::detail {
+
+// Throws SynthesisRefused with a formatted message, prefixed by "emakit: ".
+template <class... Args>
+[[noreturn]] void refuse_synthesis(fmt::format_string<Args...> format, Args&&... args) {
+  throw SynthesisRefused("emakit: " + fmt::format(format, std::forward<Args>(args)...));
+}
 
 // Throws std::invalid_argument with a formatted message, prefixed by "emakit: ".
 template <class... Args>

@@ -21,6 +21,12 @@
 
 namespace emakit {
 
+// What a PostHocEma does with another run's snapshots in its folder (PostHocOptions).
+enum class ExistingSnapshots : std::uint8_t {
+  refuse,      // throw at the first update or snapshot, naming the other run
+  move_aside,  // move them into "<folder>/previous-run-<id>", then go on
+};
+
 // What a PostHocEma tracks and where it writes its snapshots.
 class PostHocOptions {
  public:
@@ -50,6 +56,14 @@ class PostHocOptions {
   // the averages' own dtype. Copied tensors (integer buffers) keep theirs.
   std::optional<c10::ScalarType> snapshot_dtype() const noexcept { return snapshot_dtype_; }
   PostHocOptions& snapshot_dtype(c10::ScalarType value);
+  // What to do when the folder holds snapshots of another run (a snapshot records its run):
+  // refuse (default), unless this PostHocEma resumes that run (load_state_dict of its state), or
+  // move them aside, into a new sub-folder "<folder>/previous-run-<id>" (never deleted).
+  ExistingSnapshots existing_snapshots() const noexcept { return existing_snapshots_; }
+  PostHocOptions& existing_snapshots(ExistingSnapshots value) {
+    existing_snapshots_ = value;
+    return *this;
+  }
 
  private:
   PostHocOptions& set_gammas(std::vector<double> g, const char* option, const std::vector<double>& given);
@@ -59,6 +73,7 @@ class PostHocOptions {
   std::int64_t update_every_ = 1;
   std::int64_t snapshot_every_ = 1000;
   std::optional<c10::ScalarType> snapshot_dtype_;
+  ExistingSnapshots existing_snapshots_ = ExistingSnapshots::refuse;
 };
 
 // The EMA to synthesize: its profile (by gamma, or by sigma_rel), the time (a snapshot time;
@@ -105,10 +120,45 @@ class SynthesisOptions {
     return *this;
   }
 
+  // What a synthesis refuses (SynthesisRefused) unless told otherwise:
+  // - a snapshot set with gaps: every profile of the run must have a snapshot at every snapshot
+  //   step up to the target (the files record how many profiles and which step came before);
+  //   allow_partial(true) synthesizes from what is there and lists the gaps in plan.missing.
+  bool allow_partial() const noexcept { return allow_partial_; }
+  SynthesisOptions& allow_partial(bool value) {
+    allow_partial_ = value;
+    return *this;
+  }
+  // - a target sigma_rel below the shortest tracked one / factor or above the longest x factor:
+  //   far outside, the combination cannot reproduce the profile (default 2.5: with 0.05 and 0.10
+  //   tracked, 0.02 to 0.25; infinity: no limit). plan.solution.profile_error says how far the
+  //   combination is from the profile asked for.
+  double max_extrapolation() const noexcept { return max_extrapolation_; }
+  SynthesisOptions& max_extrapolation(double factor) {
+    if (!(factor >= 1.0)) detail::fail("SynthesisOptions::max_extrapolation must be >= 1, got {}", factor);
+    max_extrapolation_ = factor;
+    return *this;
+  }
+  // - a weight larger than this in magnitude (default 10; in-range targets stay near 1): large
+  //   weights of both signs amplify the snapshots' rounding (bf16 snapshots above all).
+  double max_weight() const noexcept { return max_weight_; }
+  SynthesisOptions& max_weight(double value) {
+    if (!(value > 0.0)) detail::fail("SynthesisOptions::max_weight must be > 0, got {}", value);
+    max_weight_ = value;
+    return *this;
+  }
+  // - an ill-conditioned system: max_condition() above.
+
+  static constexpr double default_max_extrapolation = 2.5;
+  static constexpr double default_max_weight = 10.0;
+
  private:
   double gamma_ = 0;
   std::optional<std::int64_t> step_;
   double max_condition_ = default_max_condition;
+  bool allow_partial_ = false;
+  double max_extrapolation_ = default_max_extrapolation;
+  double max_weight_ = default_max_weight;
   std::optional<c10::ScalarType> dtype_;
   c10::Device device_{c10::kCPU};
 };

@@ -37,6 +37,10 @@ struct PosthocWeights {
   double raw_sum = 0;           // the sum of the exact solution before normalisation (1 in exact arithmetic
                                 // only when the target lies in the snapshots' span)
   double condition = 0;         // the 1-norm condition number of A
+  double max_abs_weight = 0;    // the largest |weight| (1 or less when no snapshot is subtracted)
+  double abs_sum = 0;           // the sum of |weight|: how much the snapshots' rounding is amplified
+  double profile_error = 0;     // the relative L2 distance between the combined profile and the target's:
+                                // |sum_i w_i p_i - q| / |q| (0: the target is reproduced exactly)
 };
 
 // The limit on the condition number above which a solve is refused: past it, float64 leaves
@@ -77,16 +81,30 @@ EMAKIT_FUNC PosthocWeights solve_posthoc_weights(std::span<const Profile> snapsh
   PosthocWeights out;
   out.condition = detail::condition_number_1(a, lu);
   if (!(out.condition <= max_condition))
-    detail::fail_runtime("the post-hoc EMA system of {} snapshots is ill-conditioned: condition number {:.3g} > {:.3g} "
-                         "(max_condition); snapshots with (nearly) the same t and gamma make the weights meaningless: "
-                         "use fewer, farther apart snapshots, profiles with more different sigma_rel, or raise "
-                         "max_condition",
-                         n, out.condition, max_condition);
+    detail::refuse_synthesis("the post-hoc EMA system of {} snapshots is ill-conditioned: condition number {:.3g} > "
+                             "{:.3g} (max_condition); snapshots with (nearly) the same t and gamma make the weights "
+                             "meaningless: use fewer, farther apart snapshots, profiles with more different sigma_rel, "
+                             "or raise max_condition (SynthesisOptions::max_condition, posthoc_tool --max-condition)",
+                             n, out.condition, max_condition);
   out.weights = lu.solve(b);
   for (double w : out.weights) out.raw_sum += w;
   if (!(std::abs(out.raw_sum) > 1e-12))
     detail::fail_runtime("the post-hoc EMA weights sum to {:.3g}; they cannot be normalised", out.raw_sum);
-  for (double& w : out.weights) w /= out.raw_sum;
+  for (double& w : out.weights) {
+    w /= out.raw_sum;
+    out.max_abs_weight = std::max(out.max_abs_weight, std::abs(w));
+    out.abs_sum += std::abs(w);
+  }
+  // |sum w_i p_i - q|^2 = w'Aw - 2 w'b + <q, q>, relative to <q, q>.
+  double quadratic = 0, linear = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    double row = 0;
+    for (std::size_t j = 0; j < n; ++j) row += a[i * n + j] * out.weights[j];
+    quadratic += out.weights[i] * row;
+    linear += out.weights[i] * b[i];
+  }
+  const double own = profile_inner_product(target, target);
+  out.profile_error = std::sqrt(std::max(0.0, quadratic - 2.0 * linear + own) / own);
   return out;
 }
 

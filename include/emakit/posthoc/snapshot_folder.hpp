@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <ctime>
 #include <filesystem>
 #include <optional>
 #include <string>
@@ -49,13 +50,30 @@ EMAKIT_FUNC SnapshotTensor snapshot_entry(const std::string& name, const at::Ten
 // Writes `tensors` as a snapshot of profile (t, gamma) atomically. Without a tensor table in the
 // header, floating and complex tensors are marked averaged and the others copied; with `dtype`,
 // averaged real floating tensors are stored in that dtype. For importing snapshots made elsewhere
-// (ema-pytorch, EDM2) into a folder that plan_synthesis() reads; PostHocEma writes its own.
+// (ema-pytorch, EDM2) into a folder that plan_synthesis() reads; PostHocEma writes its own. The
+// header's run fields are written as given: leave them unset ("no run recorded") for the
+// snapshots of one imported run, or set run, profiles and previous_step so that the synthesis
+// can check the set is complete.
 EMAKIT_FUNC void write_snapshot(const std::filesystem::path& path, SnapshotInfo header, const StateDict& tensors,
                                 std::optional<c10::ScalarType> dtype = std::nullopt);
 
 // The snapshot files of a folder (names "phema-*.emkit"), headers checked, sorted by (t, gamma).
 // Temporary files of interrupted writes are never listed (see interrupted_writes()).
 EMAKIT_FUNC std::vector<SnapshotInfo> list_snapshots(const std::filesystem::path& folder);
+
+// The runs that wrote a set of snapshots: one entry per run id, in order of their first snapshot.
+struct SnapshotRun {
+  RunId id;
+  std::int64_t started = 0;  // Unix seconds (0: not recorded)
+  std::size_t snapshots = 0;
+  std::int64_t first_t = 0, last_t = 0;
+  std::filesystem::path example;  // one of its files (the latest)
+
+  // "run 3f2a9c1d (started 2026-12-01 18:51:03 UTC): 40 snapshots, t = 100 to 2000, e.g. '<file>'"
+  std::string describe() const;
+};
+
+EMAKIT_FUNC std::vector<SnapshotRun> snapshot_runs(const std::vector<SnapshotInfo>& snapshots);
 
 // Temporary files that writes interrupted by a crash left in `folder` (safe to delete when no
 // process is writing there).
@@ -145,6 +163,39 @@ EMAKIT_FUNC std::vector<SnapshotInfo> list_snapshots(const std::filesystem::path
     return std::tie(a.t, a.gamma, a.profile, a.path) < std::tie(b.t, b.gamma, b.profile, b.path);
   });
   return out;
+}
+
+EMAKIT_FUNC std::string SnapshotRun::describe() const {
+  std::string when;
+  if (started > 0) {
+    const auto seconds = static_cast<std::time_t>(started);
+    std::tm utc{};
+    ::gmtime_r(&seconds, &utc);
+    when = fmt::format(" (started {:04}-{:02}-{:02} {:02}:{:02}:{:02} UTC)", utc.tm_year + 1900, utc.tm_mon + 1,
+                       utc.tm_mday, utc.tm_hour, utc.tm_min, utc.tm_sec);
+  }
+  return fmt::format("{}{}: {} snapshot{}, t = {} to {}, e.g. '{}'",
+                     id.recorded() ? "run " + id.short_hex() : std::string("snapshots without a run id"), when,
+                     snapshots, snapshots == 1 ? "" : "s", first_t, last_t, example.string());
+}
+
+EMAKIT_FUNC std::vector<SnapshotRun> snapshot_runs(const std::vector<SnapshotInfo>& snapshots) {
+  std::vector<SnapshotRun> runs;
+  for (const auto& s : snapshots) {
+    auto it = std::find_if(runs.begin(), runs.end(), [&](const SnapshotRun& r) { return r.id == s.run; });
+    if (it == runs.end()) {
+      runs.push_back({s.run, s.run_started, 0, s.t, s.t, s.path});
+      it = runs.end() - 1;
+    }
+    ++it->snapshots;
+    it->started = std::max(it->started, s.run_started);
+    it->first_t = std::min(it->first_t, s.t);
+    if (s.t >= it->last_t) {
+      it->last_t = s.t;
+      it->example = s.path;
+    }
+  }
+  return runs;
 }
 
 EMAKIT_FUNC std::vector<std::filesystem::path> interrupted_writes(const std::filesystem::path& folder) {

@@ -27,6 +27,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <map>
+#include <set>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -35,12 +37,25 @@
 
 namespace emakit {
 
-// Which snapshots a synthesis combines and with which weights.
+// A snapshot the run wrote (or should have) that is not in the folder.
+struct MissingSnapshot {
+  std::int64_t step = 0;
+  std::uint32_t profile = 0;  // the profile's index in the PostHocEma
+  double sigma_rel = 0;       // 0 when no file of that profile is left to say
+  std::string file_name;      // the name it would have: snapshot_file_name(step, profile)
+};
+
+// Which snapshots a synthesis combines and with which weights, and what that is worth.
 struct SynthesisPlan {
   Profile target;
   std::vector<SnapshotInfo> snapshots;  // those with t <= target, sorted by (t, gamma)
-  PosthocWeights solution;              // solution.weights[i] is the weight of snapshots[i]
+  PosthocWeights solution;              // solution.weights[i] is the weight of snapshots[i]; its condition,
+                                        // max_abs_weight, abs_sum and profile_error say how good they are
   SynthesisOptions options;
+  RunId run;                             // the run that wrote the snapshots (not recorded: all zero)
+  std::vector<MissingSnapshot> missing;  // the gaps in the snapshot set, accepted with allow_partial (else empty)
+  double tracked_min_sigma_rel = 0;      // the tracked profiles' range
+  double tracked_max_sigma_rel = 0;
 };
 
 namespace detail {
@@ -53,11 +68,22 @@ EMAKIT_FUNC void check_same_model(const SnapshotInfo& reference, const SnapshotI
 
 EMAKIT_FUNC c10::ScalarType result_dtype(const SnapshotTensor& entry, const SynthesisOptions& options);
 
+// Throws unless every snapshot is of one run, naming each run.
+EMAKIT_FUNC void check_one_run(const std::vector<SnapshotInfo>& snapshots);
+
+// The gaps in a run's snapshot set: every profile (by its gamma; and by index up to the recorded
+// number of profiles) at every snapshot step (those present and those their files name as the
+// step before).
+EMAKIT_FUNC std::vector<MissingSnapshot> missing_snapshots(const std::vector<SnapshotInfo>& snapshots);
+
 }  // namespace detail
 
-// Chooses the snapshots and solves for their weights. Throws when no snapshot is at or before the
-// target, the target is not a snapshot time, two snapshots have the same profile, the snapshots
-// are of different models, or the system is ill-conditioned.
+// Chooses the snapshots and solves for their weights. Throws when the snapshots are of two runs,
+// no snapshot is at or before the target, the target is not a snapshot time, two snapshots have
+// the same profile, or the snapshots are of different models. Refuses (SynthesisRefused, which
+// names the option that accepts it) a snapshot set with gaps, a target sigma_rel outside the
+// tracked range by more than max_extrapolation, a system above max_condition, and weights above
+// max_weight.
 EMAKIT_FUNC SynthesisPlan plan_synthesis(std::vector<SnapshotInfo> snapshots, const SynthesisOptions& options);
 
 EMAKIT_FUNC SynthesisPlan plan_synthesis(const std::filesystem::path& folder, const SynthesisOptions& options);
@@ -138,6 +164,56 @@ EMAKIT_FUNC c10::ScalarType result_dtype(const SnapshotTensor& entry, const Synt
   return entry.dtype;
 }
 
+EMAKIT_FUNC void check_one_run(const std::vector<SnapshotInfo>& snapshots) {
+  const auto runs = snapshot_runs(snapshots);
+  if (runs.size() <= 1) return;
+  std::string which;
+  for (const auto& r : runs) which += fmt::format("{}  - {}", which.empty() ? "" : "\n", r.describe());
+  fail_runtime("the snapshots are of {} training runs, and a synthesis combines the snapshots of one:\n{}\nMove "
+               "every run but one out of the folder (a PostHocEma does it when it starts with "
+               "PostHocOptions::existing_snapshots(ExistingSnapshots::move_aside))",
+               runs.size(), which);
+}
+
+EMAKIT_FUNC std::vector<MissingSnapshot> missing_snapshots(const std::vector<SnapshotInfo>& snapshots) {
+  std::map<double, std::uint32_t> profile_of;  // gamma -> index
+  std::set<std::int64_t> steps;
+  std::set<std::pair<std::int64_t, double>> present;
+  std::uint32_t recorded_profiles = 0;
+  for (const auto& s : snapshots) {
+    profile_of.emplace(s.gamma, s.profile);
+    steps.insert(s.step);
+    present.emplace(s.step, s.gamma);
+    recorded_profiles = std::max(recorded_profiles, s.profiles);
+  }
+  for (const auto& s : snapshots)
+    if (s.previous_step > 0) steps.insert(s.previous_step);
+  std::set<std::uint32_t> indices;
+  for (const auto& [gamma, index] : profile_of) indices.insert(index);
+  std::vector<MissingSnapshot> out;
+  for (const std::int64_t step : steps) {
+    for (const auto& [gamma, index] : profile_of)
+      if (present.count({step, gamma}) == 0)
+        out.push_back({step, index, gamma_to_sigma_rel(gamma), snapshot_file_name(step, index)});
+    for (std::uint32_t index = 0; index < recorded_profiles; ++index)
+      if (indices.count(index) == 0) out.push_back({step, index, 0.0, snapshot_file_name(step, index)});
+  }
+  return out;
+}
+
+inline std::string describe_missing(const std::vector<MissingSnapshot>& missing) {
+  std::string out;
+  const std::size_t shown = std::min<std::size_t>(missing.size(), 8);
+  for (std::size_t i = 0; i < shown; ++i) {
+    const auto& m = missing[i];
+    out += fmt::format("{}profile {} ({}) at step {} ('{}')", i == 0 ? "" : ", ", m.profile,
+                       m.sigma_rel > 0 ? fmt::format("sigma_rel {:.4f}", m.sigma_rel) : std::string("no file of it is left"),
+                       m.step, m.file_name);
+  }
+  if (missing.size() > shown) out += fmt::format(" and {} more", missing.size() - shown);
+  return out;
+}
+
 }  // namespace emakit::detail
 
 namespace emakit {
@@ -147,6 +223,7 @@ EMAKIT_FUNC SynthesisPlan plan_synthesis(std::vector<SnapshotInfo> snapshots, co
   std::sort(snapshots.begin(), snapshots.end(), [](const SnapshotInfo& a, const SnapshotInfo& b) {
     return std::tie(a.t, a.gamma, a.profile, a.path) < std::tie(b.t, b.gamma, b.profile, b.path);
   });
+  detail::check_one_run(snapshots);
   const std::int64_t latest = snapshots.back().t;
   const std::int64_t target = options.step().value_or(latest);
   if (snapshots.front().t > target)
@@ -170,11 +247,56 @@ EMAKIT_FUNC SynthesisPlan plan_synthesis(std::vector<SnapshotInfo> snapshots, co
                            snapshots[i - 1].path.string(), snapshots[i].path.string(), snapshots[i].t, snapshots[i].gamma);
     detail::check_same_model(snapshots.front(), snapshots[i]);
   }
+  SynthesisPlan plan{.target = {static_cast<double>(target), options.gamma()},
+                     .snapshots = {},
+                     .solution = {},
+                     .options = options,
+                     .run = snapshots.front().run,
+                     .missing = {},
+                     .tracked_min_sigma_rel = 0,
+                     .tracked_max_sigma_rel = 0};
+  const std::string folder = snapshots.front().path.parent_path().string();
+
+  plan.missing = detail::missing_snapshots(snapshots);
+  if (!plan.missing.empty() && !options.allow_partial())
+    detail::refuse_synthesis("the snapshot set in '{}' has gaps up to t = {}: {} snapshot{} of the run {} missing: {}. "
+                             "Without {} the result is another (worse) approximation of the EMA asked for. Restore "
+                             "{}, choose an earlier target time, or accept the partial set "
+                             "(SynthesisOptions::allow_partial, posthoc_tool --allow-partial)",
+                             folder, target, plan.missing.size(), plan.missing.size() == 1 ? "" : "s",
+                             plan.missing.size() == 1 ? "is" : "are", detail::describe_missing(plan.missing),
+                             plan.missing.size() == 1 ? "it" : "them", plan.missing.size() == 1 ? "it" : "them");
+
+  const auto [longest, shortest] = std::minmax_element(
+      snapshots.begin(), snapshots.end(), [](const SnapshotInfo& a, const SnapshotInfo& b) { return a.gamma < b.gamma; });
+  plan.tracked_min_sigma_rel = gamma_to_sigma_rel(shortest->gamma);  // sigma_rel falls as gamma grows
+  plan.tracked_max_sigma_rel = gamma_to_sigma_rel(longest->gamma);
+  const double wanted = options.sigma_rel();
+  const double outside = std::max({1.0, plan.tracked_min_sigma_rel / wanted, wanted / plan.tracked_max_sigma_rel});
+  if (outside > options.max_extrapolation() * (1.0 + 1e-9))  // 1e-9: sigma_rel -> gamma -> sigma_rel rounding
+    detail::refuse_synthesis("sigma_rel {:.4g} lies {:.3g}x outside the tracked profiles' range {:.4g} to {:.4g} (in "
+                             "'{}'); past {:.3g}x (max_extrapolation) the combination cannot reproduce it. Track a "
+                             "profile closer to it, or accept it (SynthesisOptions::max_extrapolation, posthoc_tool "
+                             "--max-extrapolation)",
+                             wanted, outside, plan.tracked_min_sigma_rel, plan.tracked_max_sigma_rel, folder,
+                             options.max_extrapolation());
+
   std::vector<Profile> profiles;
   for (const auto& s : snapshots) profiles.push_back({static_cast<double>(s.t), s.gamma});
-  const Profile goal{static_cast<double>(target), options.gamma()};
-  auto solution = solve_posthoc_weights(profiles, goal, options.max_condition());
-  return SynthesisPlan{goal, std::move(snapshots), std::move(solution), options};
+  plan.solution = solve_posthoc_weights(profiles, plan.target, options.max_condition());
+  if (plan.solution.max_abs_weight > options.max_weight()) {
+    const auto& w = plan.solution.weights;
+    const auto i = static_cast<std::size_t>(
+        std::max_element(w.begin(), w.end(), [](double a, double b) { return std::abs(a) < std::abs(b); }) - w.begin());
+    detail::refuse_synthesis("the weights for sigma_rel {:.4g} at t = {} reach {:.4g} (snapshot '{}'), above max_weight "
+                             "{:.4g}; weights of both signs that large amplify the snapshots' rounding {:.3g}-fold (the "
+                             "sum of |weight|). Choose a target closer to the tracked profiles ({:.4g} to {:.4g}), or "
+                             "accept it (SynthesisOptions::max_weight, posthoc_tool --max-weight)",
+                             wanted, target, w[i], snapshots[i].path.string(), options.max_weight(),
+                             plan.solution.abs_sum, plan.tracked_min_sigma_rel, plan.tracked_max_sigma_rel);
+  }
+  plan.snapshots = std::move(snapshots);
+  return plan;
 }
 
 EMAKIT_FUNC SynthesisPlan plan_synthesis(const std::filesystem::path& folder, const SynthesisOptions& options) {

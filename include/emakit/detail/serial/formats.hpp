@@ -45,7 +45,7 @@ struct Format {
 inline constexpr Format ema_state{"emakit EMA state", 1};
 inline constexpr Format hook{"emakit hook checkpoint", 1};
 inline constexpr Format sharded{"emakit sharded EMA", 1};
-inline constexpr Format snapshot{"emakit post-hoc snapshot", 1};
-inline constexpr Format posthoc_state{"emakit post-hoc EMA state", 1};
+inline constexpr Format snapshot{"emakit post-hoc snapshot", 2};  // 2: the run identity
+inline constexpr Format posthoc_state{"emakit post-hoc EMA state", 2};  // 2: the run identity
 
 }  // namespace emakit::detail::formats

@@ -5,7 +5,7 @@
 // Everything is little-endian. A file is
 //
 //   offset 0    "EMAKITPH"                     8 bytes, the magic
-//          8    u32 format version (1)
+//          8    u32 format version (2; version 1 is still read)
 //          12   u32 H, the size of the header body
 //          16   header body (H bytes):
 //                 i64 step          the trainer's step when the snapshot was written
@@ -14,8 +14,19 @@
 //                 f64 sigma_rel     the same profile as a relative width (for readers of the file)
 //                 i64 update_every  steps between the EMA's updates (dt)
 //                 u32 profile       the profile's index in the PostHocEma that wrote it
-//                 u32 reserved (0)
+//                 u32 profiles      how many profiles that PostHocEma tracks (0: not recorded;
+//                                   version 1 has 0 here)
 //                 u64 file_size     the size of the whole file (a shorter file is truncated)
+//               version 2 only, the run that wrote it:
+//                 16 bytes run id   random, one per training run (all zero: no run recorded, as
+//                                   every version 1 file and write_snapshot() without one)
+//                 i64 run_started   when the run started, Unix seconds (0: not recorded)
+//                 i64 previous_step the step of the run's snapshot before this one (0: this is
+//                                   its first; -1: not recorded)
+//                 u64 fingerprint   the model's fingerprint (model_fingerprint()): FNV-1a 64
+//                                   over each tensor's u64 name length, name, u64 ndim, i64
+//                                   sizes, u8 dtype code of the EMA's tensor, u8 role
+//               both versions:
 //                 u32 n             the number of tensors, then n records:
 //                   u16 name length, the name (UTF-8, the model's state-dict name)
 //                   u8  stored dtype, u8 dtype of the EMA's tensor, u8 role (0 averaged, 1 copied)
@@ -42,6 +53,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <array>
 #include <bit>
 #include <cstdint>
@@ -70,23 +82,52 @@ struct SnapshotTensor {
   std::uint32_t crc32 = 0;
 };
 
-// A snapshot file's header: which profile it holds, when, and its tensors.
+// The identity of one training run of a PostHocEma: 16 random bytes, all zero for "not recorded"
+// (snapshots of format 1, and those write_snapshot() writes without one).
+struct RunId {
+  std::array<std::uint8_t, 16> bytes{};
+
+  // A new random id (std::random_device).
+  static RunId random();
+  bool recorded() const noexcept {
+    return std::any_of(bytes.begin(), bytes.end(), [](std::uint8_t b) { return b != 0; });
+  }
+  // 32 hex digits, or "none" when not recorded.
+  std::string hex() const;
+  // The first 8 hex digits (what messages and posthoc_tool print), or "none".
+  std::string short_hex() const { return recorded() ? hex().substr(0, 8) : std::string("none"); }
+  friend bool operator==(const RunId&, const RunId&) = default;
+  friend auto operator<=>(const RunId&, const RunId&) = default;
+};
+
+// A snapshot file's header: which profile it holds, when, of which run, and its tensors.
 struct SnapshotInfo {
   std::filesystem::path path;
+  std::uint32_t format_version = 0;  // the file's (1 or 2); 0 for a header not read from a file
   std::int64_t step = 0;          // the trainer's step when it was written
   std::int64_t t = 0;             // the profile's time (the step of the EMA's last update)
   double gamma = 0;               // the power-function exponent
   double sigma_rel = 0;           // the same, as a relative width
   std::int64_t update_every = 1;  // steps between the EMA's updates
   std::uint32_t profile = 0;      // the profile's index in the PostHocEma that wrote it
+  std::uint32_t profiles = 0;     // how many profiles that PostHocEma tracks (0: not recorded)
+  RunId run;                      // the run that wrote it (not recorded: all zero)
+  std::int64_t run_started = 0;   // when that run started, Unix seconds (0: not recorded)
+  std::int64_t previous_step = -1;  // the step of the run's previous snapshot (0: none before; -1: not recorded)
+  std::uint64_t fingerprint = 0;  // model_fingerprint(tensors), filled in when written and when read
   std::uint64_t file_size = 0;
   std::vector<SnapshotTensor> tensors;
 };
+
+// The model's fingerprint: FNV-1a 64 over each tensor's name, sizes, dtype and role, in order.
+// Snapshots of one model have the same one.
+EMAKIT_FUNC std::uint64_t model_fingerprint(const std::vector<SnapshotTensor>& tensors);
 
 namespace detail {
 
 inline constexpr std::array<char, 8> snapshot_magic = {'E', 'M', 'A', 'K', 'I', 'T', 'P', 'H'};
 inline constexpr auto snapshot_format_version = static_cast<std::uint32_t>(formats::snapshot.version);
+inline constexpr std::uint32_t snapshot_oldest_version = 1;  // the oldest version read
 inline constexpr std::uint64_t snapshot_alignment = 64;
 inline constexpr std::uint32_t snapshot_max_header = 1U << 30;
 
@@ -102,6 +143,57 @@ inline constexpr std::array<c10::ScalarType, 13> snapshot_dtypes = {
 // The reader and writer: used by the post-hoc functions' definitions only (compiled once in
 // compiled mode: detail/config.hpp).
 #if EMAKIT_DEFINITIONS
+
+#include <random>
+
+namespace emakit {
+
+EMAKIT_FUNC RunId RunId::random() {
+  std::random_device device;
+  RunId id;
+  for (std::size_t i = 0; i < id.bytes.size(); i += 4) {
+    const auto word = static_cast<std::uint32_t>(device());
+    for (std::size_t k = 0; k < 4; ++k) id.bytes[i + k] = static_cast<std::uint8_t>(word >> (8 * k));
+  }
+  if (!id.recorded()) id.bytes[0] = 1;  // all zero means "not recorded"
+  return id;
+}
+
+EMAKIT_FUNC std::string RunId::hex() const {
+  if (!recorded()) return "none";
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string out;
+  for (auto b : bytes) {
+    out.push_back(digits[b >> 4]);
+    out.push_back(digits[b & 15]);
+  }
+  return out;
+}
+
+EMAKIT_FUNC std::uint64_t model_fingerprint(const std::vector<SnapshotTensor>& tensors) {
+  std::uint64_t h = 14695981039346656037ULL;  // FNV-1a 64
+  const auto mix = [&h](const void* data, std::size_t n) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    for (std::size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ULL;
+  };
+  for (const auto& t : tensors) {
+    const auto length = static_cast<std::uint64_t>(t.name.size());
+    mix(&length, sizeof length);
+    mix(t.name.data(), t.name.size());
+    const auto ndim = static_cast<std::uint64_t>(t.sizes.size());
+    mix(&ndim, sizeof ndim);
+    for (const std::int64_t size : t.sizes) mix(&size, sizeof size);
+    // The dtype as the file's code (0 if it has none), so that readers outside C++ can recompute it.
+    const auto code = static_cast<std::uint8_t>(
+        std::find(detail::snapshot_dtypes.begin(), detail::snapshot_dtypes.end(), t.dtype) - detail::snapshot_dtypes.begin());
+    const std::uint8_t role = t.averaged ? 0 : 1;
+    mix(&code, sizeof code);
+    mix(&role, sizeof role);
+  }
+  return h;
+}
+
+}  // namespace emakit
 
 namespace emakit::detail {
 
@@ -168,8 +260,12 @@ inline std::string encode_snapshot_header(const SnapshotInfo& info) {
   body.put<double>(info.sigma_rel);
   body.put<std::int64_t>(info.update_every);
   body.put<std::uint32_t>(info.profile);
-  body.put<std::uint32_t>(0);
+  body.put<std::uint32_t>(info.profiles);
   body.put<std::uint64_t>(info.file_size);
+  body.put_bytes(std::string_view(reinterpret_cast<const char*>(info.run.bytes.data()), info.run.bytes.size()));
+  body.put<std::int64_t>(info.run_started);
+  body.put<std::int64_t>(info.previous_step);
+  body.put<std::uint64_t>(info.fingerprint);
   body.put<std::uint32_t>(static_cast<std::uint32_t>(info.tensors.size()));
   for (const auto& t : info.tensors) {
     if (t.name.size() > std::numeric_limits<std::uint16_t>::max())
@@ -209,6 +305,12 @@ class SnapshotWriter {
  public:
   SnapshotWriter(const std::filesystem::path& path, SnapshotInfo info) : info_(std::move(info)), file_(path) {
     info_.path = path;
+    info_.format_version = snapshot_format_version;
+    info_.fingerprint = model_fingerprint(info_.tensors);
+    if (info_.previous_step < -1 || info_.previous_step >= info_.step)
+      fail("snapshot '{}': previous_step must be -1 (not recorded), 0 (the run's first) or an earlier step than "
+           "{}, got {}",
+           path.string(), info_.step, info_.previous_step);
     std::uint64_t end = align_up(encode_snapshot_header(info_).size());
     for (auto& t : info_.tensors) {
       t.offset = end;
@@ -270,9 +372,11 @@ class SnapshotReader {
     std::uint32_t version, header_size;
     std::memcpy(&version, fixed.data() + 8, 4);
     std::memcpy(&header_size, fixed.data() + 12, 4);
-    if (version != snapshot_format_version)
-      fail_runtime("snapshot '{}' has format version {}; this emakit reads version {}", p.string(), version,
-                   snapshot_format_version);
+    if (version < snapshot_oldest_version || version > snapshot_format_version)
+      fail_runtime("snapshot '{}' has format version {}; this emakit reads versions {} to {}{}", p.string(), version,
+                   snapshot_oldest_version, snapshot_format_version,
+                   version > snapshot_format_version ? " (written by a newer emakit: update emakit)" : "");
+    info_.format_version = version;
     if (header_size > snapshot_max_header)
       fail_runtime("snapshot '{}' is corrupt: its header claims {} bytes", p.string(), header_size);
 
@@ -324,8 +428,16 @@ class SnapshotReader {
     info_.sigma_rel = r.get<double>();
     info_.update_every = r.get<std::int64_t>();
     info_.profile = r.get<std::uint32_t>();
-    (void)r.get<std::uint32_t>();
+    info_.profiles = r.get<std::uint32_t>();  // 0 in version 1
     info_.file_size = r.get<std::uint64_t>();
+    std::uint64_t stored_fingerprint = 0;
+    if (info_.format_version >= 2) {
+      const std::string run = r.get_bytes(info_.run.bytes.size());
+      std::copy(run.begin(), run.end(), info_.run.bytes.begin());
+      info_.run_started = r.get<std::int64_t>();
+      info_.previous_step = r.get<std::int64_t>();
+      stored_fingerprint = r.get<std::uint64_t>();
+    }
     const auto n = r.get<std::uint32_t>();
     auto dtype = [&](std::uint8_t code, const std::string& name) {
       if (code == 0 || code >= snapshot_dtypes.size())
@@ -357,6 +469,15 @@ class SnapshotReader {
     if (!(info_.gamma > 0) || info_.t <= 0 || info_.update_every <= 0)
       fail_runtime("snapshot '{}' is corrupt: profile t = {}, gamma = {}, update_every = {}", p.string(), info_.t,
                    info_.gamma, info_.update_every);
+    info_.fingerprint = model_fingerprint(info_.tensors);
+    if (info_.format_version >= 2 && stored_fingerprint != info_.fingerprint)
+      fail_runtime("snapshot '{}' is corrupt: its model fingerprint {:016x} is not that of its tensor table ({:016x})",
+                   p.string(), stored_fingerprint, info_.fingerprint);
+    if (info_.profiles != 0 && info_.profile >= info_.profiles)
+      fail_runtime("snapshot '{}' is corrupt: profile {} of {}", p.string(), info_.profile, info_.profiles);
+    if (info_.previous_step < -1 || info_.previous_step >= info_.step)
+      fail_runtime("snapshot '{}' is corrupt: its previous snapshot's step {} is not before its step {}", p.string(),
+                   info_.previous_step, info_.step);
   }
 
   SnapshotInfo info_;
