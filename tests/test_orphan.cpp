@@ -3,21 +3,35 @@
 // (averages(), state_dict(), save()) still reads, bitwise as before, and copy_to() puts it into a
 // new model. An Ema that cannot see the model's end (a module not owned by a shared_ptr, a list of
 // tensors) keeps its own references and goes on (docs/ema.md, "Identity and ownership").
+// The same for the two that borrow a model by raw pointer, where the old code read freed memory:
+// an EmaHook refuses every call that would use a destroyed model, naming its key, before any
+// model changes; a TeacherStudent refuses to run a destroyed student.
 #include <emakit/emakit.hpp>
+#include <emakit/teacher.hpp>
 
 #include "helpers.hpp"
 
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/linear.h>
+
 #include <catch2/catch.hpp>
 
+#include <cstddef>
 #include <cstdint>
+#include <filesystem>
 #include <map>
 #include <memory>
+#include <new>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 using Catch::Matchers::Contains;
 using emakit::Action;
+using emakit::Creation;
+using emakit::EmaHook;
+using emakit::Recipe;
 using emakit_test::PlainNetImpl;
 using emakit_test::TinyNet;
 using emakit_test::TinyNetImpl;
@@ -187,4 +201,280 @@ TEST_CASE("A parent-bound Ema whose sub-module was replaced is not orphaned: swa
   CHECK(ema.update().action == Action::averaged);
   CHECK_THROWS_WITH((void)ema.swap_into(), Contains("'fc.weight' is not the one the EMA was bound to") &&
                                                Contains("replace_module") && !Contains("destroyed"));
+}
+
+// ---- EmaHook and TeacherStudent: a model borrowed by raw pointer ------------------------------
+
+namespace {
+
+const std::string hook_what_to_do = "Make a new EmaHook for the new model";
+
+// "<call>(): model '<key>' of this EmaHook has been destroyed".
+std::string hook_destroyed(const std::string& call, const std::string& key) {
+  return call + "(): model '" + key + "' of this EmaHook has been destroyed (a rebuilt model?)";
+}
+
+}  // namespace
+
+TEST_CASE("An EmaHook whose model was destroyed before its EMA was made refuses the step", "[hooks][orphan][errors]") {
+  // start_step 0: the first step would make the EMA from the destroyed model (the old code read
+  // freed memory there); 3: a step the schedule skips, refused all the same (nothing trains it).
+  const std::int64_t start_step = GENERATE(0, 3);
+  INFO("start_step " << start_step);
+  std::optional<TinyNet> model(std::in_place);
+  EmaHook hook;
+  hook.add("net", **model, emakit::ema_hook_recipe({.decay = 0.9, .start_step = start_step}),
+           {.creation = Creation::at_first_eligible_step});
+  hook.setup();
+  REQUIRE_FALSE(hook.created("net"));
+  model.reset();
+
+  CHECK_THROWS_WITH(hook.after_optimizer_step(), Contains(hook_destroyed("after_optimizer_step", "net")) &&
+                                                     Contains("before its EMA was made") &&
+                                                     Contains("nothing was changed") && Contains(hook_what_to_do));
+  CHECK_FALSE(hook.created("net"));
+  CHECK_THROWS_WITH((void)hook.validation(), Contains(hook_destroyed("validation_start", "net")));
+  CHECK_THROWS_WITH(hook.after_optimizer_step({.step = 10}), Contains(hook_destroyed("after_optimizer_step", "net")));
+  CHECK_FALSE(hook.created("net"));
+}
+
+TEST_CASE("An EmaHook refuses every call that would use a destroyed model, naming its key, before any model changes",
+          "[hooks][orphan][errors]") {
+  // Two models: "live" (added first, so the old code stepped, swapped or wrote it before it met
+  // the destroyed one) and "dead", rebuilt after its EMA was made.
+  torch::manual_seed(2525);
+  TinyNet live;
+  std::optional<TinyNet> dead(std::in_place);
+  EmaHook hook;
+  hook.add("live", *live, Recipe(emakit::Fixed(0.9)));
+  hook.add("dead", **dead, Recipe(emakit::Fixed(0.8)));
+  hook.setup();
+  for (int i = 0; i < 3; ++i) {
+    emakit_test::perturb(*live);
+    emakit_test::perturb(**dead);
+    REQUIRE(hook.after_optimizer_step().size() == 2);
+  }
+  emakit_test::TempDir dir;
+  const auto earlier = dir.path / "earlier.pt";
+  hook.save_checkpoint(earlier);  // a checkpoint from before the model went, to load later
+  emakit_test::perturb(*live);
+  emakit_test::perturb(**dead);
+  REQUIRE(hook.after_optimizer_step().size() == 2);  // the hook now differs from the checkpoint
+
+  auto& live_ema = hook.ema<emakit::FixedEma>("live");
+  auto& dead_ema = hook.ema<emakit::FixedEma>("dead");
+  const auto live_averages = emakit_test::snapshot(live_ema.averages());
+  const auto dead_averages = emakit_test::snapshot(dead_ema.averages());
+  const auto live_weights = emakit_test::model_snapshot(*live);
+  REQUIRE(live_averages.size() == 8);  // fc.{weight,bias}, bn.{weight,bias,running_*,num_batches_tracked}, scale
+  REQUIRE(dead_averages.size() == 8);
+  REQUIRE(live_weights.size() == 8);
+  REQUIRE_FALSE(emakit_test::same_averages(live_ema.averages(), emakit_test::model_snapshot(*live)));
+  const auto live_calls = live_ema.calls();
+  const auto dead_calls = dead_ema.calls();
+
+  const std::weak_ptr<const torch::nn::Module> watch = dead->ptr();
+  *dead = TinyNet();  // a rebuilt model
+  REQUIRE(watch.expired());
+
+  // Nothing changed: neither EMA, nor the live model's weights.
+  const auto unchanged = [&] {
+    CHECK(live_ema.calls() == live_calls);
+    CHECK(dead_ema.calls() == dead_calls);
+    CHECK(emakit_test::same_averages(live_ema.averages(), live_averages));
+    CHECK(emakit_test::same_averages(dead_ema.averages(), dead_averages));
+    CHECK(emakit_test::same_snapshot(emakit_test::model_snapshot(*live), live_weights));
+  };
+
+  SECTION("every model with the default options") {
+    CHECK_THROWS_WITH(hook.after_optimizer_step(), Contains(hook_destroyed("after_optimizer_step", "dead")) &&
+                                                       Contains("nothing was changed") && Contains(hook_what_to_do) &&
+                                                       Contains("hook.ema<E>(\"dead\").averages()"));
+    unchanged();
+    CHECK_THROWS_WITH((void)hook.validation(), Contains(hook_destroyed("validation_start", "dead")));
+    CHECK_THROWS_WITH((void)hook.test(), Contains(hook_destroyed("test_start", "dead")));
+    unchanged();  // the live model got its own weights back
+    const auto file = dir.path / "now.pt";
+    CHECK_THROWS_WITH(hook.save_checkpoint(file), Contains(hook_destroyed("save_checkpoint", "dead")));
+    CHECK_FALSE(std::filesystem::exists(file));
+    torch::serialize::OutputArchive archive;
+    CHECK_THROWS_WITH(hook.save_checkpoint(archive), Contains(hook_destroyed("save_checkpoint", "dead")));
+    archive.save_to((dir.path / "archive.pt").string());
+    torch::serialize::InputArchive written;
+    written.load_from((dir.path / "archive.pt").string());
+    CHECK(written.keys().empty());  // nothing written into the caller's archive either
+    CHECK_THROWS_WITH(hook.load_checkpoint(earlier), Contains(hook_destroyed("load_checkpoint", "dead")));
+    unchanged();
+    CHECK_THROWS_WITH(hook.train_end(), Contains(hook_destroyed("train_end", "dead")));
+    unchanged();
+    CHECK_NOTHROW(hook.setup());  // both EMAs are made: setup() has nothing to do with either model
+    unchanged();
+  }
+
+  SECTION("a destroyed model that validation, test and train_end leave alone") {
+    // The same hook, but "dead" takes no part in validation, test or train_end: those go on for "live".
+    EmaHook quiet;
+    std::optional<TinyNet> gone(std::in_place);
+    quiet.add("live", *live, Recipe(emakit::Fixed(0.9)));
+    quiet.add("gone", **gone, Recipe(emakit::Fixed(0.8)),
+              {.validate_with_ema = false, .test_with_ema = false, .keep_ema_at_train_end = false});
+    quiet.setup();
+    emakit_test::perturb(*live);
+    REQUIRE(quiet.after_optimizer_step().size() == 2);
+    auto& quiet_live = quiet.ema<emakit::FixedEma>("live");
+    const auto quiet_calls = quiet_live.calls();
+    const auto before = emakit_test::model_snapshot(*live);
+    gone.reset();
+
+    CHECK_THROWS_WITH(quiet.after_optimizer_step(), Contains(hook_destroyed("after_optimizer_step", "gone")));
+    CHECK(quiet_live.calls() == quiet_calls);
+    {
+      auto scope = quiet.validation();
+      CHECK(require_model_holds(*live, quiet_live.averages()) == 8);
+    }
+    CHECK(emakit_test::same_snapshot(emakit_test::model_snapshot(*live), before));
+    quiet.train_end();
+    CHECK(require_model_holds(*live, quiet_live.averages()) == 8);
+  }
+
+  // The EMA of the destroyed model is the user's data: it reads, saves, and carries over into a
+  // new hook for the new model, as the error says.
+  CHECK(emakit_test::same_averages(dead_ema.averages(), dead_averages));
+  const auto saved = dir.path / "dead_ema.pt";
+  emakit::save(dead_ema, saved);
+  EmaHook next;
+  next.add("dead", **dead, Recipe(emakit::Fixed(0.8)));
+  next.setup();
+  next.ema<emakit::FixedEma>("dead").load_state_dict(dead_ema.state_dict());
+  CHECK(emakit_test::same_averages(next.ema<emakit::FixedEma>("dead").averages(), dead_averages));
+  CHECK(next.ema<emakit::FixedEma>("dead").calls() == dead_calls);
+  CHECK(next.after_optimizer_step().at(0).action == Action::averaged);
+  emakit::FixedEma from_file(**dead, emakit::Fixed(0.8));
+  emakit::load(from_file, saved);
+  CHECK(emakit_test::same_averages(from_file.averages(), dead_averages));
+  // ... or the checkpoint saved before the model went, loaded into the new hook.
+  EmaHook resumed;
+  resumed.add("live", *live, Recipe(emakit::Fixed(0.9)));
+  resumed.add("dead", **dead, Recipe(emakit::Fixed(0.8)));
+  resumed.setup();
+  CHECK_NOTHROW(resumed.load_checkpoint(earlier));
+  CHECK(resumed.ema<emakit::FixedEma>("dead").calls() == dead_calls - 1);
+}
+
+TEST_CASE("An EmaHook takes a new model made where a destroyed one was: not the same module", "[hooks][orphan]") {
+  // The hook compares models by address; a destroyed model's address may be reused by the next.
+  // Placement new into one buffer makes that certain.
+  alignas(TinyNetImpl) std::byte buffer[sizeof(TinyNetImpl)];
+  const auto in_buffer = [&] {
+    return std::shared_ptr<TinyNetImpl>(new (buffer) TinyNetImpl(), [](TinyNetImpl* p) { p->~TinyNetImpl(); });
+  };
+  auto first = in_buffer();
+  EmaHook hook;
+  hook.add("first", *first, Recipe(emakit::Fixed(0.5)));
+  first.reset();
+  auto second = in_buffer();
+  REQUIRE(static_cast<void*>(second.get()) == static_cast<void*>(buffer));
+  CHECK_NOTHROW(hook.add("second", *second, Recipe(emakit::Fixed(0.5))));
+  CHECK_THROWS_WITH(hook.setup(), Contains(hook_destroyed("setup", "first")));
+  CHECK_FALSE(hook.created("second"));  // refused before any EMA was made
+  second.reset();
+}
+
+TEST_CASE("An EmaHook or a TeacherStudent with a model no shared_ptr owns goes on: nothing to watch",
+          "[hooks][teacher][orphan]") {
+  // The check must not refuse where it cannot know (such a model must outlive them, docs/hooks.md).
+  TinyNetImpl model;
+  REQUIRE(model.weak_from_this().expired());
+  EmaHook hook;
+  hook.add(model, Recipe(emakit::Fixed(0.5)));
+  hook.setup();
+  CHECK(hook.after_optimizer_step().at(0).action == Action::averaged);
+  { auto scope = hook.validation(); }
+  emakit_test::TempDir dir;
+  CHECK_NOTHROW(hook.save_checkpoint(dir.path / "c.pt"));
+  CHECK_NOTHROW(hook.load_checkpoint(dir.path / "c.pt"));
+  CHECK_NOTHROW(hook.train_end());
+}
+
+namespace {
+
+// Records its output as the teacher and keeps the teacher's as the student (the route "": the model itself).
+struct SelfTaughtImpl : torch::nn::Cloneable<SelfTaughtImpl> {
+  SelfTaughtImpl() { reset(); }
+  void reset() override { fc = register_module("fc", torch::nn::Linear(3, 4)); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto y = fc->forward(x);
+    emakit::record_teacher_output(*this, y);
+    if (auto t = emakit::teacher_input(*this, emakit::default_teacher_input, y)) received = *t;
+    return y;
+  }
+  torch::nn::Linear fc{nullptr};
+  torch::Tensor received;
+};
+TORCH_MODULE(SelfTaught);
+
+using SelfTaughtEma = emakit::ModuleEma<SelfTaughtImpl>;
+
+const std::string student_destroyed =
+    "the model (the student) this wrapper was made with has been destroyed (a rebuilt model?)";
+
+}  // namespace
+
+TEST_CASE("A TeacherStudent whose model was destroyed refuses to run, naming the wrapper, and its teacher still reads",
+          "[teacher][orphan][errors]") {
+  const bool reassigned = GENERATE(false, true);
+  INFO((reassigned ? "model = SelfTaught() (a rebuilt model)" : "the ModuleHolder's scope ends"));
+  torch::manual_seed(25);
+  std::optional<SelfTaught> model(std::in_place);
+  SelfTaughtEma ema(**model, emakit::Fixed(0.5));
+  emakit_test::perturb(**model);  // the student differs from the teacher
+  emakit::TeacherStudent wrapper(**model, std::move(ema), emakit::TeacherRoutes::paths({""}));
+  const auto x = torch::randn({2, 3});
+  const auto out = wrapper.forward(x);
+  const auto teacher_out = [&] {
+    torch::NoGradGuard no_grad;
+    return wrapper.teacher().fc->forward(x);
+  }();
+  REQUIRE(emakit_test::bitwise_equal((*model)->received, teacher_out));
+  REQUIRE_FALSE(emakit_test::bitwise_equal(out.detach(), teacher_out));
+  const auto averages = emakit_test::snapshot(wrapper.ema().averages());
+  REQUIRE(averages.size() == 2);
+
+  if (reassigned)
+    *model = SelfTaught();
+  else
+    model.reset();
+
+  CHECK_THROWS_WITH(wrapper.forward(x), Contains("TeacherStudent::forward(): " + student_destroyed) &&
+                                            Contains("nothing was run") &&
+                                            Contains("Make a new TeacherStudent for the new model"));
+  CHECK_THROWS_WITH(wrapper.forward_views(std::forward_as_tuple(x), std::forward_as_tuple(x)),
+                    Contains("TeacherStudent::forward_views(): " + student_destroyed));
+  CHECK_THROWS_WITH(wrapper.run([](SelfTaughtImpl&) {}, [](SelfTaughtImpl&) {}),
+                    Contains("TeacherStudent::run(): " + student_destroyed));
+
+  // The teacher is the EMA's own module: it still reads and runs, bitwise what it was.
+  CHECK(emakit_test::same_averages(wrapper.ema().averages(), averages));
+  {
+    torch::NoGradGuard no_grad;
+    CHECK(emakit_test::bitwise_equal(wrapper.teacher().fc->forward(x), teacher_out));
+  }
+  // No pass was left running on this thread: a wrapper of a live model runs, with this EMA's state
+  // loaded into its own, as the error says.
+  SelfTaught rebuilt;
+  SelfTaughtEma next(*rebuilt, emakit::Fixed(0.5));
+  next.load_state_dict(wrapper.ema().state_dict());
+  CHECK(emakit_test::same_averages(next.averages(), averages));
+  emakit::TeacherStudent again(*rebuilt, next, emakit::TeacherRoutes::paths({""}));
+  CHECK_NOTHROW(again.forward(x));
+  CHECK(emakit_test::bitwise_equal(rebuilt->received, teacher_out));
+}
+
+TEST_CASE("A TeacherStudent of a model no shared_ptr owns goes on: nothing to watch", "[teacher][orphan]") {
+  SelfTaughtImpl model;
+  REQUIRE(model.weak_from_this().expired());
+  emakit::TeacherStudent wrapper(model, SelfTaughtEma(model, emakit::Fixed(0.5)), emakit::TeacherRoutes::paths({""}));
+  const auto x = torch::randn({2, 3});
+  CHECK_NOTHROW(wrapper.forward(x));
+  CHECK(model.received.defined());
 }

@@ -33,6 +33,10 @@
 // Every tensor of a checkpoint has a CRC-32 in emakit_hook/K/checksums (LibTorch's archive reader
 // does not check the zip format's own), so a damaged file is an error, never different weights.
 // load_checkpoint() checks every model first and writes nothing unless all of them fit.
+//
+// A model owned by a shared_ptr (a ModuleHolder's, or make_shared's) that is destroyed while the
+// hook lives: every call that would use it refuses, naming its key, before anything changes
+// (docs/ema.md, "The bound model's lifetime"). A model that no shared_ptr owns must outlive the hook.
 #pragma once
 
 #include <emakit/detail/config.hpp>
@@ -91,11 +95,18 @@ namespace detail {
 
 EMAKIT_FUNC void check_hook_key(const std::string& key);
 
+// The error of a hook call that would use model `key` after that model was destroyed.
+[[noreturn]] EMAKIT_FUNC void fail_hook_model_destroyed(const std::string& key, bool created, const char* what);
+
 // One model of a hook, whatever its EMA's policies.
 class HookEntryBase {
  public:
   HookEntryBase(std::string key, torch::nn::Module& model, HookOptions options)
-      : key_(std::move(key)), model_(&model), options_(options) {}
+      : key_(std::move(key)),
+        model_(&model),
+        watch_(model.weak_from_this()),
+        model_owned_(!watch_.expired()),  // the model is alive here: set iff a shared_ptr owns it
+        options_(options) {}
   virtual ~HookEntryBase() = default;
   HookEntryBase(const HookEntryBase&) = delete;
   HookEntryBase& operator=(const HookEntryBase&) = delete;
@@ -104,13 +115,26 @@ class HookEntryBase {
   const torch::nn::Module* model() const noexcept { return model_; }
   const HookOptions& options() const noexcept { return options_; }
 
+  // The model, once checked to still exist: every use of the model goes through here. model_ is a
+  // raw pointer (the hook does not own the model); when a shared_ptr owns it (watch_ was set), a
+  // destroyed model is an error naming the key and `what` (the hook's call) instead of a dangling
+  // dereference. One atomic load. A model no shared_ptr owns cannot be checked (add(): it must
+  // outlive the hook).
+  torch::nn::Module& live_model(const char* what) const {
+    if (model_destroyed()) fail_hook_model_destroyed(key_, created(), what);
+    return *model_;
+  }
+  bool model_destroyed() const noexcept { return model_owned_ && watch_.expired(); }
+
   virtual bool created() const noexcept = 0;
   virtual bool pending() const noexcept = 0;
-  virtual void create() = 0;
+  virtual void create(const char* what) = 0;
   virtual UpdateResult step(const StepInfo& info) = 0;
   virtual void wait() = 0;
-  virtual void swap_in() = 0;
+  virtual void swap_in(const char* what) = 0;
   void swap_out() noexcept { swap_.reset(); }
+  // train_end() would write the EMA weights into the model.
+  bool keeps() const noexcept { return created() && options_.keep_ema_at_train_end; }
   virtual void keep() = 0;
   virtual void save(torch::serialize::OutputArchive& archive, torch::serialize::OutputArchive& hook) = 0;
   // Checks what load would do and returns the function that does it (it does not throw).
@@ -119,7 +143,9 @@ class HookEntryBase {
 
  protected:
   std::string key_;
-  torch::nn::Module* model_;
+  torch::nn::Module* model_;                // use through live_model()
+  std::weak_ptr<torch::nn::Module> watch_;  // the model, when a shared_ptr owns it
+  bool model_owned_ = false;                // watch_ was set (expired() then means destroyed)
   HookOptions options_;
   std::optional<SwapGuard> swap_;
   std::int64_t calls_ = 0;  // update() calls and completed steps seen before the EMA was made
@@ -141,9 +167,9 @@ class HookEntry final : public HookEntryBase {
   bool created() const noexcept override { return ema_.has_value(); }
   bool pending() const noexcept override { return pending_.has_value(); }
 
-  void create() override {
+  void create(const char* what) override {
     if (ema_) return;
-    ema_type made = recipe_.make(*model_);
+    ema_type made = recipe_.make(live_model(what));
     if (calls_ > 0 || step_ > 0) made.advance(calls_, step_);
     if (pending_) made.load_state_dict(aligned(*pending_, made), pending_mode_);  // throws: nothing changed
     ema_.emplace(std::move(made));
@@ -160,7 +186,7 @@ class HookEntry final : public HookEntryBase {
           return {Action::skipped, d.step, std::nan("")};
         }
       }
-      create();
+      create("after_optimizer_step");
     }
     const UpdateResult r = ema_->update(info);
     if (r.action != Action::skipped && publish_) publish_(*ema_);
@@ -171,16 +197,18 @@ class HookEntry final : public HookEntryBase {
     if (ema_) ema_->wait();
   }
 
-  void swap_in() override {
-    if (!ema_ && pending_) create();
+  void swap_in(const char* what) override {
+    (void)live_model(what);  // the EMA's own check would not name the key
+    if (!ema_ && pending_) create(what);
     if (ema_) swap_.emplace(ema_->swap_into());
   }
 
   void keep() override {
-    if (ema_ && options_.keep_ema_at_train_end) ema_->copy_to(*model_);
+    if (keeps()) ema_->copy_to(live_model("train_end"));
   }
 
   void save(torch::serialize::OutputArchive& archive, torch::serialize::OutputArchive& hook) override {
+    torch::nn::Module& model = live_model("save_checkpoint");
     // While the model holds the EMA weights (a checkpoint during validation) its own weights are
     // in the swap guard: put them back for the save and the EMA's in again after.
     const bool was_swapped = swap_.has_value();
@@ -205,7 +233,7 @@ class HookEntry final : public HookEntryBase {
     TensorMap replace;
     if (ema_weights)
       for (const auto& item : ema_->averages()) replace.emplace(item.key(), item.value());
-    hook_state::write_entry(archive, hook, key_, *model_,
+    hook_state::write_entry(archive, hook, key_, model,
                             {ema_.has_value(), pending_.has_value(), calls_, step_, ema_weights}, state, replace);
   }
 
@@ -213,7 +241,7 @@ class HookEntry final : public HookEntryBase {
                                   LoadMode mode) override {
     const std::string where = fmt::format("load_checkpoint, model '{}'", key_);
     if (swap_) fail("{}: the model holds the EMA weights (validation or test); end that stage first", where);
-    auto read = hook_state::read_entry(archive, hook, key_, *model_, mode, where);
+    auto read = hook_state::read_entry(archive, hook, key_, live_model("load_checkpoint"), mode, where);
     if (!read) return [] {};
     const bool was_created = read->meta.created;
     const std::int64_t calls = read->meta.calls;
@@ -323,7 +351,7 @@ class EmaHook {
       if (e->key() == key) detail::fail("model key '{}' is already in this hook", key);
       const bool both_swap = (e->options().validate_with_ema && options.validate_with_ema) ||
                              (e->options().test_with_ema && options.test_with_ema);
-      if (e->model() == &model && both_swap)
+      if (e->model() == &model && !e->model_destroyed() && both_swap)  // a new model where one was destroyed
         detail::fail("model '{}' is the same module as model '{}' and both would swap their EMA weights into it for "
                      "validation or test; set validate_with_ema / test_with_ema to false for one of them",
                      key, e->key());
@@ -370,6 +398,8 @@ class EmaHook {
   // The models keep their EMA weights (HookOptions::keep_ema_at_train_end).
   void train_end() {
     require_training("train_end");
+    for (auto& e : entries_)  // a destroyed model is refused before any model changes
+      if (e->keeps()) (void)e->live_model("train_end");
     for (auto& e : entries_) e->keep();
   }
 
@@ -459,6 +489,20 @@ EMAKIT_FUNC void check_hook_key(const std::string& key) {
          key);
 }
 
+EMAKIT_FUNC void fail_hook_model_destroyed(const std::string& key, bool created, const char* what) {
+  if (created)
+    fail("{0}(): model '{1}' of this EmaHook has been destroyed (a rebuilt model?), so the hook would use a module "
+         "that no longer exists; nothing was changed. Make a new EmaHook for the new model and carry this EMA over: "
+         "new_hook.ema<E>(\"{1}\").load_state_dict(hook.ema<E>(\"{1}\").state_dict()) once the new hook has made "
+         "its EMA (or load_checkpoint a checkpoint saved before the model went). This EMA's own state still reads: "
+         "hook.ema<E>(\"{1}\").averages(), state_dict(), emakit::save",
+         what, key);
+  fail("{0}(): model '{1}' of this EmaHook has been destroyed (a rebuilt model?) before its EMA was made, so the "
+       "hook would use a module that no longer exists; nothing was changed. Make a new EmaHook for the new model "
+       "(and load_checkpoint a checkpoint saved before the model went, to carry the run over)",
+       what, key);
+}
+
 }  // namespace emakit::detail
 
 namespace emakit {
@@ -479,8 +523,13 @@ namespace emakit {
 
 EMAKIT_FUNC void EmaHook::setup() {
   require_training("setup");
+  const auto makes = [](const detail::HookEntryBase& e) {
+    return !e.created() && (e.options().creation == Creation::at_setup || e.pending());
+  };
+  for (auto& e : entries_)  // a destroyed model is refused before any EMA is made
+    if (makes(*e)) (void)e->live_model("setup");
   for (auto& e : entries_)
-    if (e->options().creation == Creation::at_setup || e->pending()) e->create();
+    if (makes(*e)) e->create("setup");
 }
 
 EMAKIT_FUNC void EmaHook::before_optimizer_step() {
@@ -491,6 +540,7 @@ EMAKIT_FUNC void EmaHook::before_optimizer_step() {
 
 EMAKIT_FUNC std::vector<UpdateResult> EmaHook::after_optimizer_step(StepInfo info) {
   require_training("after_optimizer_step");
+  for (auto& e : entries_) (void)e->live_model("after_optimizer_step");  // before any model's EMA steps
   std::vector<UpdateResult> out;
   out.reserve(entries_.size());
   for (auto& e : entries_) {
@@ -503,6 +553,7 @@ EMAKIT_FUNC std::vector<UpdateResult> EmaHook::after_optimizer_step(StepInfo inf
 EMAKIT_FUNC void EmaHook::save_checkpoint(torch::serialize::OutputArchive& archive) {
   torch::serialize::OutputArchive hook(archive.compilation_unit());
   detail::hook_state::write_header(hook);
+  for (auto& e : entries_) (void)e->live_model("save_checkpoint");  // before anything is written
   for (auto& e : entries_) e->save(archive, hook);
   archive.write("emakit_hook", hook);
 }
@@ -569,7 +620,7 @@ EMAKIT_FUNC void EmaHook::start(Stage stage) {
     for (auto& e : entries_) {
       const bool wanted = stage == Stage::validation ? e->options().validate_with_ema : e->options().test_with_ema;
       if (!wanted) continue;
-      e->swap_in();
+      e->swap_in(stage == Stage::validation ? "validation_start" : "test_start");
       done.push_back(e.get());
     }
   } catch (...) {

@@ -25,6 +25,11 @@
 //
 // Modules that do not take part cost nothing; the two calls above cost one thread-local read
 // when no wrapper is running. One wrapper per thread may run at a time on each thread.
+//
+// The model (the student) is borrowed: when a shared_ptr owns it (a ModuleHolder's), a model
+// destroyed while the wrapper lives makes forward(), forward_views() and run() refuse, naming the
+// wrapper, before anything runs; a model no shared_ptr owns must outlive the wrapper (docs/ema.md,
+// "The bound model's lifetime").
 #pragma once
 
 #include <emakit/detail/config.hpp>
@@ -105,6 +110,10 @@ struct TeacherPass {
 
 EMAKIT_FUNC TeacherPass*& active_teacher_pass() noexcept;
 
+// The error of a TeacherStudent call that would run its model (the student) after that model was
+// destroyed.
+[[noreturn]] EMAKIT_FUNC void fail_student_destroyed(const char* what);
+
 EMAKIT_FUNC std::size_t edit_distance(std::string_view a, std::string_view b);
 
 // "", then every sub-module path of `model`, with the module each names.
@@ -137,7 +146,7 @@ class TeacherStudent {
  public:
   using module_type = typename std::remove_cvref_t<decltype(*std::declval<const EmaT&>().module())>;
 
-  // Borrows `ema` (it must outlive the wrapper).
+  // Borrows `ema` (it must outlive the wrapper). Borrows `model` too: see the top of this file.
   TeacherStudent(module_type& model, EmaT& ema, TeacherRoutes routes) : model_(&model), ema_(&ema) {
     init(std::move(routes));
   }
@@ -163,21 +172,32 @@ class TeacherStudent {
   // One input for both passes.
   template <class... Args>
   decltype(auto) forward(Args&&... args) {
-    return run([&](module_type& t) { t.forward(args...); },
-               [&](module_type& s) -> decltype(auto) { return s.forward(std::forward<Args>(args)...); });
+    return run_as("forward", [&](module_type& t) { t.forward(args...); },
+                  [&](module_type& s) -> decltype(auto) { return s.forward(std::forward<Args>(args)...); });
   }
   // Multi-view: the teacher sees one view, the student another (tuples of forward arguments).
   template <class... T, class... S>
   decltype(auto) forward_views(std::tuple<T...> teacher_args, std::tuple<S...> student_args) {
-    return run([&](module_type& t) { std::apply([&](auto&&... a) { t.forward(a...); }, teacher_args); },
-               [&](module_type& s) -> decltype(auto) {
-                 return std::apply([&](auto&&... a) -> decltype(auto) { return s.forward(a...); }, student_args);
-               });
+    return run_as(
+        "forward_views", [&](module_type& t) { std::apply([&](auto&&... a) { t.forward(a...); }, teacher_args); },
+        [&](module_type& s) -> decltype(auto) {
+          return std::apply([&](auto&&... a) -> decltype(auto) { return s.forward(a...); }, student_args);
+        });
   }
   // The general form: `teacher_pass(teacher module)` then `student_pass(model)`, whose result is
   // returned.
   template <class TeacherPass, class StudentPass>
   decltype(auto) run(TeacherPass&& teacher_pass, StudentPass&& student_pass) {
+    return run_as("run", std::forward<TeacherPass>(teacher_pass), std::forward<StudentPass>(student_pass));
+  }
+
+ private:
+  // run(), named `what` in its errors.
+  template <class TeacherPass, class StudentPass>
+  decltype(auto) run_as(const char* what, TeacherPass&& teacher_pass, StudentPass&& student_pass) {
+    // model_ is a raw pointer: a model destroyed while the wrapper lives is refused here, before
+    // anything runs (one atomic load), when a shared_ptr owns it (watch_ was set).
+    if (model_owned_ && watch_.expired()) detail::fail_student_destroyed(what);
     detail::TeacherPass*& slot = detail::active_teacher_pass();
     if (slot != nullptr) detail::fail("TeacherStudent: a wrapper is already running on this thread (nested forward)");
     pass_.recorded.clear();
@@ -230,7 +250,6 @@ class TeacherStudent {
     }
   }
 
- private:
   void init(TeacherRoutes routes) {
     if (!ema_->module()) detail::fail("TeacherStudent: the EMA has no module; use an Ema with ModuleStorage");
     if (routes.empty()) detail::fail("TeacherStudent: no routes; give at least one teacher path");
@@ -253,9 +272,13 @@ class TeacherStudent {
     pass_.routes = &routes_;
     pass_.asked.assign(routes_.size(), 0);
     warned_.assign(routes_.size(), 0);
+    watch_ = model_->weak_from_this();
+    model_owned_ = !watch_.expired();  // the model is alive here: set iff a shared_ptr owns it
   }
 
-  module_type* model_;
+  module_type* model_;                            // the student; checked through watch_ before each run
+  std::weak_ptr<const torch::nn::Module> watch_;  // the model, when a shared_ptr owns it
+  bool model_owned_ = false;                      // watch_ was set (expired() then means destroyed)
   std::unique_ptr<EmaT> owned_;
   EmaT* ema_;
   std::vector<TeacherRoute> routes_;
@@ -275,6 +298,15 @@ namespace emakit::detail {
 EMAKIT_FUNC TeacherPass*& active_teacher_pass() noexcept {
   thread_local TeacherPass* pass = nullptr;
   return pass;
+}
+
+[[noreturn]] EMAKIT_FUNC void fail_student_destroyed(const char* what) {
+  fail("TeacherStudent::{}(): the model (the student) this wrapper was made with has been destroyed (a rebuilt "
+       "model?), so the student pass would run a module that no longer exists; nothing was run. Make a new "
+       "TeacherStudent for the new model, with an EMA of it (load this EMA's state into that one: "
+       "new_ema.load_state_dict(wrapper.ema().state_dict())). This wrapper's EMA (the teacher) still reads: ema(), "
+       "teacher()",
+       what);
 }
 
 EMAKIT_FUNC std::size_t edit_distance(std::string_view a, std::string_view b) {
