@@ -2,10 +2,12 @@
 // swap_into() refuse with an error that says what happened and what to do; the EMA's own state
 // (averages(), state_dict(), save()) still reads, bitwise as before, and copy_to() puts it into a
 // new model. An Ema that cannot see the model's end (a module not owned by a shared_ptr, a list of
-// tensors) keeps its own references and goes on (docs/ema.md, "Identity and ownership").
+// tensors) keeps its own references and goes on (docs/ema.md, "The bound model's lifetime").
 // The same for the two that borrow a model by raw pointer, where the old code read freed memory:
 // an EmaHook refuses every call that would use a destroyed model, naming its key, before any
-// model changes; a TeacherStudent refuses to run a destroyed student.
+// model changes; a TeacherStudent refuses to run a destroyed student. The "nothing to watch"
+// cases pin the other side: a model no shared_ptr owns is never refused (they fail if the check
+// forgets whether a shared_ptr owned the model).
 #include <emakit/emakit.hpp>
 #include <emakit/teacher.hpp>
 
