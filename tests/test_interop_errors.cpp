@@ -147,7 +147,7 @@ TEST_CASE("import_state names the key the peer's file should hold, and what it h
     write_dict(file, peer_tensors(ema.averages(), ""));
     CHECK_THROWS_WITH(emakit::import_state(ema, emakit::Peer::ema_pytorch, file),
                       Contains("has no 'step' and 'initted': not an ema-pytorch EMA state") &&
-                          Contains("saved from ema.ema_model.state_dict()? Save torch.save(dict(ema.state_dict()), path)"));
+                          Contains("saved from ema.ema_model.state_dict()? Save torch.save(ema.state_dict(), path)"));
     auto averaged = emakit::averaged_model_ema(*model, {.decay = 0.95});
     CHECK_THROWS_WITH(emakit::import_state(averaged, emakit::Peer::averaged_model, file),
                       Contains("has no 'n_averaged'") && Contains("saved from averaged_model.module.state_dict()?"));

@@ -7,8 +7,8 @@
 //   #   (strict=False: ema-pytorch's EMA also holds the online model, include_online_model=True,
 //   #   which the export does not carry; docs/coming-from-python.md)
 //
-//   # Python: torch.save(dict(ema.state_dict()), "ema.pt")   (a plain dict: LibTorch cannot read
-//   #         the OrderedDict state_dict() returns; import_state refuses one, naming this fix)
+//   # Python: torch.save(ema.state_dict(), "ema.pt")   (the OrderedDict, which LibTorch's own
+//   #         unpickler cannot read: detail/serial/archive_file.hpp reads it; a plain dict too)
 //   emakit::import_state(ema, emakit::Peer::ema_pytorch, "ema.pt");
 //
 // | Peer            | keys of the tensors        | counters                                  |
@@ -88,7 +88,7 @@ void export_state(const E& ema, Peer peer, const std::filesystem::path& path) {
   detail::write_tensor_dict(path, dict);  // atomic, untagged: torch.load(weights_only=True) reads it
 }
 
-// Loads the EMA state a Python `peer` saved (torch.save(dict(peer.state_dict())), a plain dict)
+// Loads the EMA state a Python `peer` saved (torch.save(peer.state_dict()), or of a plain dict)
 // into `ema`, which must be made with the peer's options. The counters are rebuilt from the
 // peer's: ema-pytorch's step counts update calls, and the number of updates it applied is
 // recounted with this EMA's own schedule. Strict: every tensor this EMA holds must be in the
@@ -176,9 +176,9 @@ EMAKIT_FUNC std::string_view peer_name(Peer peer) {
 
 EMAKIT_FUNC std::string_view peer_save_call(Peer peer) {
   switch (peer) {
-    case Peer::ema_pytorch: return "torch.save(dict(ema.state_dict()), path)";
-    case Peer::timm_v3: return "torch.save(dict(ema.state_dict()), path)";
-    case Peer::averaged_model: return "torch.save(dict(averaged_model.state_dict()), path)";
+    case Peer::ema_pytorch: return "torch.save(ema.state_dict(), path)";
+    case Peer::timm_v3: return "torch.save(ema.state_dict(), path)";
+    case Peer::averaged_model: return "torch.save(averaged_model.state_dict(), path)";
   }
   return "";
 }
