@@ -297,6 +297,9 @@ TEST_CASE("A corrupt, truncated or foreign snapshot is rejected with an error na
   auto foreign = bytes;
   foreign[0] = 'P';
   rejected(foreign, "is not an emakit snapshot file");
+  CHECK_THROWS_WITH(emakit::load_snapshot(folder.path), Contains(folder.path.string()) && Contains("is a directory, not a snapshot file"));
+  CHECK_THROWS_WITH(emakit::read_snapshot_info(folder.path / "none.emkit"),
+                    Contains("none.emkit") && Contains("No such file or directory"));
   auto future = bytes;
   future[8] = 3;
   rejected(future, "format version 3; this emakit reads versions 1 to 2 (written by a newer emakit");

@@ -359,6 +359,11 @@ class SnapshotReader {
   explicit SnapshotReader(std::filesystem::path path, bool keep_open = true) {
     info_.path = std::move(path);
     const auto& p = info_.path;
+    std::error_code ec;
+    if (std::filesystem::is_directory(p, ec))
+      fail_runtime("'{}' is a directory, not a snapshot file (a folder of snapshots is read with list_snapshots() "
+                   "or plan_synthesis())",
+                   p.string());
     fd_ = open_file();
     struct ::stat st {};
     if (::fstat(fd_.get(), &st) != 0) fail_runtime("cannot stat snapshot '{}': {}", p.string(), errno_text(errno));
