@@ -44,7 +44,13 @@ enum class Peer : std::uint8_t { ema_pytorch, timm_v3, averaged_model };
 
 namespace detail::interop {
 
-EMAKIT_FUNC std::string_view peer_prefix(Peer peer);
+// What emakit says and writes about one peer: the prefix of its keys, its name in messages
+// ("an ema-pytorch EMA"), the Python call that saves the state import_state wants, and the one
+// that saves only its averaged model (keys without the prefix).
+struct PeerText {
+  std::string_view prefix, name, save_call, inner_call;
+};
+EMAKIT_FUNC const PeerText& peer_text(Peer peer);
 
 // What import_state takes from a peer's file: the tensors under this EMA's keys (average.<name>,
 // with the config entries of `state`, this EMA's own), the prefix the file's keys have and the
@@ -77,7 +83,7 @@ EMAKIT_FUNC const at::Tensor* entry(const c10::impl::GenericDict& dict, const st
 template <class E>
 void export_state(const E& ema, Peer peer, const std::filesystem::path& path) {
   c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
-  const std::string prefix(detail::interop::peer_prefix(peer));
+  const std::string prefix(detail::interop::peer_text(peer).prefix);
   for (const auto& item : ema.averages()) dict.insert(prefix + item.key(), item.value().detach().cpu().contiguous());
   if (peer == Peer::ema_pytorch) {
     dict.insert("step", at::scalar_tensor(ema.step(), at::kLong));
@@ -143,17 +149,23 @@ LoadReport import_state(E& ema, Peer peer, const std::filesystem::path& file, Lo
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <iterator>
 #include <vector>
 
 namespace emakit::detail::interop {
 
-EMAKIT_FUNC std::string_view peer_prefix(Peer peer) {
-  switch (peer) {
-    case Peer::ema_pytorch: return "ema_model.";
-    case Peer::timm_v3:
-    case Peer::averaged_model: return "module.";
-  }
-  return "";
+EMAKIT_FUNC const PeerText& peer_text(Peer peer) {
+  static constexpr PeerText table[] = {
+      {"ema_model.", "an ema-pytorch EMA", "torch.save(ema.state_dict(), path)", "ema.ema_model.state_dict()"},
+      {"module.", "a timm ModelEmaV3", "torch.save(ema.state_dict(), path)", "ema.module.state_dict()"},
+      {"module.", "a torch AveragedModel", "torch.save(averaged_model.state_dict(), path)",
+       "averaged_model.module.state_dict()"},
+  };
+  static_assert(static_cast<int>(Peer::ema_pytorch) == 0 && static_cast<int>(Peer::timm_v3) == 1 &&
+                static_cast<int>(Peer::averaged_model) == 2);
+  const auto i = static_cast<std::size_t>(peer);
+  if (i >= std::size(table)) fail("interop: unknown Peer value {}", i);
+  return table[i];
 }
 
 namespace {}  // (no internal linkage: the helpers below are EMAKIT_FUNC)
@@ -164,34 +176,6 @@ EMAKIT_FUNC const at::Tensor* entry(const c10::impl::GenericDict& dict, const st
   return &it->value().toTensor();
 }
 
-// The peer's name and the Python call that saves the state import_state wants.
-EMAKIT_FUNC std::string_view peer_name(Peer peer) {
-  switch (peer) {
-    case Peer::ema_pytorch: return "an ema-pytorch EMA";
-    case Peer::timm_v3: return "a timm ModelEmaV3";
-    case Peer::averaged_model: return "a torch AveragedModel";
-  }
-  return "";
-}
-
-EMAKIT_FUNC std::string_view peer_save_call(Peer peer) {
-  switch (peer) {
-    case Peer::ema_pytorch: return "torch.save(ema.state_dict(), path)";
-    case Peer::timm_v3: return "torch.save(ema.state_dict(), path)";
-    case Peer::averaged_model: return "torch.save(averaged_model.state_dict(), path)";
-  }
-  return "";
-}
-
-// The call that saves only the peer's averaged model (its keys without the prefix).
-EMAKIT_FUNC std::string_view peer_inner_call(Peer peer) {
-  switch (peer) {
-    case Peer::ema_pytorch: return "ema.ema_model.state_dict()";
-    case Peer::timm_v3: return "ema.module.state_dict()";
-    case Peer::averaged_model: return "averaged_model.module.state_dict()";
-  }
-  return "";
-}
 
 EMAKIT_FUNC std::vector<std::string> average_names(const StateDict& state) {
   std::vector<std::string> names;
@@ -219,8 +203,8 @@ EMAKIT_FUNC std::string holds_instead(const c10::impl::GenericDict& dict, Peer p
   for (const auto& name : missing)
     if (entry(dict, name) != nullptr)
       return fmt::format("it holds '{}' instead: saved from {}? Save the whole {} state ({})", name,
-                         peer_inner_call(peer), peer_name(peer).substr(peer_name(peer).find(' ') + 1),
-                         peer_save_call(peer));
+                         peer_text(peer).inner_call, peer_text(peer).name.substr(peer_text(peer).name.find(' ') + 1),
+                         peer_text(peer).save_call);
   for (const auto& name : missing) {
     for (const auto& item : dict) {
       if (!item.key().isString()) continue;
@@ -241,7 +225,7 @@ EMAKIT_FUNC std::string holds_instead(const c10::impl::GenericDict& dict, Peer p
 EMAKIT_FUNC PeerFile read_peer_file(const c10::impl::GenericDict& dict, Peer peer, const std::string& path,
                                     const StateDict& state) {
   PeerFile f;
-  f.prefix = std::string(peer_prefix(peer));
+  f.prefix = std::string(peer_text(peer).prefix);
   const std::vector<std::string> names = average_names(state);
   const bool prefixed = holds_prefixed(dict, f.prefix);
   // timm's ModelEmaV3 has no counters: its own checkpoints hold ema.module.state_dict(), which is
@@ -251,7 +235,7 @@ EMAKIT_FUNC PeerFile read_peer_file(const c10::impl::GenericDict& dict, Peer pee
       std::find_if(names.begin(), names.end(), [&](const auto& n) { return entry(dict, n) != nullptr; });
   const std::string hint = !prefixed && unprefixed != names.end()
                                ? fmt::format(": its keys are the model's own ('{}'): saved from {}? Save {}", *unprefixed,
-                                             peer_inner_call(peer), peer_save_call(peer))
+                                             peer_text(peer).inner_call, peer_text(peer).save_call)
                                : std::string();
   if (peer == Peer::ema_pytorch) {
     const at::Tensor* s = entry(dict, "step");
@@ -310,7 +294,7 @@ EMAKIT_FUNC LoadReport peer_report(const LoadReport& found, const PeerFile& file
   std::string instead = missing.empty() ? std::string() : holds_instead(dict, peer, missing, matched);
   if (!instead.empty()) instead.insert(0, "; ");
   if (mode == LoadMode::strict)
-    fail("import_state: '{}' is not {} state of this EMA's model: {}{}; nothing was loaded", path, peer_name(peer),
+    fail("import_state: '{}' is not {} state of this EMA's model: {}{}; nothing was loaded", path, peer_text(peer).name,
          fmt::join(parts, "; "), instead);
   TORCH_WARN("emakit: import_state: '", path, "': ", fmt::format("{}", fmt::join(parts, "; ")), instead,
              "; kept the current values of those");
