@@ -98,80 +98,32 @@ struct Counters {
   std::int64_t non_finite_updates = 0;
 };
 
-template <class P>
-void write_config(StateDict& out, const std::string& axis, const P& p) {
-  out.insert("config." + axis, string_tensor(policy_name<P>()));
-  for (const auto& f : policy_fields(p))
-    out.insert("config." + axis + "." + std::string(f.name), at::scalar_tensor(f.value, at::kDouble));
-}
+// What a state records of an Ema's two config policies: their names (policy_name) and fields
+// (policy_fields). Ema makes one from its policies; everything below is then policy-independent.
+struct PolicyConfig {
+  std::string_view decay;
+  std::vector<Field> decay_fields;
+  std::string_view schedule;
+  std::vector<Field> schedule_fields;
+};
+
+// One name an Ema holds and the slot of its tensor (a tied tensor: several names, one slot).
+struct Entry {
+  std::string name;
+  std::size_t slot;
+};
 
 // The state dict up to the averages (format, config, counters); the caller appends
 // average_key(name) -> tensor for each name it holds.
-template <class D, class S>
-StateDict encode(const D& decay, const S& schedule, const EmaOptions& options, const Counters& c) {
-  StateDict out;
-  out.insert("emakit.format", at::scalar_tensor(formats::ema_state.version, at::kLong));
-  write_config(out, "decay", decay);
-  write_config(out, "schedule", schedule);
-  out.insert("config.options.buffers", at::scalar_tensor(static_cast<std::int64_t>(options.buffers()), at::kLong));
-  out.insert("counters.calls", at::scalar_tensor(c.calls, at::kLong));
-  out.insert("counters.step", at::scalar_tensor(c.step, at::kLong));
-  out.insert("counters.num_updates", at::scalar_tensor(c.num_updates, at::kLong));
-  out.insert("counters.last_update_step", at::scalar_tensor(c.last_update_step, at::kLong));
-  out.insert("counters.last_decay", at::scalar_tensor(c.last_decay, at::kDouble));
-  out.insert("counters.non_finite_updates", at::scalar_tensor(c.non_finite_updates, at::kLong));
-  return out;
-}
+EMAKIT_FUNC StateDict encode(const PolicyConfig& config, const EmaOptions& options, const Counters& c);
 
 EMAKIT_FUNC bool known_key(const std::string& key);
 
 EMAKIT_FUNC void check_format(const StateDict& state);
 
-template <class P>
-void check_policy(const StateDict& state, const std::string& axis, const P& p) {
-  const std::string kind_key = "config." + axis;
-  const auto ours = policy_name<P>();
-  const auto theirs = StateReader(state).optional_text(kind_key);
-  if (!theirs) fail("the state has no '{}' (this EMA's {} policy is {})", kind_key, axis, ours);
-  if (*theirs != ours) fail("config differs: {} policy is {} in the state, {} in this EMA", axis, *theirs, ours);
-  const auto fields = policy_fields(p);
-  for (const auto& f : fields) {
-    const std::string key = kind_key + "." + std::string(f.name);
-    const at::Tensor* t = state.find(key);
-    if (t == nullptr) fail("config differs: the state has no '{}'", key);
-    const double v = t->item<double>();
-    if (v != f.value)
-      fail("config differs: {} is {} in the state, {} in this EMA", key, value_string(v, f.is_integer),
-           value_string(f.value, f.is_integer));
-  }
-  const std::string prefix = kind_key + ".";
-  for (const auto& item : state) {
-    if (item.key().rfind(prefix, 0) != 0) continue;
-    const std::string name = item.key().substr(prefix.size());
-    bool ours_has = false;
-    for (const auto& f : fields) ours_has = ours_has || f.name == name;
-    if (!ours_has) fail("config differs: the state has '{}', which {} does not have", item.key(), ours);
-  }
-}
-
 // The state's format and config (policies, fields, buffer mode) against these policies and
 // options. Throws naming the first difference.
-template <class D, class S>
-void check_config(const StateDict& state, const D& decay, const S& schedule, const EmaOptions& options) {
-  check_format(state);
-  check_policy(state, "decay", decay);
-  check_policy(state, "schedule", schedule);
-  if (const auto theirs = StateReader(state).optional_integer("config.options.buffers")) {
-    auto name = [](std::int64_t v) {
-      return v == 0 ? std::string("average") : v == 1 ? std::string("copy") : v == 2 ? std::string("ignore")
-                                                                                 : fmt::format("{} (unknown)", v);
-    };
-    const auto ours = static_cast<std::int64_t>(options.buffers());
-    if (*theirs != ours)
-      fail("config differs: config.options.buffers (EmaOptions::buffers) is {} in the state, {} in this EMA",
-           name(*theirs), name(ours));
-  }
-}
+EMAKIT_FUNC void check_config(const StateDict& state, const PolicyConfig& config, const EmaOptions& options);
 
 EMAKIT_FUNC Counters read_counters(const StateDict& state);
 
@@ -184,55 +136,13 @@ struct Plan {
   Counters counters;
 };
 
-// Checks a state against an Ema and plans its load. `entries`: every name the Ema holds, with
-// `.name` and `.slot` (a tied tensor: several names, one slot); `averages[slot]`: the Ema's
-// tensor; `same_value(a, b)`: whether two state tensors loaded into one slot agree.
-template <class D, class S, class Entries, class Averages, class SameValue>
-Plan plan_load(const StateDict& state, LoadMode mode, const D& decay, const S& schedule, const EmaOptions& options,
-               const Entries& entries, const Averages& averages, const SameValue& same_value) {
-  check_config(state, decay, schedule, options);
-  Plan plan{{}, {}, read_counters(state)};
-  LoadReport& report = plan.report;
-  std::vector<std::pair<const at::Tensor*, std::string>> chosen(averages.size(), {nullptr, {}});
-  std::unordered_set<std::string> ours;
-  std::vector<std::pair<std::string, std::size_t>> absent;  // (key, slot)
-  for (const auto& e : entries) {
-    const at::Tensor& average = averages[e.slot];
-    std::string key = average_key(e.name);
-    const at::Tensor* t = state.find(key);
-    if (t == nullptr) {
-      absent.emplace_back(key, e.slot);
-    } else if (!t->sizes().equals(average.sizes())) {
-      report.mismatched.push_back(fmt::format("{}: shape {} in the state, {} in this EMA", key,
-                                              shape_string(t->sizes()), shape_string(average.sizes())));
-    } else if (t->scalar_type() != average.scalar_type()) {
-      report.mismatched.push_back(fmt::format("{}: dtype {} in the state, {} in this EMA", key,
-                                              c10::toString(t->scalar_type()), c10::toString(average.scalar_type())));
-    } else if (chosen[e.slot].first == nullptr) {
-      chosen[e.slot] = {t, key};
-      plan.loads.emplace_back(e.slot, t);
-    } else if (!same_value(*t, *chosen[e.slot].first)) {
-      // A tied tensor is saved under each name; two different values cannot both be loaded.
-      report.mismatched.push_back(fmt::format("{}: differs from '{}', which is the same (tied) tensor in this EMA",
-                                              key, chosen[e.slot].second));
-    }
-    ours.insert(std::move(key));
-  }
-  // A tied tensor loads from any one of its names (a state that lists it once, as a sharded
-  // checkpoint or a deduplicating writer does); it is missing only when no name has it.
-  for (auto& [key, slot] : absent)
-    if (chosen[slot].first == nullptr) report.missing.push_back(std::move(key));
-  for (const auto& item : state) {
-    const auto& key = item.key();
-    if (key.rfind(average_prefix, 0) == 0) {
-      if (ours.count(key) == 0) report.unexpected.push_back(key);
-    } else if (!known_key(key)) {
-      report.unexpected.push_back(key);
-    }
-  }
-  if (mode == LoadMode::strict && !report.clean()) fail("load_state_dict (strict): {}", describe(report));
-  return plan;
-}
+// Checks a state against an Ema and plans its load. `entries`: every name the Ema holds;
+// `averages[slot]`: the Ema's tensor; `same_value(a, b)`: whether two state tensors loaded into
+// one slot agree.
+EMAKIT_FUNC Plan plan_load(const StateDict& state, LoadMode mode, const PolicyConfig& config,
+                           const EmaOptions& options, const std::vector<Entry>& entries,
+                           const std::vector<at::Tensor>& averages,
+                           bool (*same_value)(const at::Tensor&, const at::Tensor&));
 
 // The archive of torch::save(ema): the state dict and a CRC-32 per tensor.
 EMAKIT_FUNC void save_archive(torch::serialize::OutputArchive& archive, const StateDict& state);
@@ -306,6 +216,118 @@ EMAKIT_FUNC void check_format(const StateDict& state) {
          f->numel() == 1 ? fmt::format("{}", f->item<std::int64_t>()) : std::string("not a number"), version_string,
          formats::ema_state.version);
 }
+
+EMAKIT_FUNC void write_config(StateDict& out, const std::string& axis, std::string_view name,
+                              const std::vector<Field>& fields) {
+  out.insert("config." + axis, string_tensor(name));
+  for (const auto& f : fields)
+    out.insert("config." + axis + "." + std::string(f.name), at::scalar_tensor(f.value, at::kDouble));
+}
+
+EMAKIT_FUNC StateDict encode(const PolicyConfig& config, const EmaOptions& options, const Counters& c) {
+  StateDict out;
+  out.insert("emakit.format", at::scalar_tensor(formats::ema_state.version, at::kLong));
+  write_config(out, "decay", config.decay, config.decay_fields);
+  write_config(out, "schedule", config.schedule, config.schedule_fields);
+  out.insert("config.options.buffers", at::scalar_tensor(static_cast<std::int64_t>(options.buffers()), at::kLong));
+  out.insert("counters.calls", at::scalar_tensor(c.calls, at::kLong));
+  out.insert("counters.step", at::scalar_tensor(c.step, at::kLong));
+  out.insert("counters.num_updates", at::scalar_tensor(c.num_updates, at::kLong));
+  out.insert("counters.last_update_step", at::scalar_tensor(c.last_update_step, at::kLong));
+  out.insert("counters.last_decay", at::scalar_tensor(c.last_decay, at::kDouble));
+  out.insert("counters.non_finite_updates", at::scalar_tensor(c.non_finite_updates, at::kLong));
+  return out;
+}
+
+EMAKIT_FUNC void check_policy(const StateDict& state, const std::string& axis, std::string_view ours,
+                              const std::vector<Field>& fields) {
+  const std::string kind_key = "config." + axis;
+  const auto theirs = StateReader(state).optional_text(kind_key);
+  if (!theirs) fail("the state has no '{}' (this EMA's {} policy is {})", kind_key, axis, ours);
+  if (*theirs != ours) fail("config differs: {} policy is {} in the state, {} in this EMA", axis, *theirs, ours);
+  for (const auto& f : fields) {
+    const std::string key = kind_key + "." + std::string(f.name);
+    const at::Tensor* t = state.find(key);
+    if (t == nullptr) fail("config differs: the state has no '{}'", key);
+    const double v = t->item<double>();
+    if (v != f.value)
+      fail("config differs: {} is {} in the state, {} in this EMA", key, value_string(v, f.is_integer),
+           value_string(f.value, f.is_integer));
+  }
+  const std::string prefix = kind_key + ".";
+  for (const auto& item : state) {
+    if (item.key().rfind(prefix, 0) != 0) continue;
+    const std::string name = item.key().substr(prefix.size());
+    bool ours_has = false;
+    for (const auto& f : fields) ours_has = ours_has || f.name == name;
+    if (!ours_has) fail("config differs: the state has '{}', which {} does not have", item.key(), ours);
+  }
+}
+
+EMAKIT_FUNC void check_config(const StateDict& state, const PolicyConfig& config, const EmaOptions& options) {
+  check_format(state);
+  check_policy(state, "decay", config.decay, config.decay_fields);
+  check_policy(state, "schedule", config.schedule, config.schedule_fields);
+  if (const auto theirs = StateReader(state).optional_integer("config.options.buffers")) {
+    auto name = [](std::int64_t v) {
+      return v == 0 ? std::string("average") : v == 1 ? std::string("copy") : v == 2 ? std::string("ignore")
+                                                                                 : fmt::format("{} (unknown)", v);
+    };
+    const auto ours = static_cast<std::int64_t>(options.buffers());
+    if (*theirs != ours)
+      fail("config differs: config.options.buffers (EmaOptions::buffers) is {} in the state, {} in this EMA",
+           name(*theirs), name(ours));
+  }
+}
+
+EMAKIT_FUNC Plan plan_load(const StateDict& state, LoadMode mode, const PolicyConfig& config,
+                           const EmaOptions& options, const std::vector<Entry>& entries,
+                           const std::vector<at::Tensor>& averages,
+                           bool (*same_value)(const at::Tensor&, const at::Tensor&)) {
+  check_config(state, config, options);
+  Plan plan{{}, {}, read_counters(state)};
+  LoadReport& report = plan.report;
+  std::vector<std::pair<const at::Tensor*, std::string>> chosen(averages.size(), {nullptr, {}});
+  std::unordered_set<std::string> ours;
+  std::vector<std::pair<std::string, std::size_t>> absent;  // (key, slot)
+  for (const auto& e : entries) {
+    const at::Tensor& average = averages[e.slot];
+    std::string key = average_key(e.name);
+    const at::Tensor* t = state.find(key);
+    if (t == nullptr) {
+      absent.emplace_back(key, e.slot);
+    } else if (!t->sizes().equals(average.sizes())) {
+      report.mismatched.push_back(fmt::format("{}: shape {} in the state, {} in this EMA", key,
+                                              shape_string(t->sizes()), shape_string(average.sizes())));
+    } else if (t->scalar_type() != average.scalar_type()) {
+      report.mismatched.push_back(fmt::format("{}: dtype {} in the state, {} in this EMA", key,
+                                              c10::toString(t->scalar_type()), c10::toString(average.scalar_type())));
+    } else if (chosen[e.slot].first == nullptr) {
+      chosen[e.slot] = {t, key};
+      plan.loads.emplace_back(e.slot, t);
+    } else if (!same_value(*t, *chosen[e.slot].first)) {
+      // A tied tensor is saved under each name; two different values cannot both be loaded.
+      report.mismatched.push_back(fmt::format("{}: differs from '{}', which is the same (tied) tensor in this EMA",
+                                              key, chosen[e.slot].second));
+    }
+    ours.insert(std::move(key));
+  }
+  // A tied tensor loads from any one of its names (a state that lists it once, as a sharded
+  // checkpoint or a deduplicating writer does); it is missing only when no name has it.
+  for (auto& [key, slot] : absent)
+    if (chosen[slot].first == nullptr) report.missing.push_back(std::move(key));
+  for (const auto& item : state) {
+    const auto& key = item.key();
+    if (key.rfind(average_prefix, 0) == 0) {
+      if (ours.count(key) == 0) report.unexpected.push_back(key);
+    } else if (!known_key(key)) {
+      report.unexpected.push_back(key);
+    }
+  }
+  if (mode == LoadMode::strict && !report.clean()) fail("load_state_dict (strict): {}", describe(report));
+  return plan;
+}
+
 
 EMAKIT_FUNC Counters read_counters(const StateDict& state) {
   const StateReader in(state);

@@ -1,0 +1,547 @@
+// The definitions of ema.hpp's non-template code: emakit::EmaCore, the part of every
+// Ema that does not depend on its policies' types, and the helpers it uses. Included at the end
+// of ema.hpp in header-only mode (inline); compiled once into the library in compiled mode
+// (detail/config.hpp).
+#pragma once
+
+#include <emakit/ema.hpp>
+
+#include <fmt/format.h>
+
+namespace emakit::detail {
+
+
+EMAKIT_FUNC std::vector<SourceTensor> collect(const torch::nn::Module& model) {
+  std::vector<SourceTensor> out;
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) out.push_back({item.key(), item.value(), false});
+  for (const auto& item : model.named_buffers(/*recurse=*/true)) out.push_back({item.key(), item.value(), true});
+  return out;
+}
+
+EMAKIT_FUNC std::unordered_map<std::string, at::Tensor> tensors_by_name(const torch::nn::Module& model) {
+  std::unordered_map<std::string, at::Tensor> out;
+  for (auto& t : collect(model)) out.emplace(std::move(t.name), std::move(t.tensor));
+  return out;
+}
+
+EMAKIT_FUNC bool same_view(const at::Tensor& a, const at::Tensor& b) {
+  if (a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl()) return true;
+  return a.has_storage() && b.has_storage() && a.storage().is_alias_of(b.storage()) &&
+         a.storage_offset() == b.storage_offset() && a.scalar_type() == b.scalar_type() &&
+         a.sizes().equals(b.sizes()) && a.strides().equals(b.strides());
+}
+
+EMAKIT_FUNC std::pair<std::int64_t, std::int64_t> byte_extent(const at::Tensor& t) {
+  std::int64_t last = t.storage_offset();
+  for (std::int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  const auto item = static_cast<std::int64_t>(t.element_size());
+  return {t.storage_offset() * item, (last + 1) * item};
+}
+
+EMAKIT_FUNC bool overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.has_storage() || !b.has_storage() || a.numel() == 0 || b.numel() == 0) return false;
+  if (!a.storage().is_alias_of(b.storage())) return false;
+  const auto [a0, a1] = byte_extent(a);
+  const auto [b0, b1] = byte_extent(b);
+  return a0 < b1 && b0 < a1;
+}
+
+[[noreturn]] EMAKIT_FUNC void fail_model_destroyed(const char* what) {
+  fail("{}(): the model this Ema was bound to has been destroyed (a rebuilt model?), so the EMA would average, "
+       "or write into, tensors that no model uses; make a new Ema for the new model, or load this EMA's state "
+       "into it (new_ema.load_state_dict(ema.state_dict()), or ema.copy_to(new_model) for the weights). This "
+       "EMA's own state still reads: averages(), state_dict(), save()",
+       what);
+}
+
+EMAKIT_FUNC bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != b.scalar_type() || !a.sizes().equals(b.sizes())) return false;
+  const at::Tensor x = a.detach().cpu().contiguous();
+  const at::Tensor y = b.detach().cpu().contiguous();
+  return x.nbytes() == y.nbytes() && std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
+}
+
+
+// ---- EmaCore -------------------------------------------------------------------------------
+
+EMAKIT_FUNC EmaCore::EmaCore(const torch::nn::Module* model, std::vector<SourceTensor> tensors, EmaOptions options,
+                             std::string_view storage_name, CreateFn create)
+    : options_(std::move(options)), swap_(std::make_shared<SwapState>()) {
+  bind(model, std::move(tensors), storage_name, create);
+}
+
+EMAKIT_FUNC EmaCore::~EmaCore() = default;
+
+EMAKIT_FUNC void EmaCore::fail_moved_from(const char* what) {
+  fail("{}() on a moved-from Ema; use the Ema it was moved into", what);
+}
+
+EMAKIT_FUNC UpdateResult EmaCore::update(const StepInfo& info, const PolicyNames& names, DecideFn decide,
+                                         WeightFn weight) {
+  ensure_bound("update");
+  check_model_alive("update");
+  BusyScope busy(busy_, "update");
+  check_model_not_swapped("update");
+  check_step_in(info);
+  ema_state::Counters& c = counters_;
+  const ScheduleInput in{c.calls + 1, info.step, c.step, c.num_updates, info.vetoed};
+  const Decision decision = decide(in);
+  check_decision(decision, info, names.schedule);
+  UpdateResult result{decision.action, decision.step, std::nan(""), {}};
+  if (decision.action != Action::skipped) kernel_.check_sources();  // re-plans if a source moved
+  if (decision.action != Action::skipped && options_.skip_non_finite()) {
+    const std::size_t bad = kernel_.first_non_finite(decision.action == Action::copied);
+    if (bad != UpdateKernel::npos) result.non_finite = kernel_.name(bad);
+    if (!result.non_finite.empty()) {
+      TORCH_WARN("emakit: update at step ", decision.step, " skipped: '", result.non_finite,
+                 "' holds a NaN or an infinity (EmaOptions::skip_non_finite); the average is unchanged");
+      c.calls += 1;
+      c.step = decision.step;
+      c.non_finite_updates += 1;
+      last_non_finite_ = result.non_finite;
+      result.action = Action::skipped;
+      return result;
+    }
+  }
+  if (decision.action == Action::copied) {
+    kernel_.copy();
+    result.decay = 0.0;
+  } else if (decision.action == Action::averaged) {
+    const DecayInput d_in{decision.step, c.num_updates + 1, decision.step - c.last_update_step};
+    const double w = weight(d_in);
+    if (!(w >= 0.0 && w <= 1.0))
+      fail("decay policy {} gave d = {} at step {} (update {}); d must be in [0, 1]", names.decay, 1.0 - w, d_in.step,
+           d_in.update);
+    kernel_.average(w);
+    result.decay = 1.0 - w;
+  }
+  if (options_.switch_every() > 0 && decision.action != Action::copied && !info.vetoed &&
+      (decision.step - options_.switch_offset()) % options_.switch_every() == 0)
+    switch_model(options_.switch_beta());
+  // Counters change only after the kernel succeeded: a failed update leaves the EMA as it was.
+  c.calls += 1;
+  c.step = decision.step;
+  if (decision.action != Action::skipped) {
+    c.num_updates += 1;
+    c.last_update_step = decision.step;
+    c.last_decay = result.decay;
+  }
+  return result;
+}
+
+EMAKIT_FUNC void EmaCore::wait() const {
+  ensure_bound("wait");
+  kernel_.wait_sources();
+}
+
+EMAKIT_FUNC void EmaCore::settle() const {
+  ensure_bound("settle");
+  kernel_.settle();
+}
+
+EMAKIT_FUNC StateDict EmaCore::averages() const {
+  ensure_bound("averages");
+  const auto& slots = kernel_.settled_slots();
+  StateDict out;
+  for (const auto& e : entries_) out.insert(e.name, slots[e.slot].average);
+  return out;
+}
+
+EMAKIT_FUNC const at::Tensor& EmaCore::average(const std::string& name) const {
+  ensure_bound("average");
+  const auto& slots = kernel_.settled_slots();
+  for (const auto& e : entries_)
+    if (e.name == name) return slots[e.slot].average;
+  fail("the EMA has no tensor '{}' (ignored, or not in the model)", name);
+}
+
+EMAKIT_FUNC std::vector<std::string> EmaCore::names(Role role) const {
+  std::vector<std::string> out;
+  const auto& slots = kernel_.settled_slots();
+  for (const auto& e : entries_) {
+    const auto& s = slots[e.slot];
+    const Role r = s.averaged ? Role::average : s.follows_averages ? Role::copy : Role::follow_copies;
+    if (r == role) out.push_back(e.name);
+  }
+  return out;
+}
+
+EMAKIT_FUNC void EmaCore::switch_model(double beta) {
+  ensure_bound("switch_model");
+  check_unit_interval(beta, "switch_model beta");
+  check_model_alive("switch_model");
+  check_model_not_swapped("switch_model");
+  c10::NoGradGuard no_grad;
+  for (const auto& s : kernel_.settled_slots()) {
+    if (beta == 0.0) {
+      s.source.copy_(s.average);
+    } else if (s.averaged) {
+      s.source.lerp_(s.average.to(s.source.options()), 1.0 - beta);
+    } else if (s.follows_averages) {
+      s.source.copy_(s.average);
+    }
+  }
+}
+
+EMAKIT_FUNC SwapGuard EmaCore::swap_into() {
+  ensure_bound("swap_into");
+  check_model_alive("swap_into");
+  if (swap_->guards > 0) return SwapGuard(swap_);
+  const auto& slots = kernel_.settled_slots();
+  kernel_.check_sources();
+  check_model_unchanged("swap_into");
+  if (swap_registry().holder(sources_, swap_.get()) != nullptr)
+    fail("swap_into(): the model holds another Ema's weights (a SwapGuard of another Ema bound to this "
+         "model is open); end that guard's scope first");
+  std::vector<at::Tensor> targets, values;
+  for (const auto& s : slots) {
+    targets.push_back(s.source);
+    values.push_back(s.average);
+  }
+  return open_swap_over(std::move(targets), values);
+}
+
+EMAKIT_FUNC SwapGuard EmaCore::swap_gathered_into(const StateDict& full, torch::nn::Module& model) const {
+  ensure_bound("swap_gathered_into");
+  std::vector<std::pair<std::string, at::Tensor>> ours;
+  for (const auto& item : full) ours.emplace_back(item.key(), item.value());
+  const auto match = match_by_name(ours, tensors_by_name(model));
+  require_model_match(match, "swap_gathered_into: ");
+  std::vector<at::Tensor> targets;
+  for (const auto& p : match.pairs) targets.push_back(p.theirs);
+  if (swap_->guards > 0 || swap_registry().holder(targets, nullptr) != nullptr)
+    fail("swap_gathered_into: the model already holds an EMA's weights (a SwapGuard is open); end that "
+         "guard's scope first");
+  std::vector<at::Tensor> values;
+  for (const auto& p : match.pairs) values.push_back(p.ours);
+  return open_swap_over(std::move(targets), values);
+}
+
+EMAKIT_FUNC StateDict EmaCore::state_dict(const ema_state::PolicyConfig& config) const {
+  ensure_bound("state_dict");
+  StateDict out = ema_state::encode(config, options_, counters_);
+  const auto& slots = kernel_.settled_slots();
+  for (const auto& e : entries_) out.insert(ema_state::average_key(e.name), slots[e.slot].average);
+  return out;
+}
+
+EMAKIT_FUNC LoadReport EmaCore::load_state_dict(const StateDict& state, LoadMode mode,
+                                                const ema_state::PolicyConfig& config) {
+  ensure_bound("load_state_dict");
+  ema_state::Plan plan = plan_load(state, mode, config);
+  if (mode == LoadMode::lenient) {
+    for (const auto& k : plan.report.missing) TORCH_WARN("emakit: load_state_dict: missing key '", k, "', kept the current value");
+    for (const auto& k : plan.report.unexpected) TORCH_WARN("emakit: load_state_dict: unexpected key '", k, "', ignored");
+    for (const auto& k : plan.report.mismatched) TORCH_WARN("emakit: load_state_dict: ", k, "; kept the current value");
+  }
+  {
+    c10::NoGradGuard no_grad;
+    const auto& slots = kernel_.settled_slots();
+    for (const auto& [i, t] : plan.loads) slots[i].average.copy_(*t);
+  }
+  counters_ = plan.counters;
+  return plan.report;
+}
+
+EMAKIT_FUNC LoadReport EmaCore::check_state_dict(const StateDict& state, LoadMode mode,
+                                                 const ema_state::PolicyConfig& config) const {
+  ensure_bound("check_state_dict");
+  return plan_load(state, mode, config).report;
+}
+
+EMAKIT_FUNC void EmaCore::advance(std::int64_t calls, std::int64_t step) {
+  ensure_bound("advance");
+  if (counters_.calls != 0 || counters_.num_updates != 0)
+    fail("advance() on an EMA that has already seen {} update() calls; it is only for a new EMA", counters_.calls);
+  check_non_negative_int(calls, "advance() calls");
+  check_non_negative_int(step, "advance() step");
+  counters_.calls = calls;
+  counters_.step = step;
+}
+
+EMAKIT_FUNC void EmaCore::save(torch::serialize::OutputArchive& archive, const ema_state::PolicyConfig& config) const {
+  ema_state::save_archive(archive, state_dict(config));
+}
+
+EMAKIT_FUNC void EmaCore::load(torch::serialize::InputArchive& archive, LoadMode mode,
+                               const ema_state::PolicyConfig& config) {
+  ema_state::load_archive(archive, [&](const StateDict& state) { load_state_dict(state, mode, config); });
+}
+
+EMAKIT_FUNC SwapGuard EmaCore::open_swap_over(std::vector<at::Tensor> targets,
+                                              const std::vector<at::Tensor>& values) const {
+  c10::NoGradGuard no_grad;
+  swap_->backup.clear();
+  for (const auto& t : targets) swap_->backup.push_back(t.detach().clone());
+  swap_->targets = std::move(targets);
+  SwapGuard guard = open_swap(swap_);
+  for (std::size_t i = 0; i < values.size(); ++i) swap_->targets[i].copy_(values[i]);
+  return guard;
+}
+
+EMAKIT_FUNC ema_state::Plan EmaCore::plan_load(const StateDict& state, LoadMode mode,
+                                               const ema_state::PolicyConfig& config) const {
+  std::vector<at::Tensor> averages;
+  for (const auto& slot : kernel_.slots()) averages.push_back(slot.average);
+  return ema_state::plan_load(state, mode, config, options_, entries_, averages,
+                              [](const at::Tensor& a, const at::Tensor& b) { return same_view(a, b) || bitwise_equal(a, b); });
+}
+
+// For each tensor, the index of the first tensor that is the same tensor (itself if none).
+// Different views of one storage that overlap cannot be averaged independently: an error,
+// unless one of them is ignored.
+EMAKIT_FUNC std::vector<std::size_t> identity_groups(const std::vector<SourceTensor>& tensors,
+                                                     const std::vector<Role>& roles) {
+  std::vector<std::size_t> first(tensors.size());
+  std::unordered_map<const void*, std::vector<std::size_t>> by_memory;  // storage (or impl) -> firsts
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    first[i] = i;
+    const at::Tensor& t = tensors[i].tensor;
+    const void* key = t.has_storage() ? static_cast<const void*>(t.storage().unsafeGetStorageImpl())
+                                      : static_cast<const void*>(t.unsafeGetTensorImpl());
+    auto& seen = by_memory[key];
+    for (const std::size_t j : seen) {
+      if (same_view(tensors[j].tensor, t)) {
+        first[i] = j;
+        break;
+      }
+      if (roles[i] != Role::ignore && roles[j] != Role::ignore && overlap(tensors[j].tensor, t))
+        fail("tensors '{}' and '{}' of the model are different views of overlapping memory; an EMA cannot "
+                     "average them independently. Leave one out (EmaOptions::ignore)",
+                     tensors[j].name, tensors[i].name);
+    }
+    if (first[i] == i) seen.push_back(i);
+  }
+  return first;
+}
+
+// The role of one tensor of the model, from the roles of its names: the role they agree on
+// (names that ignore it do not count while another name holds it).
+EMAKIT_FUNC Role group_role(const std::vector<SourceTensor>& tensors, const std::vector<Role>& roles,
+                            const std::vector<std::size_t>& names) {
+  std::optional<std::size_t> held;
+  bool follows = false;
+  for (const std::size_t i : names) {
+    if (roles[i] == Role::follow_copies) follows = true;
+    if (roles[i] != Role::average && roles[i] != Role::copy) continue;
+    if (!held) {
+      held = i;
+    } else if (roles[*held] != roles[i]) {
+      fail("'{}' and '{}' are one tensor of the model (tied), but the options average one name and copy "
+                   "the other (EmaOptions::copy_only or buffers); give both names the same role",
+                   tensors[*held].name, tensors[i].name);
+    }
+  }
+  if (held) return roles[*held];
+  return follows ? Role::follow_copies : Role::ignore;
+}
+
+EMAKIT_FUNC void check_dense(const std::string& name, const at::Tensor& t) {
+  if (t.layout() != c10::kStrided)
+    fail("tensor '{}' is {}; an EMA averages dense (strided) tensors only. Leave it out with "
+         "EmaOptions::ignore({{\"{}\"}})",
+         name, t.is_sparse() ? "sparse (COO)" : t.is_mkldnn() ? "an MKL-DNN tensor" : "not strided (sparse?)",
+         name);
+  if (c10::isQIntType(t.scalar_type()))
+    fail("tensor '{}' is quantized ({}); an EMA averages float, complex and integer tensors only. Leave "
+         "it out with EmaOptions::ignore({{\"{}\"}})",
+         name, c10::toString(t.scalar_type()), name);
+}
+
+// The EMA owns its memory: no tensor a storage made may share memory with the model, and two
+// tensors the model keeps apart must not overlap in the EMA (a factory's module that ties what
+// the model does not tie would average one tensor twice).
+EMAKIT_FUNC void check_owned(const std::vector<SourceTensor>& tensors, const std::vector<TensorSpec>& specs,
+                             const std::vector<at::Tensor>& own, std::string_view storage_name) {
+  std::unordered_map<const void*, const std::string*> model_memory;
+  for (const auto& t : tensors)
+    if (t.tensor.has_storage()) model_memory.emplace(t.tensor.storage().unsafeGetStorageImpl(), &t.name);
+  std::unordered_map<const void*, std::vector<std::size_t>> own_memory;
+  for (std::size_t i = 0; i < own.size(); ++i) {
+    if (!own[i].defined() || !own[i].has_storage()) continue;
+    const void* key = own[i].storage().unsafeGetStorageImpl();
+    auto it = model_memory.find(key);
+    if (it != model_memory.end())
+      fail("storage {} made, for '{}', a tensor that shares memory with the model's '{}'; an EMA must own "
+                   "its averages",
+                   storage_name, specs[i].name, *it->second);
+    auto& same_storage = own_memory[key];
+    for (const std::size_t j : same_storage)
+      if (overlap(own[j], own[i]))
+        fail("storage {} made one tensor for '{}' and '{}', which the model keeps apart (does the module "
+                     "its factory builds tie them?); the EMA would average it twice. Make the EMA module tie "
+                     "exactly what the model ties",
+                     storage_name, specs[j].name, specs[i].name);
+    same_storage.push_back(i);
+  }
+}
+
+EMAKIT_FUNC void EmaCore::bind(const torch::nn::Module* model, std::vector<SourceTensor> tensors,
+                               std::string_view storage_name, CreateFn create) {
+  if (model != nullptr) model_ = model->weak_from_this();
+  model_owned_ = !model_.expired();  // the model is alive here: set iff a shared_ptr owns it
+  const std::size_t n = tensors.size();
+  std::vector<std::string> all_names;
+  all_names.reserve(n);
+  std::unordered_set<std::string> seen;
+  for (const auto& t : tensors) {
+    if (!t.tensor.defined()) fail("tensor '{}' is undefined; bind an Ema to defined tensors", t.name);
+    if (!seen.insert(t.name).second) fail("tensor name '{}' appears twice", t.name);
+    all_names.push_back(t.name);
+  }
+  options_.check_names(all_names);
+  if (const auto dev = options_.device(); dev && dev->is_cuda() && !at::globalContext().hasCUDA())
+    fail("EmaOptions::device is {}, but this LibTorch has no CUDA support or sees no CUDA device; use "
+         "a CPU device or leave device() unset (the model's device)",
+         dev->str());
+
+  std::vector<Role> roles(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto dtype = tensors[i].tensor.scalar_type();
+    const bool floating = c10::isFloatingType(dtype) || c10::isComplexType(dtype);
+    roles[i] = options_.role(tensors[i].name, tensors[i].is_buffer, floating);
+  }
+  const std::vector<std::size_t> first = identity_groups(tensors, roles);
+  std::vector<std::vector<std::size_t>> members(n);  // by first index: every name of that tensor
+  for (std::size_t i = 0; i < n; ++i) members[first[i]].push_back(i);
+  std::vector<Role> group(n, Role::ignore);
+  for (std::size_t g = 0; g < n; ++g)
+    if (first[g] == g) group[g] = group_role(tensors, roles, members[g]);
+
+  // One spec per held tensor, at the position of its first name; every held name is an entry.
+  std::vector<TensorSpec> specs;
+  std::vector<Role> spec_roles;
+  std::vector<char> spec_buffer;  // a buffer under any of its names: a forward pass may write it
+  std::vector<std::size_t> spec_of(n, static_cast<std::size_t>(-1));
+  std::vector<std::pair<std::string, std::size_t>> entries;  // name -> spec
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::size_t g = first[i];
+    const Role role = group[g];
+    if (role == Role::ignore || roles[i] != role) continue;  // ignored, or an ignored name of a held tensor
+    if (spec_of[g] == static_cast<std::size_t>(-1)) {
+      const at::Tensor& t = tensors[i].tensor;
+      check_dense(tensors[i].name, t);
+      const auto device = options_.device().value_or(t.device());
+      const auto dtype = role == Role::average ? options_.average_dtype(t.scalar_type()) : t.scalar_type();
+      spec_of[g] = specs.size();
+      specs.push_back({tensors[i].name, t, dtype, device, {}});
+      spec_roles.push_back(role);
+      spec_buffer.push_back(tensors[i].is_buffer ? 1 : 0);
+    } else {
+      specs[spec_of[g]].aliases.push_back(tensors[i].name);
+      spec_buffer[spec_of[g]] |= tensors[i].is_buffer ? 1 : 0;
+    }
+    entries.emplace_back(tensors[i].name, spec_of[g]);
+  }
+  if (n > 0 && specs.empty())
+    fail("every tensor of the model is ignored (EmaOptions ignore / ignore_prefixes / buffers); the EMA "
+         "would hold nothing");
+
+  std::vector<at::Tensor> own = create(model, std::span<const TensorSpec>(specs));
+  if (own.size() != specs.size())
+    fail("storage {} made {} tensors for {} specs", storage_name, own.size(), specs.size());
+  check_owned(tensors, specs, own, storage_name);
+
+  std::vector<Slot> slots;
+  std::vector<std::size_t> slot_of(specs.size(), static_cast<std::size_t>(-1));
+  slots.reserve(specs.size());
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    if (!own[i].defined()) continue;  // held elsewhere (ShardedStorage: by another rank)
+    Slot slot;
+    slot.name = specs[i].name;
+    slot.average = own[i];
+    slot.source = specs[i].source;
+    slot.averaged = spec_roles[i] == Role::average;
+    slot.follows_averages = spec_roles[i] != Role::follow_copies;
+    slot.buffer = spec_buffer[i] != 0;
+    slot_of[i] = slots.size();
+    slots.push_back(std::move(slot));
+  }
+  entries_.clear();
+  for (auto& [name, spec] : entries)
+    if (slot_of[spec] != static_cast<std::size_t>(-1)) entries_.push_back({std::move(name), slot_of[spec]});
+  sources_.clear();
+  for (const auto& slot : slots) sources_.push_back(slot.source);
+  kernel_ = UpdateKernel(std::move(slots), UpdateKernel::CpuPath::fused, options_.side_stream(), options_.staging_bytes());
+  bound_ = true;
+}
+
+EMAKIT_FUNC void EmaCore::check_model_not_swapped(const char* what) const {
+  if (swap_->guards > 0)
+    fail("{}() while a SwapGuard holds the EMA weights in the model would average the EMA with itself; "
+         "end the guard's scope (or call restore()) first",
+         what);
+  if (swap_registry().holder(sources_, swap_.get()) != nullptr)
+    fail("{}() while the model holds another Ema's weights (a SwapGuard of another Ema bound to this "
+         "model is open) would average that EMA's weights; end that guard's scope first",
+         what);
+}
+
+EMAKIT_FUNC void EmaCore::check_step_in(const StepInfo& info) const {
+  constexpr auto max = std::numeric_limits<std::int64_t>::max();
+  if (counters_.calls == max) fail("update(): the call counter is at its maximum ({}); it cannot count another call", max);
+  if (info.step) {
+    if (*info.step < 0) fail("update({{.step = {}}}): a step must be >= 0", *info.step);
+  } else if (counters_.step == max) {
+    fail("update(): the step counter is at its maximum ({}); it cannot count another step", max);
+  }
+}
+
+EMAKIT_FUNC void EmaCore::check_decision(const Decision& d, const StepInfo& info, std::string_view schedule) const {
+  auto source = [&] {
+    return info.step ? fmt::format("update({{.step = {}}})", *info.step)
+                     : fmt::format("update() (schedule {})", schedule);
+  };
+  if (d.step < 0) fail("{}: a step must be >= 0, got {}", source(), d.step);
+  if (d.step < counters_.step)
+    fail("{}: the step went backwards, to {} (the last step was {})", source(), d.step, counters_.step);
+  if (d.action != Action::skipped && counters_.num_updates > 0 && d.step <= counters_.last_update_step)
+    fail("{}: step {} was already applied (the last update was at step {}); an update at a step must "
+         "come once",
+         source(), d.step, counters_.last_update_step);
+}
+
+EMAKIT_FUNC void EmaCore::transfer(const torch::nn::Module& model, bool into_model) const {
+  ensure_bound(into_model ? "copy_to" : "copy_from");
+  const auto& slots = kernel_.settled_slots();
+  std::vector<std::pair<std::string, at::Tensor>> ours;
+  for (const auto& e : entries_) ours.emplace_back(e.name, slots[e.slot].average);
+  const auto match = match_by_name(ours, tensors_by_name(model));
+  require_model_match(match);  // no problem: match.pairs[i] is entries_[i]
+  std::vector<std::pair<const Slot*, at::Tensor>> pairs;
+  std::vector<bool> seen(slots.size(), false);
+  for (std::size_t i = 0; i < entries_.size(); ++i) {
+    const std::size_t slot = entries_[i].slot;
+    if (into_model || !seen[slot]) pairs.emplace_back(&slots[slot], match.pairs[i].theirs);
+    seen[slot] = true;
+  }
+  c10::NoGradGuard no_grad;
+  for (auto& [s, t] : pairs) {
+    if (into_model)
+      t.copy_(s->average);
+    else
+      s->average.copy_(t);
+  }
+}
+
+EMAKIT_FUNC void EmaCore::check_model_unchanged(const char* what) const {
+  const auto model = model_.lock();
+  if (!model) return;  // bound to tensors, or a module not owned by a shared_ptr (destroyed: check_model_alive)
+  const auto theirs = tensors_by_name(*model);
+  const auto& slots = kernel_.slots();
+  for (const auto& e : entries_) {
+    auto it = theirs.find(e.name);
+    if (it == theirs.end())
+      fail("{}(): the model no longer has tensor '{}' that the EMA was bound to (was a sub-module "
+                   "replaced?); make a new Ema for the changed model",
+                   what, e.name);
+    if (it->second.unsafeGetTensorImpl() != slots[e.slot].source.unsafeGetTensorImpl())
+      fail("{}(): the model's tensor '{}' is not the one the EMA was bound to (a sub-module replaced with "
+                   "replace_module(), or the parameter registered anew, after the Ema was made); the EMA weights "
+                   "would not reach the model. Make a new Ema for the changed model",
+                   what, e.name);
+  }
+}
+
+
+}  // namespace emakit::detail
