@@ -23,7 +23,14 @@ set(_config_args "")
 if(CONFIG)
   set(_config_args --config "${CONFIG}")
 endif()
+# The consumers' initial cache: this build's settings, with the new prefix first on
+# CMAKE_PREFIX_PATH (a list cannot go through execute_process as one -D argument; the first
+# set(... CACHE) of an entry wins, so this one goes before the copied ones).
 string(REPLACE "|" ";" _prefix_path "${PREFIX_PATH}")
+file(READ "${INIT}" _init_text)
+set(_consumer_init "${WORK_DIR}/consumer_init.cmake")
+file(WRITE "${_consumer_init}"
+  "set(CMAKE_PREFIX_PATH \"${_prefix};${_prefix_path}\" CACHE STRING \"\")\n${_init_text}")
 
 # run(<step> <expect: ok|fail> <output variable> <command>...): run a command, echo its output,
 # fail the test when its outcome is not the expected one.
@@ -59,7 +66,7 @@ endif()
 set(_consumer "${WORK_DIR}/consumer")
 run("configure the header-only consumer" ok _out
   "${CMAKE_COMMAND}" -S "${CONSUMER_DIR}" -B "${_consumer}" ${_common}
-  "-DCMAKE_PREFIX_PATH=${_prefix};${_prefix_path}" -DEMAKIT_CONSUMER_HEADER_ONLY=ON -C "${INIT}")
+  -DEMAKIT_CONSUMER_HEADER_ONLY=ON -C "${_consumer_init}")
 run("build the header-only consumer" ok _out
   "${CMAKE_COMMAND}" --build "${_consumer}" ${_config_args})
 file(GLOB_RECURSE _programs "${_consumer}/emakit_consumer" "${_consumer}/emakit_consumer.exe")
@@ -72,7 +79,7 @@ run("run the header-only consumer" ok _out "${_program}")
 # 3. Asking for the compiled mode from this prefix fails, saying why and what to do.
 run("configure the consumer of both modes (COMPONENTS compiled)" fail _out
   "${CMAKE_COMMAND}" -S "${CONSUMER_DIR}" -B "${WORK_DIR}/consumer-compiled" ${_common}
-  "-DCMAKE_PREFIX_PATH=${_prefix};${_prefix_path}" -C "${INIT}")
+  -C "${_consumer_init}")
 string(REGEX REPLACE "[ \t\r\n]+" " " _flat "${_out}")
 foreach(_expected
     "emakit was installed without its compiled library (no ${_prefix}/"
