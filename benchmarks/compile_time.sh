@@ -1,32 +1,42 @@
 #!/usr/bin/env bash
-# How much compile time one EMA adds to a trainer TU, in both of emakit's modes, in one run:
+# How much compile time EMAs add to a trainer TU, in both of emakit's modes, in one run:
 # builds benchmarks/compile_time/ (a standalone project that takes emakit in by add_subdirectory),
 # runs each binary once, then times the exact compile command of each trainer TU (from
-# compile_commands.json), interleaved round by round, and prints a Markdown table of the times and
-# their ratios to the TU without emakit:
-#   base     trainer.cpp with LibTorch only (the reference)
-#   ema      + one WarmupEma through <emakit/emakit.hpp>; header-only and compiled mode
+# compile_commands.json), interleaved round by round, and prints a Markdown table of the times,
+# their ratios to the TU without emakit and the object size of each TU (bytes of the .o, and the
+# text column of `size`):
+#   base     trainer.cpp with LibTorch only (the reference): a Cloneable module with BatchNorm,
+#            AdamW, four steps, torch::save/load
+#   ema      + one WarmupEma (a shipped alias) through <emakit/emakit.hpp>; header-only and compiled
 #   narrow   the same through aliases/checkpoint/format.hpp only; both modes
+#   own x1   + one of the user's own aliases, Ema<LinearRamp, StepSchedule, ModuleStorage<NetImpl>>
+#            (LinearRamp: a decay policy written in the TU), same work as the WarmupEma; both modes
+#   own x2   + a second own alias (decay HalfLife), same work again; both modes
+#   own x3   + a third (decay CosineRamp); both modes. x2 - x1 and x3 - x2: the cost of each extra alias
 # The emakit::compiled library's own build (a one-off cost) is timed once, before the rounds.
 #
 #   ./benchmarks/compile_time.sh                       Debian LibTorch 1.13, 3 rounds
 #   ./benchmarks/compile_time.sh --runs 5 --out build/compile_time.md
 #   ./benchmarks/compile_time.sh --torch wheel         the LibTorch in the PyPI wheel ($EMAKIT_VENV)
-#   ./benchmarks/compile_time.sh --no-narrow           base and trainer_ema only
+#   ./benchmarks/compile_time.sh --no-narrow --no-own  base and the WarmupEma TUs only
 #
 # Knobs (the options win): EMAKIT_CT_RUNS (3), EMAKIT_CT_TORCH (debian|wheel), EMAKIT_CT_OUT (a
 # file for the table), EMAKIT_CT_BUILD (build dir; default build/compile_time-<torch>),
-# EMAKIT_CT_NARROW (1; 0 = --no-narrow), EMAKIT_BUILD_TYPE (Release), EMAKIT_JOBS (for the
-# untimed build). Compiles are timed one at a time (wall seconds), without ccache; a round runs
-# every TU once, so a burst of load from elsewhere hits them alike. Quiet machines only (`uptime`).
-# About 5 x runs x 25-45 s on 2 cores, plus the build.
+# EMAKIT_CT_NARROW (1; 0 = --no-narrow), EMAKIT_CT_OWN (1; 0 = --no-own), EMAKIT_BUILD_TYPE
+# (Release), EMAKIT_JOBS (for the untimed build). Compiles are timed one at a time (wall seconds),
+# without ccache; a round runs every TU once, so a burst of load from elsewhere hits them alike.
+# Quiet machines only (`uptime`).
+# Time on 2 quiet cores (g++ 12, LibTorch 1.13, before issue 26's core): the untimed build ~4 min
+# (the library ~35 s, then the 11 trainers at -j$EMAKIT_JOBS), then ~4 min per round of the 11
+# TUs (~1.5 min with --no-own): --runs 1 ~9 min, the default 3 rounds ~17 min. With two other
+# builds on the machine (load average 5), --runs 1 took 20 min.
 #
 # Exit status: non-zero when a configure, build, binary or timed compile fails.
 set -euo pipefail
 # The environment knobs that change the result, as given (before lib.sh fills in its defaults),
 # belong in the recorded command.
 knobs=""
-for knob in EMAKIT_CT_RUNS EMAKIT_CT_TORCH EMAKIT_CT_NARROW EMAKIT_BUILD_TYPE EMAKIT_VENV; do
+for knob in EMAKIT_CT_RUNS EMAKIT_CT_TORCH EMAKIT_CT_NARROW EMAKIT_CT_OWN EMAKIT_BUILD_TYPE EMAKIT_VENV; do
   if [[ -n "${!knob:-}" ]]; then knobs+="$knob=$(printf '%q' "${!knob}") "; fi
 done
 # shellcheck source=scripts/lib.sh
@@ -39,6 +49,7 @@ torch="${EMAKIT_CT_TORCH:-debian}"
 out_file="${EMAKIT_CT_OUT:-}"
 build="${EMAKIT_CT_BUILD:-}"
 narrow="${EMAKIT_CT_NARROW:-1}"
+own="${EMAKIT_CT_OWN:-1}"
 while (($# > 0)); do
   case "$1" in
     --runs) (($# >= 2)) || emakit_die "--runs needs a number"; runs="$2"; shift 2 ;;
@@ -47,8 +58,9 @@ while (($# > 0)); do
     --out) (($# >= 2)) || emakit_die "--out needs a file"; out_file="$2"; shift 2 ;;
     --build-dir) (($# >= 2)) || emakit_die "--build-dir needs a directory"; build="$2"; shift 2 ;;
     --no-narrow) narrow=0; shift ;;
+    --no-own) own=0; shift ;;
     -h | --help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    *) emakit_die "unknown argument '$1' (known: --runs N, --torch debian|wheel, --wheel, --out FILE, --build-dir DIR, --no-narrow)" ;;
+    *) emakit_die "unknown argument '$1' (known: --runs N, --torch debian|wheel, --wheel, --out FILE, --build-dir DIR, --no-narrow, --no-own)" ;;
   esac
 done
 [[ "$runs" =~ ^[1-9][0-9]*$ ]] || emakit_die "the number of runs must be a positive integer, not '$runs'"
@@ -59,7 +71,7 @@ invocation="${invocation% }"
 # and this keeps a compiler symlinked to ccache (/usr/lib/ccache) from caching anyway.
 export CCACHE_DISABLE=1
 
-emakit_apt_ensure g++ make cmake libtorch-dev libfmt-dev jq
+emakit_apt_ensure g++ binutils make cmake libtorch-dev libfmt-dev jq
 case "$torch" in
   debian) mapfile -t torch_args < <(emakit_debian_torch_args) ;;
   wheel)
@@ -93,18 +105,29 @@ library_s="$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a 
 library_file="$(find "$build" -name 'libemakit.a' -print -quit)"
 emakit_say "emakit::compiled took $library_s s ($(du -h "$library_file" | cut -f1) $library_file)"
 
-emakit_say "build the trainers (-j$EMAKIT_JOBS, untimed; also warms the page cache)"
-cmake --build "$build" -j "$EMAKIT_JOBS" >"$log_dir/build.log" 2>&1 \
-  || emakit_die "build failed (see $log_dir/build.log)"
-
 # name | TU | mode | target
 tus=("base|trainer without emakit|-|trainer_base"
-     "ema-h|trainer + one EMA, \`<emakit/emakit.hpp>\`|header-only|trainer_ema_header_only"
-     "ema-c|trainer + one EMA, \`<emakit/emakit.hpp>\`|compiled|trainer_ema_compiled")
+     "ema-h|trainer + a shipped alias (\`WarmupEma\`), \`<emakit/emakit.hpp>\`|header-only|trainer_ema_header_only"
+     "ema-c|trainer + a shipped alias (\`WarmupEma\`), \`<emakit/emakit.hpp>\`|compiled|trainer_ema_compiled")
 if [[ "$narrow" == 1 ]]; then
-  tus+=("narrow-h|trainer + one EMA, three headers|header-only|trainer_narrow_header_only"
-        "narrow-c|trainer + one EMA, three headers|compiled|trainer_narrow_compiled")
+  tus+=("narrow-h|trainer + a shipped alias, three headers|header-only|trainer_narrow_header_only"
+        "narrow-c|trainer + a shipped alias, three headers|compiled|trainer_narrow_compiled")
 fi
+if [[ "$own" == 1 ]]; then
+  own_tu="trainer + the own alias \`Ema<LinearRamp, StepSchedule, ModuleStorage<NetImpl>>\`"
+  tus+=("own1-h|$own_tu|header-only|trainer_own1_header_only"
+        "own1-c|$own_tu|compiled|trainer_own1_compiled"
+        "own2-h|trainer + own alias x2 (+ \`HalfLife\`)|header-only|trainer_own2_header_only"
+        "own2-c|trainer + own alias x2 (+ \`HalfLife\`)|compiled|trainer_own2_compiled"
+        "own3-h|trainer + own alias x3 (+ \`CosineRamp\`)|header-only|trainer_own3_header_only"
+        "own3-c|trainer + own alias x3 (+ \`CosineRamp\`)|compiled|trainer_own3_compiled")
+fi
+targets=()
+for entry in "${tus[@]}"; do targets+=("$(cut -d'|' -f4 <<<"$entry")"); done
+
+emakit_say "build the ${#targets[@]} trainers (-j$EMAKIT_JOBS, untimed; also warms the page cache)"
+cmake --build "$build" -j "$EMAKIT_JOBS" --target "${targets[@]}" >"$log_dir/build.log" 2>&1 \
+  || emakit_die "build failed (see $log_dir/build.log)"
 
 # Each binary once, in a scratch directory (they write model.pt and ema.pt where they run).
 scratch="$(mktemp -d)"
@@ -153,6 +176,15 @@ done
 load_after="$(uptime | sed 's/.*load average: //')"
 emakit_say "load average after the rounds: $load_after"
 
+# Each TU's object as the last round left it (the same command each round): its bytes, and the
+# text column of `size` (the machine code, without symbols, debug info or relocations).
+declare -A obj_bytes=() text_bytes=()
+for name in "${names[@]}"; do
+  obj_bytes[$name]="$(stat -c %s "${obj[$name]}")"
+  text_bytes[$name]="$(size "${obj[$name]}" | awk 'NR == 2 { print $1 }')"
+  [[ "${text_bytes[$name]}" =~ ^[0-9]+$ ]] || emakit_die "size gave no text column for ${obj[$name]}"
+done
+
 # stats "T1 T2 ..." -> "min median"
 stats() { tr ' ' '\n' <<<"$1" | grep . | sort -g | awk '{ v[NR] = $1 } END {
   m = (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2; printf "%.2f %.2f", v[1], m }'; }
@@ -160,16 +192,28 @@ read -r base_min base_med <<<"$(stats "${times[base]}")"
 
 table="$(
   printf '## Compile time of a trainer TU with and without emakit\n\n'
-  printf '| TU | mode | min s | median s | ratio to base (median) | ratio to base (min) | object size |\n'
-  printf '|---|---|---:|---:|---:|---:|---:|\n'
+  printf '| TU | mode | min s | median s | ratio to base (median) | ratio to base (min) | object bytes | text bytes |\n'
+  printf '|---|---|---:|---:|---:|---:|---:|---:|\n'
   for name in "${names[@]}"; do
     read -r mn md <<<"$(stats "${times[$name]}")"
-    size="$(stat -c %s "${obj[$name]}" | awk '{ printf "%.0f KiB", $1 / 1024 }')"
-    printf '| %s | %.2f | %.2f | %s | %s | %s |\n' "${label[$name]}" "$mn" "$md" \
+    printf '| %s | %.2f | %.2f | %s | %s | %s | %s |\n' "${label[$name]}" "$mn" "$md" \
       "$(awk -v a="$md" -v b="$base_med" 'BEGIN { printf "%.2fx", a / b }')" \
-      "$(awk -v a="$mn" -v b="$base_min" 'BEGIN { printf "%.2fx", a / b }')" "$size"
+      "$(awk -v a="$mn" -v b="$base_min" 'BEGIN { printf "%.2fx", a / b }')" \
+      "${obj_bytes[$name]}" "${text_bytes[$name]}"
   done
   printf '\n'
+  if [[ "$own" == 1 ]]; then
+    for mode in h c; do
+      r1="$(read -r _ md <<<"$(stats "${times[own1-$mode]}")"; echo "$md")"
+      r2="$(read -r _ md <<<"$(stats "${times[own2-$mode]}")"; echo "$md")"
+      r3="$(read -r _ md <<<"$(stats "${times[own3-$mode]}")"; echo "$md")"
+      printf -- '- each extra own alias, %s (median ratios): x2 - x1 = %s, x3 - x2 = %s; objects +%s and +%s bytes\n' \
+        "$([[ $mode == h ]] && echo header-only || echo compiled)" \
+        "$(awk -v a="$r2" -v b="$r1" -v r="$base_med" 'BEGIN { printf "%+.2fx", (a - b) / r }')" \
+        "$(awk -v a="$r3" -v b="$r2" -v r="$base_med" 'BEGIN { printf "%+.2fx", (a - b) / r }')" \
+        "$((obj_bytes[own2-$mode] - obj_bytes[own1-$mode]))" "$((obj_bytes[own3-$mode] - obj_bytes[own2-$mode]))"
+    done
+  fi
   printf -- '- emakit::compiled library, built once (a one-off cost, -j1): %s s, %s\n' "$library_s" \
     "$(stat -c %s "$library_file" | awk '{ printf "%.0f KiB", $1 / 1024 }')"
   printf -- '- %s timed compiles per TU, interleaved by round, wall seconds, one at a time, no ccache\n' "$runs"
