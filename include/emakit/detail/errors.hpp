@@ -63,13 +63,6 @@ EMAKIT_FUNC std::string shape_string(c10::IntArrayRef sizes);
 
 }  // namespace emakit::detail
 
-#if EMAKIT_DEFINITIONS
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>  // fmt::join (in ranges.h from fmt 11 on)
-
-EMAKIT_FUNC std::string emakit::detail::shape_string(c10::IntArrayRef sizes) {
-  return fmt::format("[{}]", fmt::join(sizes, ", "));
-}
-
-#endif  // EMAKIT_DEFINITIONS
+#if !defined(EMAKIT_COMPILED)
+#include <emakit/detail/errors-inl.hpp>
+#endif
