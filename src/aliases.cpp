@@ -19,6 +19,6 @@
   template void load(Ema<Decay, StepSchedule, FlatStorage>&, const std::filesystem::path&, LoadMode); \
   template std::string describe(const Ema<Decay, StepSchedule, FlatStorage>&);
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 EMAKIT_FOR_EACH_FLAT_ALIAS_DECAY(EMAKIT_INSTANTIATE)
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

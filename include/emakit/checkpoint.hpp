@@ -27,7 +27,7 @@
 #include <filesystem>
 #include <stdexcept>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 // Writes the EMA (the layout of torch::save(ema, path)) to `path` atomically.
 template <DecayPolicy D, SchedulePolicy S, StoragePolicy St>
@@ -65,4 +65,4 @@ EMAKIT_FOR_EACH_FLAT_ALIAS_DECAY(EMAKIT_EXTERN_CHECKPOINT)
 #undef EMAKIT_EXTERN_CHECKPOINT
 #endif
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

@@ -19,7 +19,7 @@
 #include <string>
 #include <string_view>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 inline std::string_view to_string(Action a) noexcept {
   switch (a) {
@@ -92,7 +92,7 @@ EMAKIT_FOR_EACH_FLAT_ALIAS_DECAY(EMAKIT_EXTERN_DESCRIBE)
 #undef EMAKIT_EXTERN_DESCRIBE
 #endif
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
 
 template <class P>
   requires emakit::detail::PrintablePolicy<P>

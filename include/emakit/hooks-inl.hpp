@@ -8,7 +8,7 @@
 
 #include <emakit/hooks.hpp>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 EMAKIT_FUNC void check_hook_key(const std::string& key) {
   bool ok = !key.empty() && !(key[0] >= '0' && key[0] <= '9') && key != "emakit_hook";
@@ -33,9 +33,9 @@ EMAKIT_FUNC void fail_hook_model_destroyed(const std::string& key, bool created,
        what, key);
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 EMAKIT_FUNC void load_weights(torch::nn::Module& model, const std::filesystem::path& path, const std::string& key) {
   torch::serialize::InputArchive archive;
@@ -47,9 +47,9 @@ EMAKIT_FUNC void load_weights(torch::nn::Module& model, const std::filesystem::p
   for (const auto& [model_tensor, saved] : copies) model_tensor.copy_(saved);
 }
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 EMAKIT_FUNC void EmaHook::setup() {
   require_training("setup");
@@ -167,4 +167,4 @@ EMAKIT_FUNC void EmaHook::finish(Stage stage) {
   end_stage();
 }
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

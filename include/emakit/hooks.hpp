@@ -70,7 +70,7 @@
 #include <utility>
 #include <vector>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 // When the hook makes a model's EMA.
 enum class Creation : std::uint8_t {
@@ -474,7 +474,7 @@ void StageScope::end() noexcept {
 // tensor first; a checkpoint of another model is an error naming the first mismatch.
 EMAKIT_FUNC void load_weights(torch::nn::Module& model, const std::filesystem::path& path, const std::string& key = "model");
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
 
 #if !defined(EMAKIT_COMPILED)
 #include <emakit/hooks-inl.hpp>

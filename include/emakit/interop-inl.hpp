@@ -16,7 +16,7 @@
 #include <iterator>
 #include <vector>
 
-namespace emakit::detail::interop {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail::interop {
 
 EMAKIT_FUNC const PeerText& peer_text(Peer peer) {
   static constexpr PeerText table[] = {
@@ -176,4 +176,4 @@ EMAKIT_FUNC void keep_current(StateDict& out, const LoadReport& found, const Sta
   for (const auto& k : found.mismatched) keep(k.substr(0, k.find(": ")));
 }
 
-}  // namespace emakit::detail::interop
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail::interop

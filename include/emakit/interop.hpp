@@ -24,6 +24,7 @@
 // import. Messages name the keys as the peer's file holds them (module.0.weight), never emakit's.
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/serial/archive_file.hpp>
 #include <emakit/detail/serial/torch_pickle.hpp>
@@ -38,7 +39,7 @@
 #include <string>
 #include <string_view>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 enum class Peer : std::uint8_t { ema_pytorch, timm_v3, averaged_model };
 
@@ -140,7 +141,7 @@ LoadReport import_state(E& ema, Peer peer, const std::filesystem::path& file, Lo
   return report;
 }
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
 
 #if !defined(EMAKIT_COMPILED)
 #include <emakit/interop-inl.hpp>

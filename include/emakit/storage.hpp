@@ -20,6 +20,7 @@
 // The EMA module is put in eval() mode and none of its parameters require grad.
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/concepts.hpp>
 #include <emakit/detail/check.hpp>
 
@@ -36,7 +37,7 @@
 #include <utility>
 #include <vector>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 namespace detail {
 // A copy of `source` with the EMA's dtype and device, never sharing memory with it.
@@ -201,4 +202,4 @@ class ModuleStorage {
   std::shared_ptr<ModuleType> module_;
 };
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

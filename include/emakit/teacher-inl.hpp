@@ -11,7 +11,7 @@
 #include <fmt/format.h>  // fmt::join
 #include <fmt/ranges.h>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 EMAKIT_FUNC TeacherPass*& active_teacher_pass() noexcept {
   thread_local TeacherPass* pass = nullptr;
@@ -60,9 +60,9 @@ EMAKIT_FUNC const torch::nn::Module* find_path(const std::vector<std::pair<std::
   fail("teacher route: the {} has no sub-module '{}'; nearest valid paths: {}", side, path, fmt::join(best, ", "));
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 EMAKIT_FUNC void record_teacher_output(const torch::nn::Module& self, const at::Tensor& output) {
   detail::TeacherPass* pass = detail::active_teacher_pass();
@@ -100,9 +100,9 @@ EMAKIT_FUNC std::optional<at::Tensor> teacher_input(const torch::nn::Module& sel
   return teacher_input(self, name, &like);
 }
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 EMAKIT_FUNC TeacherRoutes TeacherRoutes::paths(const std::vector<std::string>& paths) {
   TeacherRoutes r;
@@ -125,4 +125,4 @@ EMAKIT_FUNC std::vector<TeacherRoute> TeacherRoutes::resolve(const std::vector<s
   return out;
 }
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

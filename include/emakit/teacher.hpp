@@ -55,7 +55,7 @@
 #include <utility>
 #include <vector>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 inline constexpr std::string_view default_teacher_input = "ema_output";
 
@@ -286,7 +286,7 @@ class TeacherStudent {
   std::vector<char> warned_;
 };
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
 
 #if !defined(EMAKIT_COMPILED)
 #include <emakit/teacher-inl.hpp>

@@ -25,7 +25,21 @@
 // which the header includes at its end in header-only mode; in compiled mode src/emakit.cpp
 // includes every -inl.hpp (a configure-time check in CMakeLists.txt keeps its list complete) and
 // a user's translation unit that includes one is refused with an #error.
+//
+// Mixing the modes in one program is a link error, not undefined behaviour: every emakit name
+// lives in the inline namespace emakit::EMAKIT_ABI_NAMESPACE, `compiled` or `header_only`
+// (written `emakit::X` as ever), so a function that takes an emakit type, defined in a
+// translation unit of one mode and called from one of the other, does not link, and the
+// linker's message names both ("undefined reference to `f(emakit::header_only::Ema<...>&)'").
 #pragma once
+
+// Every header opens `namespace emakit::inline EMAKIT_ABI_NAMESPACE {` (scripts/abi_namespace.sed
+// rewrites a plain `namespace emakit {`).
+#if defined(EMAKIT_COMPILED)
+#define EMAKIT_ABI_NAMESPACE compiled
+#else
+#define EMAKIT_ABI_NAMESPACE header_only
+#endif
 
 // The library's own translation units define their macros themselves: src/emakit.cpp
 // EMAKIT_BUILDING_LIBRARY (it compiles the -inl.hpp files), src/aliases.cpp EMAKIT_INSTANTIATING.

@@ -8,7 +8,7 @@
 
 #include <emakit/detail/cpu_pass.hpp>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 EMAKIT_FUNC void CpuPass::add(SegmentFn fn, std::size_t slot, std::int64_t n, std::int64_t cost, const at::Tensor* average,
          const at::Tensor* input) {
@@ -43,4 +43,4 @@ EMAKIT_FUNC std::int64_t CpuPass::element_at(const Segment& s, std::int64_t c) n
   return std::min(s.n, aligned);
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

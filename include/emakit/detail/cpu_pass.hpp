@@ -21,7 +21,7 @@
 #include <utility>
 #include <vector>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 // Which (average dtype, source dtype) pairs the fused CPU pass reads directly.
 inline bool fused_pair(c10::ScalarType a, c10::ScalarType s) {
@@ -162,7 +162,7 @@ class CpuPass {
   std::int64_t total_ = 0;
 };
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 
 #if !defined(EMAKIT_COMPILED)
 #include <emakit/detail/cpu_pass-inl.hpp>

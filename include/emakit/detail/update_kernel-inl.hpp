@@ -8,7 +8,7 @@
 
 #include <emakit/detail/update_kernel.hpp>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 EMAKIT_FUNC UpdateKernel& UpdateKernel::operator=(UpdateKernel&& other) noexcept {
   if (this == &other) return *this;
@@ -145,4 +145,4 @@ EMAKIT_FUNC void UpdateKernel::settle_noexcept() const noexcept {
   }
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

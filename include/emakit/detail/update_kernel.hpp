@@ -36,7 +36,7 @@
 #include <utility>
 #include <vector>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 // How often this thread went through the kernel's two doors, settle() and wait_sources(): tests
 // check with it that every accessor of the averages settles, and how often.
@@ -161,7 +161,7 @@ class UpdateKernel {
   NonFiniteCheck finite_checks_[2];  // [0] for averaging updates, [1] for copies
 };
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 
 #if !defined(EMAKIT_COMPILED)
 #include <emakit/detail/update_kernel-inl.hpp>

@@ -8,7 +8,7 @@
 
 #include <emakit/detail/update_plan.hpp>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 EMAKIT_FUNC UpdatePlan::UpdatePlan(std::vector<Slot>& slots, CpuPath cpu_path, bool side_stream, std::int64_t staging_bytes)
     : side_stream_(side_stream) {
@@ -207,4 +207,4 @@ EMAKIT_FUNC void UpdatePlan::stage(Slot& s, std::size_t i, c10::ScalarType dtype
   staged.push_back(i);
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

@@ -35,7 +35,7 @@
 #include <type_traits>
 #include <vector>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 // One averaged or copied tensor pair.
 struct Slot {
@@ -146,7 +146,7 @@ class UpdatePlan {
   bool side_stream_ = false;
 };
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 
 #if !defined(EMAKIT_COMPILED)
 #include <emakit/detail/update_plan-inl.hpp>

@@ -11,7 +11,7 @@
 #include <fmt/format.h>  // fmt::join
 #include <fmt/ranges.h>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 EMAKIT_FUNC PostHocOptions& PostHocOptions::sigma_rels(const std::vector<double>& values) {
   for (double s : values)
@@ -64,4 +64,4 @@ EMAKIT_FUNC PostHocOptions& PostHocOptions::set_gammas(std::vector<double> g, co
   return *this;
 }
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

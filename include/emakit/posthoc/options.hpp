@@ -19,7 +19,7 @@
 #include <utility>
 #include <vector>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 // What a PostHocEma does with another run's snapshots in its folder (PostHocOptions).
 enum class ExistingSnapshots : std::uint8_t {
@@ -163,7 +163,7 @@ class SynthesisOptions {
   c10::Device device_{c10::kCPU};
 };
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
 
 #if !defined(EMAKIT_COMPILED)
 #include <emakit/posthoc/options-inl.hpp>

@@ -8,7 +8,7 @@
 
 #include <emakit/posthoc/profile_math.hpp>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 EMAKIT_FUNC double profile_inner_product(Profile a, Profile b) {
   const double e = a.t < b.t ? b.gamma : -a.gamma;
@@ -61,4 +61,4 @@ EMAKIT_FUNC PosthocWeights solve_posthoc_weights(std::span<const Profile> snapsh
   return out;
 }
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

@@ -20,7 +20,7 @@
 #include <span>
 #include <vector>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 // A power-function EMA profile: the EMA at time t (> 0) with exponent gamma (> 0).
 struct Profile {
@@ -51,7 +51,7 @@ inline constexpr double default_max_condition = 1e12;
 EMAKIT_FUNC PosthocWeights solve_posthoc_weights(std::span<const Profile> snapshots, Profile target,
                                                  double max_condition = default_max_condition);
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
 
 #if !defined(EMAKIT_COMPILED)
 #include <emakit/posthoc/profile_math-inl.hpp>

@@ -8,7 +8,7 @@
 
 #include <emakit/posthoc/snapshot_folder.hpp>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 EMAKIT_FUNC std::string snapshot_file_name(std::int64_t step, std::uint32_t profile) {
   return fmt::format("phema-{:010}-{}.emkit", step, profile);
@@ -29,9 +29,9 @@ EMAKIT_FUNC StateDict load_snapshot(const std::filesystem::path& path) {
   return out;
 }
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 EMAKIT_FUNC SnapshotTensor snapshot_entry(const std::string& name, const at::Tensor& tensor, bool averaged,
                                           std::optional<c10::ScalarType> dtype) {
@@ -44,9 +44,9 @@ EMAKIT_FUNC SnapshotTensor snapshot_entry(const std::string& name, const at::Ten
   return t;
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 EMAKIT_FUNC void write_snapshot(const std::filesystem::path& path, SnapshotInfo header, const StateDict& tensors,
                                 std::optional<c10::ScalarType> dtype) {
@@ -131,4 +131,4 @@ EMAKIT_FUNC std::vector<std::filesystem::path> interrupted_writes(const std::fil
   return out;
 }
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

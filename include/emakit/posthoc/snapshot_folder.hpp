@@ -28,7 +28,7 @@
 #include <utility>
 #include <vector>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 // "phema-<step, 10 digits>-<profile>.emkit"
 EMAKIT_FUNC std::string snapshot_file_name(std::int64_t step, std::uint32_t profile);
@@ -79,7 +79,7 @@ EMAKIT_FUNC std::vector<SnapshotRun> snapshot_runs(const std::vector<SnapshotInf
 // process is writing there).
 EMAKIT_FUNC std::vector<std::filesystem::path> interrupted_writes(const std::filesystem::path& folder);
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
 
 #if !defined(EMAKIT_COMPILED)
 #include <emakit/posthoc/snapshot_folder-inl.hpp>

@@ -8,7 +8,7 @@
 
 #include <emakit/posthoc/synthesis.hpp>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 EMAKIT_FUNC void check_same_model(const SnapshotInfo& reference, const SnapshotInfo& other) {
   const auto where = [&] { return fmt::format("snapshot '{}' is of another model than '{}'", other.path.string(), reference.path.string()); };
@@ -112,9 +112,9 @@ inline std::string describe_missing(const std::vector<MissingSnapshot>& missing)
   return out;
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 EMAKIT_FUNC SynthesisPlan plan_synthesis(std::vector<SnapshotInfo> snapshots, const SynthesisOptions& options) {
   if (snapshots.empty()) detail::fail_runtime("no snapshots to synthesize from");
@@ -255,4 +255,4 @@ EMAKIT_FUNC void synthesize_to_file(const SynthesisPlan& plan, const std::filesy
   detail::write_tensor_dict(path, dict);
 }
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

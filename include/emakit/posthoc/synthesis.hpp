@@ -35,7 +35,7 @@
 #include <utility>
 #include <vector>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 // A snapshot the run wrote (or should have) that is not in the folder.
 struct MissingSnapshot {
@@ -106,7 +106,7 @@ enum class OutputFormat : std::uint8_t {
 EMAKIT_FUNC void synthesize_to_file(const SynthesisPlan& plan, const std::filesystem::path& path,
                                     OutputFormat format = OutputFormat::torch_pickle);
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
 
 #if !defined(EMAKIT_COMPILED)
 #include <emakit/posthoc/synthesis-inl.hpp>

@@ -8,7 +8,7 @@
 
 #include <emakit/posthoc/tracker.hpp>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 EMAKIT_FUNC PostHocUpdate PostHocEma::update(StepInfo info) {
   if (!folder_checked_) check_folder();
@@ -202,4 +202,4 @@ EMAKIT_FUNC void PostHocEma::check_loadable(std::size_t i, const StateDict& part
   }
 }
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

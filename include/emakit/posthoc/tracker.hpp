@@ -42,7 +42,7 @@
 #include <utility>
 #include <vector>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 // What PostHocEma::update() did.
 struct PostHocUpdate {
@@ -130,7 +130,7 @@ class PostHocEma {
   bool folder_checked_ = false;
 };
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
 
 #if !defined(EMAKIT_COMPILED)
 #include <emakit/posthoc/tracker-inl.hpp>

@@ -35,7 +35,7 @@
 #include <tuple>
 #include <vector>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 EMAKIT_FUNC void check_checkpoint_path(const std::filesystem::path& path, const char* what) {
   std::error_code ec;
@@ -293,4 +293,4 @@ EMAKIT_FUNC c10::impl::GenericDict read_pickle_dict(const std::filesystem::path&
   return dict;
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

@@ -17,7 +17,7 @@
 
 #include <filesystem>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 // Opens an archive file for reading. The file is scanned first: one that holds code, unknown
 // records or tensors larger than their data is refused before LibTorch's loader runs anything
@@ -36,7 +36,7 @@ EMAKIT_FUNC c10::impl::GenericDict read_pickle_dict(const std::filesystem::path&
 // Refuses a checkpoint path that does not exist or is not a regular file (a directory), by name.
 EMAKIT_FUNC void check_checkpoint_path(const std::filesystem::path& path, const char* what);
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 
 #if !defined(EMAKIT_COMPILED)
 #include <emakit/detail/serial/archive_file-inl.hpp>

@@ -35,7 +35,7 @@
 #include <utility>
 #include <vector>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 namespace archive_scan {
 
@@ -682,4 +682,4 @@ EMAKIT_FUNC void scan_archive_bytes(std::span<const char> bytes, std::string_vie
       refuse);
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

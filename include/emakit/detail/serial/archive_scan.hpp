@@ -56,7 +56,7 @@
 #include <span>
 #include <string_view>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 namespace archive_scan {
 
@@ -91,7 +91,7 @@ EMAKIT_FUNC void scan_archive_file(const std::filesystem::path& path, std::strin
 // The same for bytes in memory (`where` names them in errors).
 EMAKIT_FUNC void scan_archive_bytes(std::span<const char> bytes, std::string_view where);
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 
 // The check itself: compiled in every translation unit in header-only mode, once in the library
 // in compiled mode (detail/config.hpp).

@@ -28,7 +28,7 @@
 #include <string_view>
 #include <utility>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 // A file descriptor closed by its destructor.
 class FileDescriptor {
@@ -193,4 +193,4 @@ EMAKIT_FUNC void check_writable_folder(const std::filesystem::path& folder, cons
   ::unlink(probe_path.c_str());
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

@@ -20,7 +20,7 @@
 #include <span>
 #include <string_view>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 // True for the names AtomicFile gives its temporary files.
 EMAKIT_FUNC bool is_temporary_name(std::string_view filename);
@@ -32,7 +32,7 @@ EMAKIT_FUNC void write_file_atomically(const std::filesystem::path& target, std:
 // error names `target` when given (the file about to be written), else the folder.
 EMAKIT_FUNC void check_writable_folder(const std::filesystem::path& folder, const std::filesystem::path& target = {});
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 
 // FileDescriptor and AtomicFile, used by the definitions of the file formats only (compiled once
 // in compiled mode: detail/config.hpp).

@@ -14,7 +14,7 @@
 #include <array>
 #include <cstring>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 using Crc32Tables = std::array<std::array<std::uint32_t, 256>, 8>;
 
@@ -77,4 +77,4 @@ EMAKIT_FUNC void Checksums::check(const std::string& name, const at::Tensor& t, 
     fail("{}: '{}' does not match its checksum; the checkpoint is damaged", where, name);
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

@@ -17,7 +17,7 @@
 #include <utility>
 #include <vector>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 // Continues a CRC-32: crc32(data, n, crc32(prefix, m)) == crc32 of prefix followed by data.
 EMAKIT_FUNC std::uint32_t crc32(const void* data, std::size_t n, std::uint32_t crc = 0) noexcept;
@@ -38,7 +38,7 @@ struct Checksums {
   void check(const std::string& name, const at::Tensor& t, const std::string& where) const;
 };
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 
 #if !defined(EMAKIT_COMPILED)
 #include <emakit/detail/serial/checksum-inl.hpp>

@@ -11,7 +11,7 @@
 #include <fmt/format.h>  // fmt::join
 #include <fmt/ranges.h>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 EMAKIT_FUNC void write_module(const torch::nn::Module& model, torch::serialize::OutputArchive& archive,
                               const std::string& prefix, const TensorMap& replace, Checksums* sums) {
@@ -84,9 +84,9 @@ EMAKIT_FUNC std::vector<std::pair<at::Tensor, at::Tensor>> plan_weights(const to
   return copies;
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 
-namespace emakit::detail::hook_state {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail::hook_state {
 
 EMAKIT_FUNC void write_header(torch::serialize::OutputArchive& hook) {
   hook.write("format", at::scalar_tensor(formats::hook.version, at::kLong));
@@ -219,4 +219,4 @@ EMAKIT_FUNC TensorMap read_weights(torch::serialize::InputArchive& archive, cons
   return found;
 }
 
-}  // namespace emakit::detail::hook_state
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail::hook_state

@@ -41,7 +41,7 @@
 #include <utility>
 #include <vector>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 using TensorMap = std::unordered_map<std::string, at::Tensor>;
 
@@ -110,7 +110,7 @@ EMAKIT_FUNC TensorMap read_weights(torch::serialize::InputArchive& archive, cons
                                    const std::string& key, const std::string& file);
 
 }  // namespace hook_state
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 
 #if !defined(EMAKIT_COMPILED)
 #include <emakit/detail/serial/hook_state-inl.hpp>

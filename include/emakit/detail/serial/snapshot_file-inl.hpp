@@ -10,7 +10,7 @@
 
 #include <random>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 EMAKIT_FUNC RunId RunId::random() {
   std::random_device device;
@@ -57,9 +57,9 @@ EMAKIT_FUNC std::uint64_t model_fingerprint(const std::vector<SnapshotTensor>& t
   return h;
 }
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 inline std::uint8_t dtype_code(c10::ScalarType type, const std::string& name) {
   for (std::size_t i = 1; i < snapshot_dtypes.size(); ++i)
@@ -353,4 +353,4 @@ class SnapshotReader {
   FileDescriptor fd_;
 };
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

@@ -68,7 +68,7 @@
 static_assert(std::endian::native == std::endian::little,
               "emakit's snapshot files are little-endian and are read and written without byte swapping");
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 // One tensor of a snapshot file.
 struct SnapshotTensor {
@@ -138,7 +138,7 @@ inline constexpr std::array<c10::ScalarType, 13> snapshot_dtypes = {
     c10::ScalarType::Byte,      c10::ScalarType::Bool};
 
 }  // namespace detail
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
 
 // The reader and writer: used by the post-hoc functions' definitions only (compiled once in
 // compiled mode: detail/config.hpp).

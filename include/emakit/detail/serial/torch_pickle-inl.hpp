@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 EMAKIT_FUNC void write_tensor_dict(const std::filesystem::path& path, const c10::impl::GenericDict& dict) {
   AtomicFile file(path);
@@ -62,4 +62,4 @@ EMAKIT_FUNC void write_tensor_dict(const std::filesystem::path& path, const c10:
   file.commit();
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

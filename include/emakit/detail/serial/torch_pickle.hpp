@@ -14,11 +14,11 @@
 
 #include <filesystem>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 EMAKIT_FUNC void write_tensor_dict(const std::filesystem::path& path, const c10::impl::GenericDict& dict);
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 
 #if !defined(EMAKIT_COMPILED)
 #include <emakit/detail/serial/torch_pickle-inl.hpp>
