@@ -397,6 +397,27 @@ TEST_CASE("A user-written decay policy works, one that leaves [0, 1] is caught",
   CHECK(broken.num_updates() == 1);
 }
 
+// A nameless policy whose type mentions an emakit type (here a wrapper of Fixed).
+template <class Inner>
+struct WrapDecay {
+  Inner inner{0.5};
+  double decay(const emakit::DecayInput& in) const { return inner.decay(in); }
+};
+
+TEST_CASE("A nameless policy's checkpoint name leaves out emakit's mode namespace", "[ema][state]") {
+  // Types live in emakit::header_only or emakit::compiled (detail/config.hpp); the name a state
+  // records must not depend on the mode, or a checkpoint of one mode would not load in the other.
+  auto w = torch::zeros({2});
+  emakit::Ema<WrapDecay<emakit::Fixed>> ema({{"w", w, false}});
+  const auto state = ema.state_dict();
+  const at::Tensor& bytes = state["config.decay"];
+  const std::string name(static_cast<const char*>(bytes.data_ptr()), static_cast<std::size_t>(bytes.numel()));
+  CHECK_THAT(name, Catch::Matchers::StartsWith("custom:") && Contains("WrapDecay<emakit::Fixed>"));
+  CHECK_THAT(name, !Contains("header_only") && !Contains("compiled"));
+  emakit::Ema<WrapDecay<emakit::Fixed>> other({{"w", torch::zeros({2}), false}});
+  CHECK(other.load_state_dict(state).clean());
+}
+
 TEST_CASE("A vetoed step and a caller-supplied step reach the schedule", "[ema]") {
   TinyNet model;
   emakit::WarmupEma ema(*model, {}, emakit::StepSchedule().update_every(5));

@@ -20,7 +20,7 @@
 #include <emakit/schedule.hpp>
 #include <emakit/storage.hpp>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 using FixedEma = Ema<Fixed, StepSchedule, FlatStorage>;
 using WarmupEma = Ema<InversePowerWarmup, StepSchedule, FlatStorage>;
@@ -45,4 +45,4 @@ using ModuleEma = Ema<Fixed, StepSchedule, ModuleStorage<ModuleType>>;
 template <class ModuleType>
 using ModuleWarmupEma = Ema<InversePowerWarmup, StepSchedule, ModuleStorage<ModuleType>>;
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

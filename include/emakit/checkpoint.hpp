@@ -27,16 +27,23 @@
 #include <filesystem>
 #include <stdexcept>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
+
+namespace detail {
+// emakit::save and emakit::load without the Ema's type (checkpoint-inl.hpp): `save` writes the
+// EMA into an archive, `load` reads it from one.
+EMAKIT_FUNC void save_ema_file(FunctionRef<void(torch::serialize::OutputArchive&)> save,
+                               const std::filesystem::path& path);
+EMAKIT_FUNC void load_ema_file(FunctionRef<void(torch::serialize::InputArchive&)> load,
+                               const std::filesystem::path& path);
+}  // namespace detail
 
 // Writes the EMA (the layout of torch::save(ema, path)) to `path` atomically.
 template <DecayPolicy D, SchedulePolicy S, StoragePolicy St>
 void save(const Ema<D, S, St>& ema, const std::filesystem::path& path) {
   // A storage that holds part of the average here (ShardedStorage) writes the whole EMA its own way.
   if constexpr (CheckpointingStorage<St, Ema<D, S, St>>) return ema.storage().save_checkpoint(ema, path);
-  torch::serialize::OutputArchive archive;
-  ema.save(archive);
-  detail::write_archive(archive, path);
+  detail::save_ema_file([&](torch::serialize::OutputArchive& archive) { ema.save(archive); }, path);
 }
 
 // Reads an EMA that save() or torch::save wrote, after checking the file (see above). Strict: a
@@ -45,15 +52,7 @@ void save(const Ema<D, S, St>& ema, const std::filesystem::path& path) {
 template <DecayPolicy D, SchedulePolicy S, StoragePolicy St>
 void load(Ema<D, S, St>& ema, const std::filesystem::path& path, LoadMode mode = LoadMode::strict) {
   if constexpr (CheckpointingStorage<St, Ema<D, S, St>>) return ema.storage().load_checkpoint(ema, path, mode);
-  torch::serialize::InputArchive archive;
-  detail::read_archive(archive, path, "emakit::load");
-  try {
-    ema.load(archive, mode);
-  } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(fmt::format("{} (file '{}')", e.what(), path.string()));
-  } catch (const std::runtime_error& e) {
-    throw std::runtime_error(fmt::format("{} (file '{}')", e.what(), path.string()));
-  }
+  detail::load_ema_file([&](torch::serialize::InputArchive& archive) { ema.load(archive, mode); }, path);
 }
 
 // Compiled mode (detail/config.hpp): save and load of the flat aliases come from the library.
@@ -65,4 +64,8 @@ EMAKIT_FOR_EACH_FLAT_ALIAS_DECAY(EMAKIT_EXTERN_CHECKPOINT)
 #undef EMAKIT_EXTERN_CHECKPOINT
 #endif
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
+
+#if !defined(EMAKIT_COMPILED)
+#include <emakit/checkpoint-inl.hpp>
+#endif

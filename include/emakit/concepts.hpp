@@ -11,6 +11,8 @@
 //   emakit::Ema<HalfLife> ema(*model);
 #pragma once
 
+#include <emakit/detail/config.hpp>
+
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
@@ -29,7 +31,7 @@ namespace torch::nn {
 class Module;
 }
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 // What an update did. `skipped`: nothing changed; `copied`: the average was overwritten with
 // the model; `averaged`: ema = d * ema + (1 - d) * model for every averaged tensor.
@@ -150,4 +152,4 @@ concept DescribedPolicy = requires(const P& p) {
   { p.fields() } -> std::same_as<std::vector<Field>>;
 };
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

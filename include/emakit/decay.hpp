@@ -14,6 +14,7 @@
 // write their options into checkpoints through fields().
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/concepts.hpp>
 #include <emakit/detail/check.hpp>
 
@@ -23,7 +24,7 @@
 #include <string_view>
 #include <vector>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 // d = beta at every update.
 class Fixed {
@@ -258,4 +259,4 @@ class Uniform {
   bool operator==(const Uniform&) const = default;
 };
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

@@ -4,11 +4,15 @@
 // (detail/config.hpp).
 #pragma once
 
+#if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
+#error "emakit/ema-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/ema.hpp> instead"
+#endif
+
 #include <emakit/ema.hpp>
 
 #include <fmt/format.h>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 
 EMAKIT_FUNC std::vector<SourceTensor> collect(const torch::nn::Module& model) {
@@ -544,4 +548,4 @@ EMAKIT_FUNC void EmaCore::check_model_unchanged(const char* what) const {
 }
 
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

@@ -65,7 +65,7 @@
 #include <utility>
 #include <vector>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 // A tensor to average, for an Ema bound to tensors rather than a module (a TorchScript model,
 // a hand-made list). `is_buffer` decides whether EmaOptions::buffers applies to it.
@@ -647,8 +647,8 @@ torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archi
   return archive;
 }
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
 
-#if EMAKIT_DEFINITIONS
+#if !defined(EMAKIT_COMPILED)
 #include <emakit/ema-inl.hpp>
 #endif

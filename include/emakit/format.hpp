@@ -16,10 +16,13 @@
 #include <fmt/core.h>
 
 #include <algorithm>
+#include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 inline std::string_view to_string(Action a) noexcept {
   switch (a) {
@@ -47,26 +50,26 @@ template <class P>
 concept PrintablePolicy =
     (DecayPolicy<P> || SchedulePolicy<P> || StoragePolicy<P>) && requires { P::name; };
 
+// The text of a policy's description, and of an Ema's (format-inl.hpp): compiled once, not per
+// policy or Ema type.
+EMAKIT_FUNC std::string describe_fields(std::string_view name, const std::vector<Field>& fields);
+EMAKIT_FUNC std::string describe_step_schedule(const StepSchedule& s);
+struct EmaSummary {
+  std::string decay, schedule, storage;
+  std::size_t averaged = 0, copied = 0;
+  std::int64_t calls = 0, step = 0, updates = 0;
+  double decay_now = 0;
+};
+EMAKIT_FUNC std::string describe_ema(const EmaSummary& e);
+
 template <class P>
 std::string describe_policy(const P& p) {
   if constexpr (std::is_same_v<P, StepSchedule>) {
-    return fmt::format("StepSchedule(start_step={}, warmup={}, update_every={}, every_offset={}, accumulate={}, "
-                       "window_edge={})",
-                       p.start_step(), to_string(p.warmup()), p.update_every(), p.every_offset(), p.accumulate(),
-                       to_string(p.window_edge()));
+    return describe_step_schedule(p);
+  } else if constexpr (DescribedPolicy<P>) {
+    return describe_fields(P::name, p.fields());
   } else if constexpr (requires { P::name; }) {
-    std::string out(P::name);
-    if constexpr (DescribedPolicy<P>) {
-      out += '(';
-      bool first = true;
-      for (const auto& f : p.fields()) {
-        if (!first) out += ", ";
-        first = false;
-        out += fmt::format("{}={}", f.name, value_string(f.value, f.is_integer));
-      }
-      out += ')';
-    }
-    return out;
+    return std::string(P::name);
   } else {
     return "custom";
   }
@@ -76,12 +79,10 @@ std::string describe_policy(const P& p) {
 // What fmt::print("{}", ema) prints: config and counters on one line (see the top of this file).
 template <DecayPolicy D, SchedulePolicy S, StoragePolicy St>
 std::string describe(const Ema<D, S, St>& ema) {
-  return fmt::format(
-      "Ema(decay={}, schedule={}, storage={}, tensors={} averaged + {} copied, calls={}, step={}, updates={}, "
-      "decay_now={})",
-      detail::describe_policy(ema.decay_policy()), detail::describe_policy(ema.schedule()),
-      detail::describe_policy(ema.storage()), ema.names(Role::average).size(), ema.names(Role::copy).size(),
-      ema.calls(), ema.step(), ema.num_updates(), ema.decay());
+  return detail::describe_ema({detail::describe_policy(ema.decay_policy()), detail::describe_policy(ema.schedule()),
+                               detail::describe_policy(ema.storage()), ema.names(Role::average).size(),
+                               ema.names(Role::copy).size(), ema.calls(), ema.step(), ema.num_updates(),
+                               ema.decay()});
 }
 
 // Compiled mode (detail/config.hpp): the flat aliases' descriptions come from the library.
@@ -92,7 +93,7 @@ EMAKIT_FOR_EACH_FLAT_ALIAS_DECAY(EMAKIT_EXTERN_DESCRIBE)
 #undef EMAKIT_EXTERN_DESCRIBE
 #endif
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
 
 template <class P>
   requires emakit::detail::PrintablePolicy<P>
@@ -138,3 +139,7 @@ struct fmt::formatter<emakit::Ema<D, S, St>, char> {
     return std::copy(text.begin(), text.end(), ctx.out());
   }
 };
+
+#if !defined(EMAKIT_COMPILED)
+#include <emakit/format-inl.hpp>
+#endif

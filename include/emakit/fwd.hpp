@@ -25,9 +25,10 @@
 //   Aliases (aliases.hpp): FixedEma, WarmupEma, RampEma, PowerEma, SwaAverage, ModuleEma<M>, ...
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/concepts.hpp>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 // Decay policies.
 class Fixed;
@@ -61,4 +62,4 @@ template <DecayPolicy Decay, SchedulePolicy Schedule = StepSchedule, StoragePoli
 struct Recipe;
 class EmaHook;
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

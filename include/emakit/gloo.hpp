@@ -17,6 +17,7 @@
 // API (GLOO_STORE_HAS_STORE_V2). The umbrella header emakit.hpp does not include this one.
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/detail/c10d_compat.hpp>
 #include <emakit/detail/check.hpp>
 
@@ -25,7 +26,7 @@
 #include <chrono>
 #include <string>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 // A Gloo process group of `world` ranks, this process being `rank`, that meets through `store`
 // and talks over TCP on `hostname` ("127.0.0.1": loopback, all ranks on this machine).
@@ -44,4 +45,4 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusi
   return detail::as_process_group(std::move(backend), store, rank, world, c10::DeviceType::CPU);
 }
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

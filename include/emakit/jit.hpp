@@ -7,13 +7,14 @@
 //   ema.update();
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/ema.hpp>
 
 #include <torch/csrc/jit/api/module.h>
 
 #include <vector>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 inline std::vector<SourceTensor> tensors_of(const torch::jit::Module& model) {
   std::vector<SourceTensor> out;
@@ -22,4 +23,4 @@ inline std::vector<SourceTensor> tensors_of(const torch::jit::Module& model) {
   return out;
 }
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

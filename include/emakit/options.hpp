@@ -16,6 +16,7 @@
 // silently average a tensor you meant to exclude.
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/detail/check.hpp>
 
 #include <c10/core/Device.h>
@@ -27,7 +28,7 @@
 #include <string>
 #include <vector>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 enum class BufferMode : std::uint8_t { average = 0, copy = 1, ignore = 2 };
 
@@ -211,4 +212,4 @@ class EmaOptions {
   double switch_beta_ = 0.0;
 };
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

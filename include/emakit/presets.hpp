@@ -18,6 +18,7 @@
 // (an fp32 average of a bf16/fp16 model) differs on purpose. Set `.dtype` to get it back.
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/decay.hpp>
 #include <emakit/ema.hpp>
 #include <emakit/options.hpp>
@@ -32,7 +33,7 @@
 #include <utility>
 #include <vector>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 // ---- ema-pytorch EMA ----------------------------------------------------------------------
 
@@ -243,4 +244,4 @@ inline Recipe<ExponentialRamp> luxonis_ema_callback_recipe(const LuxonisEmaCallb
                                  EmaOptions().keep_model_dtype(true));
 }
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

@@ -21,6 +21,7 @@
 // window groups calls into steps (one step per window).
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/concepts.hpp>
 #include <emakit/detail/check.hpp>
 
@@ -28,7 +29,7 @@
 #include <string_view>
 #include <vector>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 enum class Warmup : std::uint8_t {
   // The average starts as a copy of the model when the EMA is made; steps before start_step
@@ -136,4 +137,4 @@ class StepSchedule {
   WindowEdge window_edge_ = WindowEdge::end;
 };
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

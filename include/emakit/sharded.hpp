@@ -44,6 +44,7 @@
 // pay for them. It needs nothing to link beyond LibTorch (c10d lives in libtorch_cpu).
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/decay.hpp>
 #include <emakit/ema.hpp>
 #include <emakit/schedule.hpp>
@@ -51,10 +52,10 @@
 #include <emakit/sharded/gather.hpp>
 #include <emakit/sharded/storage.hpp>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 // Ready-made sharded EMAs.
 using ShardedEma = Ema<Fixed, StepSchedule, ShardedStorage>;
 using ShardedWarmupEma = Ema<InversePowerWarmup, StepSchedule, ShardedStorage>;
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

@@ -20,6 +20,7 @@
 // The EMA module is put in eval() mode and none of its parameters require grad.
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/concepts.hpp>
 #include <emakit/detail/check.hpp>
 
@@ -36,7 +37,7 @@
 #include <utility>
 #include <vector>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 namespace detail {
 // A copy of `source` with the EMA's dtype and device, never sharing memory with it.
@@ -45,6 +46,20 @@ inline at::Tensor detached_copy(const TensorSpec& spec) {
   out.copy_(spec.source.detach());
   return out;
 }
+
+// ModuleStorage's work that does not depend on its module type, compiled once (storage-inl.hpp).
+// The model's tensors with a view of their data now, taken before a clone (null model: none).
+EMAKIT_FUNC std::vector<std::pair<at::Tensor, at::Tensor>> model_data(const torch::nn::Module* model);
+// LibTorch's Cloneable::clone() ends with set_data() on the copy's tensors; for a module whose
+// reset() re-registers a tensor it was given, that tensor is the model's, whose data then moves
+// to a new buffer. Binding an EMA must not change the model: its tensors get their data back.
+EMAKIT_FUNC void restore_model_data(const std::vector<std::pair<at::Tensor, at::Tensor>>& before);
+// Makes the tensors of `made` (the EMA module) the EMA's: each spec's tensor (and its aliases, one
+// tensor) gets a detached copy of the model's, no parameter requires grad, the module is put in
+// eval(). Refused, before anything is written, when a tensor of `made` shares memory with the
+// model (`from_factory`: the message names the factory rather than clone()).
+EMAKIT_FUNC std::vector<at::Tensor> adopt_module_tensors(torch::nn::Module& made, const torch::nn::Module* model,
+                                                         std::span<const TensorSpec> specs, bool from_factory);
 }  // namespace detail
 
 // The average as an ordered dictionary of tensors, created with the EMA's dtype and device.
@@ -84,44 +99,10 @@ class ModuleStorage {
   }
 
   std::vector<at::Tensor> create(const torch::nn::Module* model, std::span<const TensorSpec> specs) {
-    std::shared_ptr<ModuleType> made = make_module_leaving_model_alone(model);
-    std::unordered_map<std::string, at::Tensor> own;
-    for (auto& item : made->named_parameters(/*recurse=*/true)) own.emplace(item.key(), item.value());
-    for (auto& item : made->named_buffers(/*recurse=*/true)) own.emplace(item.key(), item.value());
-    // Nothing below may write a tensor of the model: a module whose clone() (or a factory that)
-    // hands back a tensor it was given would otherwise let the EMA take over the model's weight.
-    refuse_shared(made, own, model, specs);
-
-    auto find = [&](const std::string& name, const TensorSpec& spec) -> at::Tensor& {
-      auto it = own.find(name);
-      if (it == own.end())
-        detail::fail("ModuleStorage: the EMA module ({}) has no tensor '{}' that the model has; the factory must "
-                     "build the model's architecture",
-                     made->name(), name);
-      if (it->second.sizes() != spec.source.sizes())
-        detail::fail("ModuleStorage: tensor '{}' has shape {} in the EMA module but {} in the model", name,
-                     detail::shape_string(it->second.sizes()), detail::shape_string(spec.source.sizes()));
-      return it->second;
-    };
-    std::vector<at::Tensor> out;
-    out.reserve(specs.size());
-    at::NoGradGuard no_grad;
-    for (const auto& spec : specs) {
-      at::Tensor& t = find(spec.name, spec);
-      t.set_data(detail::detached_copy(spec));
-      t.set_requires_grad(false);
-      // A tied weight is one tensor in the EMA module too, whether or not its clone kept the tie.
-      for (const auto& alias : spec.aliases) {
-        at::Tensor& a = find(alias, spec);
-        if (!a.is_same(t)) {
-          a.set_data(t);
-          a.set_requires_grad(false);
-        }
-      }
-      out.push_back(t);
-    }
-    for (auto& p : made->parameters(/*recurse=*/true)) p.set_requires_grad(false);
-    made->eval();
+    const auto before = detail::model_data(model);
+    std::shared_ptr<ModuleType> made = make_module(model);
+    detail::restore_model_data(before);
+    std::vector<at::Tensor> out = detail::adopt_module_tensors(*made, model, specs, has_factory());
     module_ = std::move(made);
     return out;
   }
@@ -156,49 +137,12 @@ class ModuleStorage {
     }
   }
 
-  // LibTorch's Cloneable::clone() ends with set_data() on the copy's tensors; for a module whose
-  // reset() re-registers a tensor it was given, that tensor is the model's, whose data then moves
-  // to a new buffer. Binding an EMA must not change the model: its tensors get their data back.
-  std::shared_ptr<ModuleType> make_module_leaving_model_alone(const torch::nn::Module* model) const {
-    std::vector<std::pair<at::Tensor, at::Tensor>> before;  // the model's tensor, a view of its data now
-    if (model != nullptr) {
-      for (const auto& t : model->parameters(/*recurse=*/true)) before.emplace_back(t, t.detach());
-      for (const auto& t : model->buffers(/*recurse=*/true)) before.emplace_back(t, t.detach());
-    }
-    std::shared_ptr<ModuleType> made = make_module(model);
-    for (auto& [t, data] : before)
-      if (t.defined() && t.has_storage() && data.has_storage() && !t.is_alias_of(data)) t.set_data(data);
-    return made;
-  }
-
-  // Fails, before anything is written, if a tensor of the EMA module shares memory with the model.
-  void refuse_shared(const std::shared_ptr<ModuleType>& made, const std::unordered_map<std::string, at::Tensor>& own,
-                     const torch::nn::Module* model, std::span<const TensorSpec> specs) const {
-    std::unordered_map<const void*, std::string> model_storage;  // storage -> a model name using it
-    auto note = [&](const std::string& name, const at::Tensor& t) {
-      if (t.defined() && t.has_storage()) model_storage.emplace(t.storage().unsafeGetStorageImpl(), name);
-    };
-    if (model != nullptr) {
-      for (const auto& item : model->named_parameters(/*recurse=*/true)) note(item.key(), item.value());
-      for (const auto& item : model->named_buffers(/*recurse=*/true)) note(item.key(), item.value());
-    }
-    for (const auto& spec : specs) note(spec.name, spec.source);
-    for (const auto& [name, t] : own) {
-      if (!t.defined() || !t.has_storage()) continue;
-      auto it = model_storage.find(t.storage().unsafeGetStorageImpl());
-      if (it == model_storage.end()) continue;
-      detail::fail("ModuleStorage: tensor '{}' of the EMA module ({}) is the model's own tensor '{}' (or shares its "
-                   "memory): {} a tensor it was given instead of making its own, and the EMA would take over "
-                   "the model's weight. Nothing was changed. Make the module create its own tensors in reset() "
-                   "(and tie them there), or give ModuleStorage a factory that builds a fresh model, or use "
-                   "FlatStorage",
-                   name, made->name(), it->second,
-                   factory_ ? "the factory's module holds" : "the module's clone() (its reset()) re-registers");
-    }
-  }
-
   Factory factory_;
   std::shared_ptr<ModuleType> module_;
 };
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
+
+#if !defined(EMAKIT_COMPILED)
+#include <emakit/storage-inl.hpp>
+#endif

@@ -4,6 +4,8 @@
 // pointer that does not materialise a copy-on-write storage (>= 2.1).
 #pragma once
 
+#include <emakit/detail/config.hpp>
+
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_foreach_add.h>
 #include <ATen/ops/_foreach_mul.h>
@@ -28,7 +30,7 @@
 #include <cstddef>
 #include <vector>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 // The source's data for reading. LibTorch >= 2.1 has copy-on-write storage, whose data_ptr()
 // would materialise a copy (an allocation) of a model tensor that is only read.
@@ -59,4 +61,4 @@ inline void foreach_lerp(const std::vector<at::Tensor>& a, const std::vector<at:
 #endif
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

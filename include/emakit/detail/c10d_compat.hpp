@@ -10,6 +10,8 @@
 // Gloo headers.
 #pragma once
 
+#include <emakit/detail/config.hpp>
+
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -21,7 +23,7 @@
 #define EMAKIT_C10D_BACKENDS 0
 #endif
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 // A process group made of one backend object (a ProcessGroupGloo, ProcessGroupNCCL, ...) whose
 // tensors live on devices of type `device`: LibTorch 2.x wraps it in a ProcessGroup and registers
@@ -42,4 +44,4 @@ c10::intrusive_ptr<c10d::ProcessGroup> as_process_group(c10::intrusive_ptr<Backe
 #endif
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

@@ -2,6 +2,7 @@
 // (the errors themselves: detail/errors.hpp).
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/detail/errors.hpp>
 
 #include <ATen/core/Tensor.h>
@@ -13,7 +14,7 @@
 #include <cstdint>
 #include <string>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 // `what` is the option's full name, e.g. "Fixed::beta".
 inline void check_unit_interval(double value, const char* what) {  // [0, 1)
@@ -60,4 +61,4 @@ inline bool all_finite(const at::Tensor& t) {
   return at::isfinite(t).all().item<bool>();
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

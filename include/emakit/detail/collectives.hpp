@@ -9,6 +9,7 @@
 // Every rank of the group must call each of them, in the same order.
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/concepts.hpp>
 #include <emakit/detail/check.hpp>
 
@@ -30,7 +31,7 @@
 #include <utility>
 #include <vector>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 // Waits for a collective, at most `timeout`; a timeout or a failure of the collective (a peer
 // that died closes its connections) throws std::runtime_error naming `what` and this rank.
@@ -115,4 +116,4 @@ void all_or_none(const Communicator& comm, const std::string& what, F&& body) {
                  fmt::join(failed, ", "));
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

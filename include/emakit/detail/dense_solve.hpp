@@ -3,6 +3,8 @@
 // snapshots (tens to hundreds), so O(n^3) is nothing next to reading one snapshot.
 #pragma once
 
+#include <emakit/detail/config.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -10,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 // A row-major n x n matrix factored as P A = L U (L unit lower, both stored in `lu`).
 class LuFactors {
@@ -94,4 +96,4 @@ inline double condition_number_1(const std::vector<double>& a, const LuFactors& 
   return norm1(a, n) * inverse_norm;
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

@@ -16,6 +16,8 @@
 // the current stream, in order.
 #pragma once
 
+#include <emakit/detail/config.hpp>
+
 #include <c10/core/Device.h>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
@@ -25,7 +27,7 @@
 #include <optional>
 #include <utility>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 class Lane {
  public:
@@ -78,4 +80,4 @@ class Lane {
   bool pending_ = false;
 };
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

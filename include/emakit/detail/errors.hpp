@@ -17,7 +17,7 @@
 #include <string_view>
 #include <utility>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 // A post-hoc synthesis refused because its result would not be the EMA asked for: a snapshot set
 // with gaps, a target far outside the tracked profiles, weights past their bound, an
@@ -28,9 +28,9 @@ class SynthesisRefused : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 // Throws SynthesisRefused with a formatted message, prefixed by "emakit: ".
 template <class... Args>
@@ -61,15 +61,8 @@ inline std::string first_line(const c10::Error& e) { return first_line(e.what_wi
 // Formats a shape as [2, 3].
 EMAKIT_FUNC std::string shape_string(c10::IntArrayRef sizes);
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 
-#if EMAKIT_DEFINITIONS
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>  // fmt::join (in ranges.h from fmt 11 on)
-
-EMAKIT_FUNC std::string emakit::detail::shape_string(c10::IntArrayRef sizes) {
-  return fmt::format("[{}]", fmt::join(sizes, ", "));
-}
-
-#endif  // EMAKIT_DEFINITIONS
+#if !defined(EMAKIT_COMPILED)
+#include <emakit/detail/errors-inl.hpp>
+#endif

@@ -2,6 +2,8 @@
 // elsewhere): the fused pass streams through them with fewer page-table walks.
 #pragma once
 
+#include <emakit/detail/config.hpp>
+
 #include <ATen/core/Tensor.h>
 
 #if defined(__linux__)
@@ -11,7 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 // CPU averages of 2 MiB and more ask Linux for transparent huge pages: a streaming pass then walks the page
 // tables once per 2 MiB instead of once per 4 KiB (measured here: +12-18% bandwidth for the fused
@@ -41,4 +43,4 @@ inline void advise_huge_pages(const at::Tensor& t) noexcept {
 #endif
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

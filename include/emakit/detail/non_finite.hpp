@@ -5,6 +5,7 @@
 // on the device and read with one host sync; CPU sources of the fused path are scanned on the host.
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/update_plan.hpp>
 
@@ -20,7 +21,7 @@
 #include <limits>
 #include <vector>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 class NonFiniteCheck {
  public:
@@ -93,4 +94,4 @@ class NonFiniteCheck {
   std::vector<Group> groups_;
 };
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

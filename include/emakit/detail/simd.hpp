@@ -5,6 +5,8 @@
 // float/half/bf16 averages and double for double averages.
 #pragma once
 
+#include <emakit/detail/config.hpp>
+
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -14,7 +16,7 @@
 #include <cstring>
 #include <type_traits>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 // The fused loops are vectorised at any optimisation level: GCC's -O2 cost model refuses loops
 // that need a scalar epilogue, and `omp simd` (the target builds with -fopenmp) lifts that.
@@ -131,4 +133,4 @@ EMAKIT_ALWAYS_INLINE void copy_range(A* __restrict a, const S* __restrict x, std
   }
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

@@ -15,6 +15,7 @@
 // the file, on every rank; a failed load leaves the EMA unchanged on every rank.
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/checkpoint.hpp>
 #include <emakit/concepts.hpp>
 #include <emakit/detail/serial/archive_file.hpp>
@@ -47,7 +48,7 @@
 #include <utility>
 #include <vector>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 // The file names of a sharded checkpoint.
 inline constexpr std::string_view sharded_index_name = "index.pt";
@@ -294,4 +295,4 @@ void ShardedStorage::load_checkpoint(E& ema, const std::filesystem::path& dir, L
   load_sharded(ema, dir);
 }
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

@@ -3,6 +3,7 @@
 // through the Ema's own SwapGuard). Each call is a collective.
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/concepts.hpp>
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/collectives.hpp>
@@ -17,7 +18,7 @@
 #include <string>
 #include <vector>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 inline std::vector<at::Tensor> ShardedStorage::gather_tensors(int to, const std::string& what) const {
   if (to != all_ranks && (to < 0 || to >= world_))
@@ -106,4 +107,4 @@ template <DecayPolicy D, SchedulePolicy S>
   return ema.swap_gathered_into(model);
 }
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

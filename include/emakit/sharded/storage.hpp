@@ -28,6 +28,7 @@
 //   every tensor exactly). Tensors without a local_shard are treated as replicated (above).
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/concepts.hpp>
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/collectives.hpp>
@@ -53,7 +54,7 @@
 #include <utility>
 #include <vector>
 
-namespace emakit {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 // This rank's slice of an already-sharded tensor: elements [offset, offset + local numel) of the
 // row-major flattened tensor of shape `full_shape`.
@@ -387,4 +388,4 @@ std::int64_t ShardedStorage::check_agreement(const E& ema, const std::string& wh
   return rows[0][5];
 }
 
-}  // namespace emakit
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

@@ -31,10 +31,12 @@
 //   torch_pickle.hpp   a dict of tensors written as torch.save does
 #pragma once
 
+#include <emakit/detail/config.hpp>
+
 #include <cstdint>
 #include <string_view>
 
-namespace emakit::detail::formats {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail::formats {
 
 // A file format: the name messages use and the version this emakit writes (and reads).
 struct Format {
@@ -48,4 +50,4 @@ inline constexpr Format sharded{"emakit sharded EMA", 1};
 inline constexpr Format snapshot{"emakit post-hoc snapshot", 2};  // 2: the run identity
 inline constexpr Format posthoc_state{"emakit post-hoc EMA state", 2};  // 2: the run identity
 
-}  // namespace emakit::detail::formats
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail::formats

@@ -6,6 +6,7 @@
 //   for (auto& p : m.problems) ...             // missing, shape or unexpected, in the order found
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/detail/check.hpp>
 
 #include <ATen/core/Tensor.h>
@@ -17,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 struct NameMatch {
   struct Pair {
@@ -72,4 +73,4 @@ inline void require_model_match(const NameMatch& m, std::string_view prefix = {}
   }
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

@@ -6,6 +6,7 @@
 //   const std::string decay = in.text("config.decay");             // uint8 UTF-8 bytes
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/detail/check.hpp>
 
 #include <ATen/core/Tensor.h>
@@ -20,7 +21,7 @@
 #include <string_view>
 #include <utility>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 // A string as a state stores it: a 1-d uint8 tensor of its UTF-8 bytes.
 inline at::Tensor string_tensor(std::string_view s) {
@@ -86,4 +87,4 @@ class StateReader {
   std::string where_;
 };
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

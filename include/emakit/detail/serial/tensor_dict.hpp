@@ -2,6 +2,7 @@
 // tensors (a state, its checksums, a shard's layout).
 #pragma once
 
+#include <emakit/detail/config.hpp>
 #include <emakit/detail/check.hpp>
 
 #include <ATen/core/Dict.h>
@@ -15,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-namespace emakit::detail {
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 // A name -> tensor dictionary for an archive; `copy`: the archive keeps copies, unchanged when
 // training goes on (else it refers to the tensors themselves, fine for an immediate save).
@@ -51,4 +52,4 @@ inline torch::OrderedDict<std::string, at::Tensor> as_state(const std::vector<st
   return state;
 }
 
-}  // namespace emakit::detail
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

@@ -1,0 +1,69 @@
+# ctest driver for the mode-mixing tests (tests/CMakeLists.txt, tests/mode_mix/), run with cmake -P.
+#
+#   -DBUILD_DIR=<build tree> -DOBJECTS=<object target>,<object target> -DTARGET=<executable target>
+#   -DEXPECT=link_error|run [-DEXECUTABLE=<path>] [-DCONFIG=<config>]
+#
+# Builds the object targets first: they must compile, so that a compile error never passes for
+# the expected link error. Then builds TARGET: with EXPECT=link_error it must fail, and the
+# linker's output must name both emakit::compiled and emakit::header_only in an undefined
+# reference; with EXPECT=run it must link, and EXECUTABLE must run and exit 0.
+foreach(_var BUILD_DIR OBJECTS TARGET EXPECT)
+  if(NOT DEFINED ${_var})
+    message(FATAL_ERROR "emakit_mode_mix.cmake: -D${_var}=... is required")
+  endif()
+endforeach()
+set(_config_args "")
+if(CONFIG)
+  set(_config_args --config "${CONFIG}")
+endif()
+
+function(_emakit_build target result output)
+  execute_process(
+    COMMAND "${CMAKE_COMMAND}" --build "${BUILD_DIR}" --target "${target}" ${_config_args}
+    RESULT_VARIABLE _result
+    OUTPUT_VARIABLE _output
+    ERROR_VARIABLE _output)
+  set(${result} "${_result}" PARENT_SCOPE)
+  set(${output} "${_output}" PARENT_SCOPE)
+endfunction()
+
+string(REPLACE "," ";" _objects "${OBJECTS}")
+foreach(_object IN LISTS _objects)
+  _emakit_build("${_object}" _result _output)
+  if(NOT _result EQUAL 0)
+    message(FATAL_ERROR "${_object} did not compile: a compile error is not the link error this test "
+                        "expects. Fix the source first.\n${_output}")
+  endif()
+endforeach()
+
+_emakit_build("${TARGET}" _result _output)
+if(EXPECT STREQUAL "link_error")
+  if(_result EQUAL 0)
+    message(FATAL_ERROR "${TARGET} linked, but it mixes a compiled-mode and a header-only translation "
+                        "unit and must not: the mode-tagged namespace (detail/config.hpp) is not "
+                        "doing its job.\n${_output}")
+  endif()
+  set(_missing "")
+  foreach(_mode compiled header_only)
+    if(NOT _output MATCHES "(undefined reference to|undefined symbol)[^\n]*emakit::${_mode}::")
+      list(APPEND _missing "emakit::${_mode}")
+    endif()
+  endforeach()
+  if(_missing)
+    message(FATAL_ERROR "${TARGET} failed to build, but no undefined reference names ${_missing}: "
+                        "not the expected mode-mixing link error.\n${_output}")
+  endif()
+  message(STATUS "${TARGET}: the link fails and names emakit::compiled and emakit::header_only")
+elseif(EXPECT STREQUAL "run")
+  if(NOT _result EQUAL 0)
+    message(FATAL_ERROR "${TARGET} (both translation units in one mode) did not build: the "
+                        "mode-mixing test's control must link.\n${_output}")
+  endif()
+  execute_process(COMMAND "${EXECUTABLE}" RESULT_VARIABLE _result OUTPUT_VARIABLE _output ERROR_VARIABLE _output)
+  if(NOT _result EQUAL 0)
+    message(FATAL_ERROR "${EXECUTABLE} exited with ${_result}, expected 0.\n${_output}")
+  endif()
+  message(STATUS "${TARGET}: links and runs: ${_output}")
+else()
+  message(FATAL_ERROR "emakit_mode_mix.cmake: EXPECT='${EXPECT}', expected link_error or run")
+endif()

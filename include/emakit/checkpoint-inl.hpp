@@ -1,0 +1,36 @@
+// The non-template definitions of checkpoint.hpp: included at the end of checkpoint.hpp in
+// header-only mode, compiled once into the emakit library (src/emakit.cpp) in compiled mode
+// (detail/config.hpp).
+#pragma once
+
+#if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
+#error "emakit/checkpoint-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/checkpoint.hpp> instead"
+#endif
+
+#include <emakit/checkpoint.hpp>
+
+#include <fmt/format.h>
+
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
+
+EMAKIT_FUNC void save_ema_file(FunctionRef<void(torch::serialize::OutputArchive&)> save,
+                               const std::filesystem::path& path) {
+  torch::serialize::OutputArchive archive;
+  save(archive);
+  write_archive(archive, path);
+}
+
+EMAKIT_FUNC void load_ema_file(FunctionRef<void(torch::serialize::InputArchive&)> load,
+                               const std::filesystem::path& path) {
+  torch::serialize::InputArchive archive;
+  read_archive(archive, path, "emakit::load");
+  try {
+    load(archive);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(fmt::format("{} (file '{}')", e.what(), path.string()));
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(fmt::format("{} (file '{}')", e.what(), path.string()));
+  }
+}
+
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

@@ -1,0 +1,204 @@
+// The non-template definitions of ema_state.hpp: included at the end of ema_state.hpp in
+// header-only mode, compiled once into the emakit library (src/emakit.cpp) in compiled mode
+// (detail/config.hpp).
+#pragma once
+
+#if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
+#error "emakit/detail/serial/ema_state-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/serial/ema_state.hpp> instead"
+#endif
+
+#include <emakit/detail/serial/ema_state.hpp>
+
+#include <fmt/format.h>  // fmt::join
+#include <fmt/ranges.h>
+
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
+
+EMAKIT_FUNC std::string custom_policy_name(std::string demangled) {
+  for (const std::string_view mode : {"emakit::compiled::", "emakit::header_only::"}) {
+    for (auto at = demangled.find(mode); at != std::string::npos; at = demangled.find(mode, at))
+      demangled.replace(at, mode.size(), "emakit::");
+  }
+  return "custom:" + demangled;
+}
+
+EMAKIT_FUNC std::string value_string(double v, bool is_integer) {
+  return is_integer ? fmt::format("{}", static_cast<std::int64_t>(v)) : fmt::format("{}", v);
+}
+
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
+
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail::ema_state {
+
+EMAKIT_FUNC std::string average_key(const std::string& name) { return std::string(average_prefix) + name; }
+
+EMAKIT_FUNC bool known_key(const std::string& key) {
+  if (key == "config.options.buffers") return true;  // checked by check_config()
+  static const char* const fixed[] = {"emakit.format",        "counters.calls",           "counters.step",
+                                      "counters.num_updates", "counters.last_update_step", "counters.last_decay",
+                                      "counters.non_finite_updates"};
+  for (const char* k : fixed)
+    if (key == k) return true;
+  // check_policy() has checked every key under these two already.
+  return key == "config.decay" || key == "config.schedule" || key.rfind("config.decay.", 0) == 0 ||
+         key.rfind("config.schedule.", 0) == 0;
+}
+
+EMAKIT_FUNC void check_format(const StateDict& state) {
+  const at::Tensor* f = state.find("emakit.format");
+  if (f == nullptr) fail("the state has no 'emakit.format' entry; it is not an emakit EMA state");
+  if (f->numel() != 1 || f->item<std::int64_t>() != formats::ema_state.version)
+    fail("the state's emakit.format is {}, this emakit ({}) reads format {}",
+         f->numel() == 1 ? fmt::format("{}", f->item<std::int64_t>()) : std::string("not a number"), version_string,
+         formats::ema_state.version);
+}
+
+EMAKIT_FUNC void write_config(StateDict& out, const std::string& axis, std::string_view name,
+                              const std::vector<Field>& fields) {
+  out.insert("config." + axis, string_tensor(name));
+  for (const auto& f : fields)
+    out.insert("config." + axis + "." + std::string(f.name), at::scalar_tensor(f.value, at::kDouble));
+}
+
+EMAKIT_FUNC StateDict encode(const PolicyConfig& config, const EmaOptions& options, const Counters& c) {
+  StateDict out;
+  out.insert("emakit.format", at::scalar_tensor(formats::ema_state.version, at::kLong));
+  write_config(out, "decay", config.decay, config.decay_fields);
+  write_config(out, "schedule", config.schedule, config.schedule_fields);
+  out.insert("config.options.buffers", at::scalar_tensor(static_cast<std::int64_t>(options.buffers()), at::kLong));
+  out.insert("counters.calls", at::scalar_tensor(c.calls, at::kLong));
+  out.insert("counters.step", at::scalar_tensor(c.step, at::kLong));
+  out.insert("counters.num_updates", at::scalar_tensor(c.num_updates, at::kLong));
+  out.insert("counters.last_update_step", at::scalar_tensor(c.last_update_step, at::kLong));
+  out.insert("counters.last_decay", at::scalar_tensor(c.last_decay, at::kDouble));
+  out.insert("counters.non_finite_updates", at::scalar_tensor(c.non_finite_updates, at::kLong));
+  return out;
+}
+
+EMAKIT_FUNC void check_policy(const StateDict& state, const std::string& axis, std::string_view ours,
+                              const std::vector<Field>& fields) {
+  const std::string kind_key = "config." + axis;
+  const auto theirs = StateReader(state).optional_text(kind_key);
+  if (!theirs) fail("the state has no '{}' (this EMA's {} policy is {})", kind_key, axis, ours);
+  if (*theirs != ours) fail("config differs: {} policy is {} in the state, {} in this EMA", axis, *theirs, ours);
+  for (const auto& f : fields) {
+    const std::string key = kind_key + "." + std::string(f.name);
+    const at::Tensor* t = state.find(key);
+    if (t == nullptr) fail("config differs: the state has no '{}'", key);
+    const double v = t->item<double>();
+    if (v != f.value)
+      fail("config differs: {} is {} in the state, {} in this EMA", key, value_string(v, f.is_integer),
+           value_string(f.value, f.is_integer));
+  }
+  const std::string prefix = kind_key + ".";
+  for (const auto& item : state) {
+    if (item.key().rfind(prefix, 0) != 0) continue;
+    const std::string name = item.key().substr(prefix.size());
+    bool ours_has = false;
+    for (const auto& f : fields) ours_has = ours_has || f.name == name;
+    if (!ours_has) fail("config differs: the state has '{}', which {} does not have", item.key(), ours);
+  }
+}
+
+EMAKIT_FUNC void check_config(const StateDict& state, const PolicyConfig& config, const EmaOptions& options) {
+  check_format(state);
+  check_policy(state, "decay", config.decay, config.decay_fields);
+  check_policy(state, "schedule", config.schedule, config.schedule_fields);
+  if (const auto theirs = StateReader(state).optional_integer("config.options.buffers")) {
+    auto name = [](std::int64_t v) {
+      return v == 0 ? std::string("average") : v == 1 ? std::string("copy") : v == 2 ? std::string("ignore")
+                                                                                 : fmt::format("{} (unknown)", v);
+    };
+    const auto ours = static_cast<std::int64_t>(options.buffers());
+    if (*theirs != ours)
+      fail("config differs: config.options.buffers (EmaOptions::buffers) is {} in the state, {} in this EMA",
+           name(*theirs), name(ours));
+  }
+}
+
+EMAKIT_FUNC Plan plan_load(const StateDict& state, LoadMode mode, const PolicyConfig& config,
+                           const EmaOptions& options, const std::vector<Entry>& entries,
+                           const std::vector<at::Tensor>& averages,
+                           bool (*same_value)(const at::Tensor&, const at::Tensor&)) {
+  check_config(state, config, options);
+  Plan plan{{}, {}, read_counters(state)};
+  LoadReport& report = plan.report;
+  std::vector<std::pair<const at::Tensor*, std::string>> chosen(averages.size(), {nullptr, {}});
+  std::unordered_set<std::string> ours;
+  std::vector<std::pair<std::string, std::size_t>> absent;  // (key, slot)
+  for (const auto& e : entries) {
+    const at::Tensor& average = averages[e.slot];
+    std::string key = average_key(e.name);
+    const at::Tensor* t = state.find(key);
+    if (t == nullptr) {
+      absent.emplace_back(key, e.slot);
+    } else if (!t->sizes().equals(average.sizes())) {
+      report.mismatched.push_back(fmt::format("{}: shape {} in the state, {} in this EMA", key,
+                                              shape_string(t->sizes()), shape_string(average.sizes())));
+    } else if (t->scalar_type() != average.scalar_type()) {
+      report.mismatched.push_back(fmt::format("{}: dtype {} in the state, {} in this EMA", key,
+                                              c10::toString(t->scalar_type()), c10::toString(average.scalar_type())));
+    } else if (chosen[e.slot].first == nullptr) {
+      chosen[e.slot] = {t, key};
+      plan.loads.emplace_back(e.slot, t);
+    } else if (!same_value(*t, *chosen[e.slot].first)) {
+      // A tied tensor is saved under each name; two different values cannot both be loaded.
+      report.mismatched.push_back(fmt::format("{}: differs from '{}', which is the same (tied) tensor in this EMA",
+                                              key, chosen[e.slot].second));
+    }
+    ours.insert(std::move(key));
+  }
+  // A tied tensor loads from any one of its names (a state that lists it once, as a sharded
+  // checkpoint or a deduplicating writer does); it is missing only when no name has it.
+  for (auto& [key, slot] : absent)
+    if (chosen[slot].first == nullptr) report.missing.push_back(std::move(key));
+  for (const auto& item : state) {
+    const auto& key = item.key();
+    if (key.rfind(average_prefix, 0) == 0) {
+      if (ours.count(key) == 0) report.unexpected.push_back(key);
+    } else if (!known_key(key)) {
+      report.unexpected.push_back(key);
+    }
+  }
+  if (mode == LoadMode::strict && !report.clean()) fail("load_state_dict (strict): {}", describe(report));
+  return plan;
+}
+
+
+EMAKIT_FUNC Counters read_counters(const StateDict& state) {
+  const StateReader in(state);
+  Counters c;
+  c.calls = in.counter("counters.calls");
+  c.step = in.counter("counters.step");
+  c.num_updates = in.counter("counters.num_updates");
+  c.last_update_step = in.counter("counters.last_update_step");
+  // absent in states written before the non-finite guard existed
+  c.non_finite_updates = in.find("counters.non_finite_updates") != nullptr ? in.counter("counters.non_finite_updates") : 0;
+  c.last_decay = in.number("counters.last_decay");
+  if (!std::isnan(c.last_decay) && !(c.last_decay >= 0.0 && c.last_decay <= 1.0))
+    fail("'counters.last_decay' must be in [0, 1], got {}", c.last_decay);
+  return c;
+}
+
+EMAKIT_FUNC std::string describe(const LoadReport& r) {
+  std::vector<std::string> parts;
+  for (const auto& k : r.missing) parts.push_back(fmt::format("missing key '{}'", k));
+  for (const auto& k : r.unexpected) parts.push_back(fmt::format("unexpected key '{}'", k));
+  for (const auto& k : r.mismatched) parts.push_back(k);
+  return fmt::format("{}; nothing was loaded", fmt::join(parts, "; "));
+}
+
+EMAKIT_FUNC void save_archive(torch::serialize::OutputArchive& archive, const StateDict& state) {
+  std::vector<std::pair<std::string, at::Tensor>> items;
+  Checksums sums;
+  for (const auto& item : state) {
+    items.emplace_back(item.key(), item.value());
+    sums.add(item.key(), item.value());
+  }
+  archive.write("emakit_state", tensor_dict(items, /*copy=*/false));
+  archive.write("emakit_checksums", tensor_dict(sums.saved, /*copy=*/false));
+  archive.write("emakit_version", c10::IValue(std::string(version_string)));  // the writer's, for messages
+}
+
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail::ema_state
+

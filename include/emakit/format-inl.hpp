@@ -1,0 +1,43 @@
+// The non-template definitions of format.hpp: included at the end of format.hpp in header-only
+// mode, compiled once into the emakit library (src/emakit.cpp) in compiled mode
+// (detail/config.hpp).
+#pragma once
+
+#if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
+#error "emakit/format-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/format.hpp> instead"
+#endif
+
+#include <emakit/format.hpp>
+
+#include <fmt/format.h>
+
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
+
+EMAKIT_FUNC std::string describe_fields(std::string_view name, const std::vector<Field>& fields) {
+  std::string out(name);
+  out += '(';
+  bool first = true;
+  for (const auto& f : fields) {
+    if (!first) out += ", ";
+    first = false;
+    out += fmt::format("{}={}", f.name, value_string(f.value, f.is_integer));
+  }
+  out += ')';
+  return out;
+}
+
+EMAKIT_FUNC std::string describe_step_schedule(const StepSchedule& p) {
+  return fmt::format("StepSchedule(start_step={}, warmup={}, update_every={}, every_offset={}, accumulate={}, "
+                     "window_edge={})",
+                     p.start_step(), to_string(p.warmup()), p.update_every(), p.every_offset(), p.accumulate(),
+                     to_string(p.window_edge()));
+}
+
+EMAKIT_FUNC std::string describe_ema(const EmaSummary& e) {
+  return fmt::format(
+      "Ema(decay={}, schedule={}, storage={}, tensors={} averaged + {} copied, calls={}, step={}, updates={}, "
+      "decay_now={})",
+      e.decay, e.schedule, e.storage, e.averaged, e.copied, e.calls, e.step, e.updates, e.decay_now);
+}
+
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
