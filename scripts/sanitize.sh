@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Build emakit's unit, conformance and distributed tests with AddressSanitizer +
 # UndefinedBehaviorSanitizer (g++, Debian's LibTorch 1.13) in build/asan and run them:
-# ctest -L 'unit|conformance|distributed'. The conformance tests need EMAKIT_PYTHON (the venv of
+# ctest -L 'unit|conformance|distributed'. They link the compiled mode (emakit::compiled, built in
+# the same tree with the same flags, so emakit's code in libemakit.a is instrumented too): the
+# same code as header-only, and each test TU compiles in about half the time (the header-only
+# mode is tested by the LibTorch 1.13 variant of scripts/test.sh). The conformance tests need EMAKIT_PYTHON (the venv of
 # scripts/test.sh, which exports it); without it they are skipped, which the summary only accepts
 # when emakit_expected_skips allows it (EMAKIT_ALLOW_SKIP=torch2 in scripts/test.sh).
 #
@@ -16,8 +19,8 @@
 #   EMAKIT_SANITIZE_LABELS      the ctest labels run (default: unit|conformance|distributed)
 #   EMAKIT_SANITIZE_TIMEOUT     per-test ctest timeout in seconds (default: 900)
 #
-# Only emakit (include/emakit), the LibTorch header code it inlines, and the tests are
-# instrumented; LibTorch's libraries are Debian's uninstrumented build. The sanitizer runtimes
+# Only emakit (include/emakit and libemakit.a), the LibTorch header code it inlines, and the
+# tests are instrumented; LibTorch's libraries are Debian's uninstrumented build. The sanitizer runtimes
 # still see LibTorch's allocations (ASan/LSan intercept malloc and operator new process-wide).
 # No suppression is needed: with LibTorch 1.13 and g++ 12 no unit test raises a report, LibTorch's
 # registries are still reachable at exit (so LeakSanitizer does not count them), and a block
@@ -37,7 +40,7 @@ labels="${EMAKIT_SANITIZE_LABELS:-unit|conformance|distributed}"
 read -r -a ctest_extra <<<"${EMAKIT_CTEST_ARGS:-}"
 dir="build/asan"
 name="asan"
-what="ASan+UBSan, g++, Debian LibTorch 1.13"
+what="ASan+UBSan, g++, Debian LibTorch 1.13, compiled mode"
 
 # g++ brings libasan/libubsan/liblsan (libgcc-12-dev depends on them).
 emakit_apt_ensure g++ make cmake ccache libtorch-dev libfmt-dev catch2 libgloo-dev
@@ -67,7 +70,7 @@ if ! cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE="$build_type" \
        "-DCMAKE_EXE_LINKER_FLAGS=$sanitize_flags" \
        "-DCMAKE_SHARED_LINKER_FLAGS=$sanitize_flags" \
        -DEMAKIT_BUILD_TESTS=ON -DEMAKIT_BUILD_EXAMPLES=OFF -DEMAKIT_BUILD_BENCHMARKS=OFF \
-       -DEMAKIT_PACKAGE_TESTS=OFF -DEMAKIT_PYTHON="${EMAKIT_PYTHON:-}" -DEMAKIT_TEST_TIMEOUT="$timeout" \
+       -DEMAKIT_PACKAGE_TESTS=OFF -DEMAKIT_TESTS_COMPILED=ON -DEMAKIT_PYTHON="${EMAKIT_PYTHON:-}" -DEMAKIT_TEST_TIMEOUT="$timeout" \
        "${torch_args[@]}"; then
   summary "FAILED: configure ($what)"
   exit 1
