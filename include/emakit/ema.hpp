@@ -302,11 +302,10 @@ class FunctionRef<R(Args...)> {
   R (*call_)(void*, Args...);
 };
 
-// The names of an Ema's three policies, as checkpoints and messages give them (policy_name).
+// The names of an Ema's decay and schedule, for update()'s messages (policy_name).
 struct PolicyNames {
   std::string_view decay;
   std::string_view schedule;
-  std::string_view storage;
 };
 
 class EmaCore {
@@ -605,7 +604,7 @@ class Ema {
               }) {}
 
   static detail::PolicyNames policy_names() {
-    return {detail::policy_name<Decay>(), detail::policy_name<Schedule>(), detail::policy_name<Storage>()};
+    return {detail::policy_name<Decay>(), detail::policy_name<Schedule>()};
   }
   static detail::ema_state::PolicyConfig policy_config(const Decay& decay, const Schedule& schedule) {
     return {detail::policy_name<Decay>(), detail::policy_fields(decay), detail::policy_name<Schedule>(),
