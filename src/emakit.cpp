@@ -13,10 +13,12 @@
 #include <emakit/checkpoint-inl.hpp>
 #include <emakit/detail/cpu_pass-inl.hpp>
 #include <emakit/detail/errors-inl.hpp>
+#include <emakit/detail/module_tensors-inl.hpp>
 #include <emakit/detail/serial/archive_file-inl.hpp>
 #include <emakit/detail/serial/archive_scan-inl.hpp>
 #include <emakit/detail/serial/atomic_file-inl.hpp>
 #include <emakit/detail/serial/checksum-inl.hpp>
+#include <emakit/detail/serial/formats-inl.hpp>
 #include <emakit/detail/serial/ema_state-inl.hpp>
 #include <emakit/detail/serial/hook_state-inl.hpp>
 #include <emakit/detail/serial/snapshot_file-inl.hpp>

@@ -108,15 +108,15 @@ TEST_CASE("Hook: setup makes the EMA and each step updates it as a plain Ema wou
 TEST_CASE("Hook: lazy creation at the first eligible step (nvalchemi EMAHook) uses no EMA before it", "[hooks]") {
   torch::manual_seed(2);
   TinyNet model;
-  const emakit::EmaHookOptions o{.decay = 0.5, .update_every = 2, .start_step = 3};
+  const emakit::NvalchemiEmaOptions o{.decay = 0.5, .update_every = 2, .start_step = 3};
   EmaHook hook;
-  hook.add(*model, emakit::ema_hook_recipe(o), {.creation = Creation::at_first_eligible_step});
+  hook.add(*model, emakit::nvalchemi_ema_recipe(o), {.creation = Creation::at_first_eligible_step});
   hook.setup();
   CHECK_FALSE(hook.created("model"));
   REQUIRE_THROWS_WITH(hook.ema<emakit::FixedEma>("model"), Contains("no EMA yet") && Contains("first eligible step"));
 
   // A plain ema_hook Ema made at the start sees the same calls: the same decisions and numbers.
-  auto plain = emakit::ema_hook(*model, o);
+  auto plain = emakit::nvalchemi_ema(*model, o);
   struct Call {
     bool veto;
     bool created_after;
@@ -301,7 +301,7 @@ struct RunResult {
 };
 
 RunResult train(int total, int stop_at, const std::filesystem::path& dir) {
-  const auto recipe = emakit::ema_hook_recipe({.decay = 0.8, .update_every = 3, .start_step = 4});
+  const auto recipe = emakit::nvalchemi_ema_recipe({.decay = 0.8, .update_every = 3, .start_step = 4});
   const HookOptions options{.creation = Creation::at_first_eligible_step};
   auto make = [&](TinyNet& model, std::unique_ptr<torch::optim::SGD>& opt, std::unique_ptr<EmaHook>& hook) {
     torch::manual_seed(7);

@@ -155,6 +155,27 @@ TEST_CASE("import_state names the key the peer's file should hold, and what it h
     CHECK(averaged.num_updates() == 0);
   }
 
+  SECTION("a counter that is not one integer is named with what it holds, and nothing loads") {
+    auto ema = emakit::ema_pytorch(*model);
+    const auto before = snapshot(ema.averages());
+    auto saved = peer_tensors(ema.averages(), "ema_model.");
+    saved.emplace_back("step", at::full({2}, 4.5));  // two floats where ema-pytorch keeps one integer
+    saved.emplace_back("initted", at::scalar_tensor(true, at::kBool));
+    write_dict(file, saved);
+    CHECK_THROWS_WITH(emakit::import_state(ema, emakit::Peer::ema_pytorch, file),
+                      Contains("import_state: '" + file.string() + "': 'step' must be one integer, got a Float tensor "
+                               "of shape [2]"));
+    auto averaged = emakit::averaged_model_ema(*model, {.decay = 0.95});
+    auto saved_averaged = peer_tensors(averaged.averages(), "module.");
+    saved_averaged.emplace_back("n_averaged", at::zeros({3}, at::kLong));
+    write_dict(file, saved_averaged);
+    CHECK_THROWS_WITH(emakit::import_state(averaged, emakit::Peer::averaged_model, file),
+                      Contains("'n_averaged' must be one integer, got a Long tensor of shape [3]"));
+    CHECK(same_averages(ema.averages(), before));
+    CHECK(ema.num_updates() == 0);
+    CHECK(averaged.num_updates() == 0);
+  }
+
   SECTION("a state of another peer: the key it holds instead is named") {
     auto ema = emakit::ema_pytorch(*model);
     auto saved = peer_tensors(ema.averages(), "module.");

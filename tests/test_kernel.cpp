@@ -360,7 +360,7 @@ TEST_CASE("The side-stream option changes nothing for a CPU model", "[kernel]") 
     emakit_test::perturb(*model);
     plain.update();
     side.update();
-    side.wait();
+    side.wait_for_model_reads();
   }
   for (const auto& item : plain.averages()) CHECK(torch::equal(item.value(), side.average(item.key())));
 }
@@ -746,7 +746,7 @@ TEST_CASE("slots() waits for nothing, settled_slots() settles once", "[kernel][s
   const auto& settled = kernel.settled_slots();
   CHECK(&settled == &kernel.slots());
   CHECK(counts.settles == before.settles + 1);
-  CHECK(counts.waits == before.waits + 1);  // settle() orders the streams as wait_sources() does
+  CHECK(counts.waits == before.waits + 1);  // wait_for_update() orders the streams as wait_for_model_reads() does
 }
 
 TEST_CASE("Each read of an Ema settles once whatever its number of tensors, and update() not at all", "[kernel][sync]") {
@@ -774,5 +774,5 @@ TEST_CASE("Each read of an Ema settles once whatever its number of tensors, and 
   CHECK(settles_of([&] { ema.copy_to(*other); }) == 1);
   CHECK(settles_of([&] { ema.copy_from(*other); }) == 1);
   CHECK(settles_of([&] { auto guard = ema.swap_into(); }) == 1);
-  CHECK(settles_of([&] { ema.settle(); }) == 1);
+  CHECK(settles_of([&] { ema.wait_for_update(); }) == 1);
 }

@@ -225,7 +225,7 @@ TEST_CASE("An EmaHook whose model was destroyed before its EMA was made refuses 
   INFO("start_step " << start_step);
   std::optional<TinyNet> model(std::in_place);
   EmaHook hook;
-  hook.add("net", **model, emakit::ema_hook_recipe({.decay = 0.9, .start_step = start_step}),
+  hook.add("net", **model, emakit::nvalchemi_ema_recipe({.decay = 0.9, .start_step = start_step}),
            {.creation = Creation::at_first_eligible_step});
   hook.setup();
   REQUIRE_FALSE(hook.created("net"));

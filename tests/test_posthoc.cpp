@@ -274,11 +274,17 @@ TEST_CASE("A corrupt, truncated or foreign snapshot is rejected with an error na
   const auto info = emakit::read_snapshot_info(good);
   const auto& weight = info.tensors.front();  // fc.weight
   const fs::path bad = folder.path / "phema-0000000099-7.emkit";
-  auto rejected = [&](const std::vector<char>& content, const std::string& why, bool header_ok = false) {
+  // A damaged file is a std::runtime_error; another format version, the one error every
+  // format's reader throws for it (emakit::FormatVersionError).
+  auto rejected = [&](const std::vector<char>& content, const std::string& why, bool header_ok = false,
+                      bool version_error = false) {
     write_bytes(bad, content);
     INFO(why);
     if (header_ok) {
       CHECK_NOTHROW(emakit::read_snapshot_info(bad));
+    } else if (version_error) {
+      CHECK_THROWS_AS(emakit::read_snapshot_info(bad), emakit::FormatVersionError);
+      CHECK_THROWS_WITH(emakit::list_snapshots(folder.path), Contains(bad.string()) && Contains(why));
     } else {
       CHECK_THROWS_AS(emakit::read_snapshot_info(bad), std::runtime_error);
       CHECK_THROWS_WITH(emakit::list_snapshots(folder.path), Contains(bad.string()) && Contains(why));
@@ -302,7 +308,9 @@ TEST_CASE("A corrupt, truncated or foreign snapshot is rejected with an error na
                     Contains("none.emkit") && Contains("No such file or directory"));
   auto future = bytes;
   future[8] = 3;
-  rejected(future, "format version 3; this emakit reads versions 1 to 2 (written by a newer emakit");
+  rejected(future, "emakit post-hoc snapshot version 3; this emakit (" + std::string(emakit::version_string) +
+                       ") reads versions 1 to 2; a newer emakit wrote it: update emakit",
+           false, true);
 
   // A synthesis that would read the corrupt tensor fails and writes no output.
   write_bytes(bad, flipped_data);

@@ -137,7 +137,7 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
   }
   {
     TinyNet model;
-    EMAKIT_ROW(code[5], auto ema = emakit::ema_hook(*model, {.decay = 0.999, .update_every = 2, .start_step = 100}); ema.update({.vetoed = will_skip});)
+    EMAKIT_ROW(code[5], auto ema = emakit::nvalchemi_ema(*model, {.decay = 0.999, .update_every = 2, .start_step = 100}); ema.update({.vetoed = will_skip});)
     CHECK(ema.decay_policy() == emakit::Fixed(py(5, "decay")));
     CHECK(ema.schedule().update_every() == whole(py(5, "update_every")));
     CHECK(ema.schedule().start_step() == whole(py(5, "start_step")));
@@ -150,7 +150,7 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
   }
   {
     TinyNet model;
-    EMAKIT_ROW(code[7], emakit::EmaHook hook; hook.add(*model, emakit::ema_hook_recipe({.decay = 0.999, .start_step = 100}), {.creation = emakit::Creation::at_first_eligible_step}); hook.after_optimizer_step({.vetoed = will_skip});)
+    EMAKIT_ROW(code[7], emakit::EmaHook hook; hook.add(*model, emakit::nvalchemi_ema_recipe({.decay = 0.999, .start_step = 100}), {.creation = emakit::Creation::at_first_eligible_step}); hook.after_optimizer_step({.vetoed = will_skip});)
     CHECK(rows[7].python.at(0) == "EMAHook(...)");
     CHECK_FALSE(hook.created("model"));  // nothing eligible yet: no EMA, no memory
   }
@@ -179,7 +179,7 @@ TEST_CASE("ema-pytorch preset: integers untouched, ignored names follow copies o
   emakit_test::fill_floats(*model, 1.0);
   auto ema = emakit::ema_pytorch(*model, {.beta = 0.5, .update_after_step = 0, .update_every = 1,
                                           .ignore_names = {"scale"}});
-  CHECK(ema.names(emakit::Role::follow_copies) == std::vector<std::string>{"scale"});
+  CHECK(ema.names(emakit::Role::ignore_except_copies) == std::vector<std::string>{"scale"});
   CHECK_THROWS_WITH(ema.average("bn.num_batches_tracked"), Contains("no tensor"));
   emakit_test::fill_floats(*model, 3.0);
   CHECK(ema.update().action == Action::copied);  // the first update copies, ignored names too
@@ -246,3 +246,35 @@ TEST_CASE("An export round trip through the Python file format is exact", "[pres
   for (const auto& item : a.averages()) CHECK(torch::equal(item.value(), b.average(item.key())));
   CHECK(b.num_updates() == 4);
 }
+
+// The names before 0.2 still compile, with a deprecation warning, and are the new ones.
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+#endif
+TEST_CASE("Renamed API: the old names are deprecated aliases of the new ones", "[presets][deprecated]") {
+  torch::manual_seed(21);
+  emakit_test::TinyNet model;
+  const emakit::EmaHookOptions o{.decay = 0.8, .update_every = 2, .start_step = 1};
+  STATIC_REQUIRE(std::is_same_v<emakit::EmaHookOptions, emakit::NvalchemiEmaOptions>);
+  auto old_ema = emakit::ema_hook(*model, o);
+  auto new_ema = emakit::nvalchemi_ema(*model, o);
+  STATIC_REQUIRE(std::is_same_v<decltype(old_ema), decltype(new_ema)>);
+  const auto old_recipe = emakit::ema_hook_recipe(o);
+  CHECK(old_recipe.decay.decay({}) == new_ema.decay_policy().decay({}));
+  CHECK(emakit::Role::follow_copies == emakit::Role::ignore_except_copies);
+  for (int i = 0; i < 5; ++i) {
+    emakit_test::perturb(*model);
+    const auto a = old_ema.update();
+    const auto b = new_ema.update();
+    CHECK(a.action == b.action);
+    old_ema.wait();
+    old_ema.settle();
+  }
+  CHECK(old_ema.num_updates() == new_ema.num_updates());
+  CHECK(old_ema.num_updates() > 0);
+  for (const auto& item : new_ema.averages()) CHECK(torch::equal(item.value(), old_ema.average(item.key())));
+}
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif

@@ -245,7 +245,7 @@ TEST_CASE("Teacher: bad routes and misbehaving modules give errors that name the
 
 TEST_CASE("Every read of the EMA, the teacher's included, settles the last update first", "[teacher][sync]") {
   // On a GPU with a side stream (or a CPU average of a CUDA model), an update may still run when
-  // update() returns; each accessor must pass through the kernel's settle() before it hands out
+  // update() returns; each accessor must pass through the kernel's wait_for_update() before it hands out
   // the averages. Counted here on the CPU; tests/cuda/test_cuda_races.cpp provokes the races.
   torch::manual_seed(5);
   Setup s;
@@ -271,12 +271,12 @@ TEST_CASE("Every read of the EMA, the teacher's included, settles the last updat
   settles("swap_into()", [&] { auto guard = s.ema.swap_into(); });
   settles("TeacherStudent::teacher()", [&] { (void)wrapper.teacher(); });
   settles("TeacherStudent::forward()", [&] { (void)wrapper.forward(torch::randn({2, 4})); });
-  settles("settle()", [&] { s.ema.settle(); });
-  // wait() is the trainer's point before the optimizer step: it orders the model's writers only.
+  settles("wait_for_update()", [&] { s.ema.wait_for_update(); });
+  // wait_for_model_reads() is the trainer's point before the optimizer step: it orders the model's writers only.
   s.ema.update();
   const auto waits = counts.waits;
   const auto settled = counts.settles;
-  s.ema.wait();
+  s.ema.wait_for_model_reads();
   CHECK(counts.waits == waits + 1);
   CHECK(counts.settles == settled);
 }

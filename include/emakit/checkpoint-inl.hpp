@@ -26,10 +26,8 @@ EMAKIT_FUNC void load_ema_file(FunctionRef<void(torch::serialize::InputArchive&)
   read_archive(archive, path, "emakit::load");
   try {
     load(archive);
-  } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(fmt::format("{} (file '{}')", e.what(), path.string()));
-  } catch (const std::runtime_error& e) {
-    throw std::runtime_error(fmt::format("{} (file '{}')", e.what(), path.string()));
+  } catch (const std::exception&) {
+    rethrow_with_context(fmt::format(" (file '{}')", path.string()));
   }
 }
 

@@ -121,7 +121,7 @@ concept StoragePolicy =
 
 // gather(ema, all_ranks), gather_averages(ema, all_ranks): every rank receives the whole average.
 inline constexpr int all_ranks = -1;
-enum class LoadMode : std::uint8_t;  // strict or lenient (ema.hpp)
+enum class LoadMode : std::uint8_t;  // strict or lenient (state.hpp)
 
 template <class S, class E>
 concept GatheringStorage = requires(const S& s, const E& ema, int to) {

@@ -15,41 +15,6 @@
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 
-EMAKIT_FUNC std::vector<SourceTensor> collect(const torch::nn::Module& model) {
-  std::vector<SourceTensor> out;
-  for (const auto& item : model.named_parameters(/*recurse=*/true)) out.push_back({item.key(), item.value(), false});
-  for (const auto& item : model.named_buffers(/*recurse=*/true)) out.push_back({item.key(), item.value(), true});
-  return out;
-}
-
-EMAKIT_FUNC std::unordered_map<std::string, at::Tensor> tensors_by_name(const torch::nn::Module& model) {
-  std::unordered_map<std::string, at::Tensor> out;
-  for (auto& t : collect(model)) out.emplace(std::move(t.name), std::move(t.tensor));
-  return out;
-}
-
-EMAKIT_FUNC bool same_view(const at::Tensor& a, const at::Tensor& b) {
-  if (a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl()) return true;
-  return a.has_storage() && b.has_storage() && a.storage().is_alias_of(b.storage()) &&
-         a.storage_offset() == b.storage_offset() && a.scalar_type() == b.scalar_type() &&
-         a.sizes().equals(b.sizes()) && a.strides().equals(b.strides());
-}
-
-EMAKIT_FUNC std::pair<std::int64_t, std::int64_t> byte_extent(const at::Tensor& t) {
-  std::int64_t last = t.storage_offset();
-  for (std::int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-  const auto item = static_cast<std::int64_t>(t.element_size());
-  return {t.storage_offset() * item, (last + 1) * item};
-}
-
-EMAKIT_FUNC bool overlap(const at::Tensor& a, const at::Tensor& b) {
-  if (!a.has_storage() || !b.has_storage() || a.numel() == 0 || b.numel() == 0) return false;
-  if (!a.storage().is_alias_of(b.storage())) return false;
-  const auto [a0, a1] = byte_extent(a);
-  const auto [b0, b1] = byte_extent(b);
-  return a0 < b1 && b0 < a1;
-}
-
 [[noreturn]] EMAKIT_FUNC void fail_model_destroyed(const char* what) {
   fail("{}(): the model this Ema was bound to has been destroyed (a rebuilt model?), so the EMA would average, "
        "or write into, tensors that no model uses; make a new Ema for the new model, or load this EMA's state "
@@ -57,14 +22,6 @@ EMAKIT_FUNC bool overlap(const at::Tensor& a, const at::Tensor& b) {
        "EMA's own state still reads: averages(), state_dict(), save()",
        what);
 }
-
-EMAKIT_FUNC bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
-  if (a.scalar_type() != b.scalar_type() || !a.sizes().equals(b.sizes())) return false;
-  const at::Tensor x = a.detach().cpu().contiguous();
-  const at::Tensor y = b.detach().cpu().contiguous();
-  return x.nbytes() == y.nbytes() && std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
-}
-
 
 // ---- EmaCore -------------------------------------------------------------------------------
 
@@ -133,14 +90,14 @@ EMAKIT_FUNC UpdateResult EmaCore::update(const StepInfo& info, const PolicyNames
   return result;
 }
 
-EMAKIT_FUNC void EmaCore::wait() const {
-  ensure_bound("wait");
-  kernel_.wait_sources();
+EMAKIT_FUNC void EmaCore::wait_for_model_reads() const {
+  ensure_bound("wait_for_model_reads");
+  kernel_.wait_for_model_reads();
 }
 
-EMAKIT_FUNC void EmaCore::settle() const {
-  ensure_bound("settle");
-  kernel_.settle();
+EMAKIT_FUNC void EmaCore::wait_for_update() const {
+  ensure_bound("wait_for_update");
+  kernel_.wait_for_update();
 }
 
 EMAKIT_FUNC StateDict EmaCore::averages() const {
@@ -164,7 +121,7 @@ EMAKIT_FUNC std::vector<std::string> EmaCore::names(Role role) const {
   const auto& slots = kernel_.settled_slots();
   for (const auto& e : entries_) {
     const auto& s = slots[e.slot];
-    const Role r = s.averaged ? Role::average : s.follows_averages ? Role::copy : Role::follow_copies;
+    const Role r = s.averaged ? Role::average : s.follows_averages ? Role::copy : Role::ignore_except_copies;
     if (r == role) out.push_back(e.name);
   }
   return out;
@@ -326,7 +283,7 @@ EMAKIT_FUNC Role group_role(const std::vector<SourceTensor>& tensors, const std:
   std::optional<std::size_t> held;
   bool follows = false;
   for (const std::size_t i : names) {
-    if (roles[i] == Role::follow_copies) follows = true;
+    if (roles[i] == Role::ignore_except_copies) follows = true;
     if (roles[i] != Role::average && roles[i] != Role::copy) continue;
     if (!held) {
       held = i;
@@ -337,7 +294,7 @@ EMAKIT_FUNC Role group_role(const std::vector<SourceTensor>& tensors, const std:
     }
   }
   if (held) return roles[*held];
-  return follows ? Role::follow_copies : Role::ignore;
+  return follows ? Role::ignore_except_copies : Role::ignore;
 }
 
 EMAKIT_FUNC void check_dense(const std::string& name, const at::Tensor& t) {
@@ -456,7 +413,7 @@ EMAKIT_FUNC void EmaCore::bind(const torch::nn::Module* model, std::vector<Sourc
     slot.average = own[i];
     slot.source = specs[i].source;
     slot.averaged = spec_roles[i] == Role::average;
-    slot.follows_averages = spec_roles[i] != Role::follow_copies;
+    slot.follows_averages = spec_roles[i] != Role::ignore_except_copies;
     slot.buffer = spec_buffer[i] != 0;
     slot_of[i] = slots.size();
     slots.push_back(std::move(slot));

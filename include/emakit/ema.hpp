@@ -13,7 +13,8 @@
 //     auto swapped = ema.swap_into();                // the model now holds the EMA weights
 //     evaluate(model);
 //   }                                                // ... and its own weights again
-//   torch::save(ema, "ema.pt");                      // config, counters and averages
+//   emakit::save(ema, "ema.pt");                     // config, counters and averages, written
+//                                                    // atomically (checkpoint.hpp)
 //
 // The Ema binds once: it keeps handles to the model's tensors and its own, grouped for the update
 // kernel, so update() does no name lookups and allocates nothing. Module::to() keeps the handles
@@ -27,14 +28,18 @@
 #include <emakit/detail/config.hpp>
 #include <emakit/concepts.hpp>
 #include <emakit/decay.hpp>
+#include <emakit/detail/busy.hpp>
 #include <emakit/detail/check.hpp>
+#include <emakit/detail/module_tensors.hpp>
 #include <emakit/detail/serial/ema_state.hpp>
 #include <emakit/detail/serial/match.hpp>
 #include <emakit/detail/update_kernel.hpp>
 #include <emakit/fwd.hpp>
 #include <emakit/options.hpp>
 #include <emakit/schedule.hpp>
+#include <emakit/state.hpp>
 #include <emakit/storage.hpp>
+#include <emakit/swap.hpp>
 #include <emakit/version.hpp>
 
 #include <ATen/Context.h>
@@ -67,14 +72,6 @@
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
-// A tensor to average, for an Ema bound to tensors rather than a module (a TorchScript model,
-// a hand-made list). `is_buffer` decides whether EmaOptions::buffers applies to it.
-struct SourceTensor {
-  std::string name;
-  at::Tensor tensor;
-  bool is_buffer = false;
-};
-
 // What the caller tells update(): `step` when the trainer counts steps itself (timm passes its
 // optimizer step), `vetoed` when the optimizer skipped this step (gradient-scaler overflow).
 struct StepInfo {
@@ -92,177 +89,10 @@ struct UpdateResult {
   std::string non_finite = {};
 };
 
-// LoadMode, LoadReport and StateDict: detail/serial/ema_state.hpp, with the state's layout.
-
 // The version of the state-dict layout (detail::formats::ema_state); stored as "emakit.format".
 inline constexpr std::int64_t state_format_version = detail::formats::ema_state.version;
 
 namespace detail {
-
-// The state of one Ema's swap: the model's tensors that hold the EMA weights, a copy of their
-// own weights, and how many SwapGuards are open on it. The weights go back when the last guard
-// ends, in whatever order the guards end. While open, the tensors' memory is registered
-// (swap_registry), so that every Ema bound to the same model sees that the model holds an EMA's
-// weights, not its own.
-struct SwapState {
-  int guards = 0;
-  std::vector<at::Tensor> targets;
-  std::vector<at::Tensor> backup;
-};
-
-// The model memory that open swaps hold, across every Ema of the process: storage -> the
-// SwapState holding it. `open` counts entries, read without the lock so that an update with no
-// swap anywhere costs one atomic load.
-struct SwapRegistry {
-  std::mutex mutex;
-  std::unordered_map<const void*, const SwapState*> holders;
-  std::atomic<std::size_t> open{0};
-
-  static const void* key(const at::Tensor& t) {
-    return t.defined() && t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
-  }
-  // The swap (other than `self`) that holds one of `tensors`, or null.
-  template <class Tensors>
-  const SwapState* holder(const Tensors& tensors, const SwapState* self) {
-    if (open.load(std::memory_order_acquire) == 0) return nullptr;
-    std::lock_guard lock(mutex);
-    for (const at::Tensor& t : tensors) {
-      auto it = holders.find(key(t));
-      if (it != holders.end() && it->second != self) return it->second;
-    }
-    return nullptr;
-  }
-  void add(const SwapState* s) {
-    std::lock_guard lock(mutex);
-    for (const auto& t : s->targets)
-      if (const void* k = key(t)) holders.emplace(k, s);
-    open.store(holders.size(), std::memory_order_release);
-  }
-  void remove(const SwapState* s) noexcept {
-    std::lock_guard lock(mutex);
-    for (auto it = holders.begin(); it != holders.end();) it = it->second == s ? holders.erase(it) : std::next(it);
-    open.store(holders.size(), std::memory_order_release);
-  }
-};
-
-inline SwapRegistry& swap_registry() {
-  static SwapRegistry registry;
-  return registry;
-}
-
-}  // namespace detail
-
-class SwapGuard;
-namespace detail {
-class EmaCore;
-SwapGuard open_swap(std::shared_ptr<SwapState> state);
-}
-
-// Holds the EMA weights in the model for its scope and restores the model's own weights when the
-// scope ends, also when it ends by an exception. Made by Ema::swap_into() (and by
-// swap_gathered_into() for a sharded EMA). Guards of one Ema may
-// nest and may end in any order: the model gets its own weights back when the last one ends.
-class SwapGuard {
- public:
-  SwapGuard(const SwapGuard&) = delete;
-  SwapGuard& operator=(const SwapGuard&) = delete;
-  SwapGuard(SwapGuard&& other) noexcept : state_(std::move(other.state_)) {}
-  SwapGuard& operator=(SwapGuard&&) = delete;
-  ~SwapGuard() { restore(); }
-
-  // Ends this guard now (the destructor then does nothing); the model's own weights come back if
-  // it was the last open guard of its Ema.
-  void restore() noexcept {
-    if (!state_) return;
-    auto state = std::move(state_);
-    if (--state->guards > 0) return;
-    c10::NoGradGuard no_grad;
-    for (std::size_t i = 0; i < state->targets.size(); ++i) {
-      try {
-        state->targets[i].copy_(state->backup[i]);
-      } catch (...) {  // a destructor must not throw; the copy of a same-shaped tensor cannot fail short of OOM
-      }
-    }
-    detail::swap_registry().remove(state.get());
-    state->targets.clear();
-    state->backup.clear();
-  }
-
-  bool active() const noexcept { return static_cast<bool>(state_); }
-
- private:
-  friend class detail::EmaCore;
-  friend SwapGuard detail::open_swap(std::shared_ptr<detail::SwapState> state);
-  explicit SwapGuard(std::shared_ptr<detail::SwapState> state) : state_(std::move(state)) { ++state_->guards; }
-
-  std::shared_ptr<detail::SwapState> state_;
-};
-
-namespace detail {
-// The first guard of a swap whose targets are about to receive EMA weights (their own weights are
-// in `backup`): registers the targets' memory, so that every Ema bound to them sees the swap.
-inline SwapGuard open_swap(std::shared_ptr<SwapState> state) {
-  SwapGuard guard(state);
-  swap_registry().add(state.get());
-  return guard;
-}
-}  // namespace detail
-
-namespace detail {
-
-EMAKIT_FUNC std::vector<SourceTensor> collect(const torch::nn::Module& model);
-
-EMAKIT_FUNC std::unordered_map<std::string, at::Tensor> tensors_by_name(const torch::nn::Module& model);
-
-// true while an Ema is bound; a move leaves false behind, so a moved-from Ema is detected.
-struct BoundFlag {
-  bool value = false;
-  BoundFlag() = default;
-  BoundFlag(BoundFlag&& other) noexcept : value(std::exchange(other.value, false)) {}
-  BoundFlag& operator=(BoundFlag&& other) noexcept {
-    value = std::exchange(other.value, false);
-    return *this;
-  }
-  BoundFlag& operator=(bool v) noexcept {
-    value = v;
-    return *this;
-  }
-  explicit operator bool() const noexcept { return value; }
-};
-
-// Set while an update() runs: a second update() that overlaps it (another thread) is refused.
-// Moves make a fresh flag (an Ema is not moved while it updates).
-struct BusyFlag {
-  std::atomic<bool> value{false};
-  BusyFlag() = default;
-  BusyFlag(BusyFlag&&) noexcept {}
-  BusyFlag& operator=(BusyFlag&&) noexcept { return *this; }
-};
-
-class BusyScope {
- public:
-  BusyScope(BusyFlag& flag, const char* what) : flag_(flag) {
-    if (flag_.value.exchange(true, std::memory_order_acquire))
-      fail("{}() was called while another update() of this Ema is running (from another thread); an Ema is not "
-           "thread-safe: call it from one thread at a time, or behind a mutex",
-           what);
-  }
-  BusyScope(const BusyScope&) = delete;
-  BusyScope& operator=(const BusyScope&) = delete;
-  ~BusyScope() { flag_.value.store(false, std::memory_order_release); }
-
- private:
-  BusyFlag& flag_;
-};
-
-// Whether two tensors are the same tensor of the model (one TensorImpl, or the same view of one
-// storage), and whether they share memory at all (their byte ranges in one storage overlap).
-EMAKIT_FUNC bool same_view(const at::Tensor& a, const at::Tensor& b);
-EMAKIT_FUNC std::pair<std::int64_t, std::int64_t> byte_extent(const at::Tensor& t);
-EMAKIT_FUNC bool overlap(const at::Tensor& a, const at::Tensor& b);
-
-// The same dtype, shape and bytes (NaNs compare by their bits).
-EMAKIT_FUNC bool bitwise_equal(const at::Tensor& a, const at::Tensor& b);
 
 // The error of a call that would use the bound model after that model was destroyed.
 [[noreturn]] EMAKIT_FUNC void fail_model_destroyed(const char* what);
@@ -322,10 +152,10 @@ class EmaCore {
   EMAKIT_FUNC ~EmaCore();
 
   EMAKIT_FUNC UpdateResult update(const StepInfo& info, const PolicyNames& names, DecideFn decide, WeightFn weight);
-  EMAKIT_FUNC void wait() const;
-  EMAKIT_FUNC void settle() const;
-  // settle() without the moved-from check (storage() of a moved-from Ema reads its policy).
-  void settle_kernel() const { kernel_.settle(); }
+  EMAKIT_FUNC void wait_for_model_reads() const;
+  EMAKIT_FUNC void wait_for_update() const;
+  // wait_for_update() without the moved-from check (storage() of a moved-from Ema reads its policy).
+  void wait_for_update_kernel() const { kernel_.wait_for_update(); }
 
   std::int64_t calls() const noexcept { return counters_.calls; }
   std::int64_t step() const noexcept { return counters_.step; }
@@ -469,18 +299,21 @@ class Ema {
   }
 
   // The side-stream protocol (EmaOptions::side_stream): update() may return before the update has
-  // run. Call wait() before the next optimizer step writes the model; it is asynchronous for the
+  // run. Call wait_for_model_reads() before the next optimizer step writes the model; it is asynchronous for the
   // host (the device's current stream waits for the side stream). Nothing else is needed:
   // buffers, which the next forward pass may write (BatchNorm statistics), are read on the
   // current stream, and every read of the EMA (average(), averages(), state_dict(), module(),
   // storage(), swap_into(), copy_to(), and what is built on them) settles by itself. With a CPU
-  // average of a CUDA model, wait() orders only the device-to-host copies; the host pass goes on
-  // until something reads the average. Without a side stream, both do nothing.
-  void wait() const { core_.wait(); }
+  // average of a CUDA model, wait_for_model_reads() orders only the device-to-host copies; the
+  // host pass goes on until something reads the average. Without a side stream, both do nothing.
+  void wait_for_model_reads() const { core_.wait_for_model_reads(); }
   // Everything of the last update has finished (the host pass of an offloaded update too). For
   // tensors taken from averages() or module() before an update and read after it; the EMA's own
   // accessors call it.
-  void settle() const { core_.settle(); }
+  void wait_for_update() const { core_.wait_for_update(); }
+  // The names before 0.2 (kept for one release).
+  [[deprecated("renamed wait_for_model_reads()")]] void wait() const { wait_for_model_reads(); }
+  [[deprecated("renamed wait_for_update()")]] void settle() const { wait_for_update(); }
 
   // ---- counters and parts -------------------------------------------------------------------
 
@@ -498,7 +331,7 @@ class Ema {
   const Schedule& schedule() const noexcept { return schedule_; }
   // The storage policy and the tensors it holds, settled (see wait()).
   const Storage& storage() const {
-    core_.settle_kernel();
+    core_.wait_for_update_kernel();
     return storage_;
   }
   const EmaOptions& options() const noexcept { return core_.options(); }
@@ -509,7 +342,7 @@ class Ema {
     requires requires(const Storage& s) { s.module(); }
   {
     core_.ensure_bound("module");
-    core_.settle_kernel();
+    core_.wait_for_update_kernel();
     return storage_.module();
   }
 
@@ -615,23 +448,6 @@ class Ema {
   Schedule schedule_;
   Storage storage_;
   detail::EmaCore core_;  // after the policies: binding calls storage_.create()
-};
-
-// The policies and options of an Ema before it exists: what a trainer hook (hooks.hpp) keeps
-// until it makes the EMA, and what it asks the schedule before then.
-template <DecayPolicy D, SchedulePolicy S, StoragePolicy St>
-struct Recipe {
-  using ema_type = Ema<D, S, St>;
-
-  explicit Recipe(D d = D(), S s = S(), EmaOptions o = EmaOptions(), St st = St())
-      : decay(std::move(d)), schedule(std::move(s)), options(std::move(o)), storage(std::move(st)) {}
-
-  ema_type make(const torch::nn::Module& model) const { return ema_type(model, decay, schedule, options, storage); }
-
-  D decay;
-  S schedule;
-  EmaOptions options;
-  St storage;
 };
 
 // torch::save(ema, path) and torch::load(ema, path).

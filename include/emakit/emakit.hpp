@@ -9,7 +9,10 @@
 #include <emakit/schedule.hpp>
 #include <emakit/storage.hpp>
 #include <emakit/options.hpp>
+#include <emakit/state.hpp>
+#include <emakit/swap.hpp>
 #include <emakit/ema.hpp>
+#include <emakit/recipe.hpp>
 #include <emakit/checkpoint.hpp>
 #include <emakit/aliases.hpp>
 #include <emakit/presets.hpp>

@@ -22,11 +22,15 @@
 //   Trainer hooks (hooks.hpp): EmaHook, called at setup, after each optimizer step, around
 //     validation and test, at train end and at checkpoints, for one or several models by key
 //
+//   State (state.hpp): StateDict, LoadMode, LoadReport, SourceTensor; what state_dict(),
+//     load_state_dict() and the checkpoints exchange
+//
 //   Aliases (aliases.hpp): FixedEma, WarmupEma, RampEma, PowerEma, SwaAverage, ModuleEma<M>, ...
 #pragma once
 
 #include <emakit/detail/config.hpp>
 #include <emakit/concepts.hpp>
+#include <emakit/state.hpp>  // StateDict, LoadMode, LoadReport, SourceTensor
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
@@ -48,7 +52,6 @@ class ShardedStorage;  // sharded.hpp
 
 // Options shared by every Ema (selection, precision, placement).
 class EmaOptions;
-class PostHocEma;  // post-hoc EMA: several PowerFunction Emas, snapshots, synthesis (posthoc.hpp)
 
 // The one class template. The defaults give the "30-line loop" most C++ trainers copy:
 // a fixed decay of 0.9999, every step, the average kept as a flat state dict.
@@ -56,10 +59,16 @@ template <DecayPolicy Decay = Fixed, SchedulePolicy Schedule = StepSchedule,
           StoragePolicy Storage = FlatStorage>
 class Ema;
 
-// An Ema's policies and options before it exists (ema.hpp), and the trainer hook that makes
+// An Ema's policies and options before it exists (recipe.hpp), and the trainer hook that makes
 // EMAs from them at setup or at the first eligible step (hooks.hpp).
 template <DecayPolicy Decay, SchedulePolicy Schedule = StepSchedule, StoragePolicy Storage = FlatStorage>
 struct Recipe;
 class EmaHook;
+
+// Post-hoc EMA: several PowerFunction Emas, snapshots, synthesis after training (posthoc.hpp).
+class PostHocEma;
+
+// The RAII guard of Ema::swap_into() (swap.hpp).
+class SwapGuard;
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

@@ -65,7 +65,7 @@ EMAKIT_FUNC void EmaHook::setup() {
 EMAKIT_FUNC void EmaHook::before_optimizer_step() {
   require_training("before_optimizer_step");
   waits_before_step_ = true;
-  for (auto& e : entries_) e->wait();
+  for (auto& e : entries_) e->wait_for_model_reads();
 }
 
 EMAKIT_FUNC std::vector<UpdateResult> EmaHook::after_optimizer_step(StepInfo info) {
@@ -75,7 +75,7 @@ EMAKIT_FUNC std::vector<UpdateResult> EmaHook::after_optimizer_step(StepInfo inf
   out.reserve(entries_.size());
   for (auto& e : entries_) {
     out.push_back(e->step(info));
-    if (!waits_before_step_) e->wait();
+    if (!waits_before_step_) e->wait_for_model_reads();
   }
   return out;
 }
@@ -119,8 +119,8 @@ EMAKIT_FUNC void EmaHook::load_checkpoint(const std::filesystem::path& path, Loa
   detail::read_archive(archive, path, "load_checkpoint");
   try {
     load_checkpoint(archive, mode);
-  } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(fmt::format("{} (file '{}')", e.what(), path.string()));
+  } catch (const std::invalid_argument&) {
+    detail::rethrow_with_context(fmt::format(" (file '{}')", path.string()));
   }
 }
 

@@ -47,6 +47,7 @@
 #include <emakit/detail/serial/hook_state.hpp>
 #include <emakit/ema.hpp>
 #include <emakit/options.hpp>
+#include <emakit/recipe.hpp>
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
@@ -130,7 +131,7 @@ class HookEntryBase {
   virtual bool pending() const noexcept = 0;
   virtual void create(const char* what) = 0;
   virtual UpdateResult step(const StepInfo& info) = 0;
-  virtual void wait() = 0;
+  virtual void wait_for_model_reads() = 0;
   virtual void swap_in(const char* what) = 0;
   void swap_out() noexcept { swap_.reset(); }
   // train_end() would write the EMA weights into the model.
@@ -193,8 +194,8 @@ class HookEntry final : public HookEntryBase {
     return r;
   }
 
-  void wait() override {
-    if (ema_) ema_->wait();
+  void wait_for_model_reads() override {
+    if (ema_) ema_->wait_for_model_reads();
   }
 
   void swap_in(const char* what) override {
@@ -286,8 +287,8 @@ class HookEntry final : public HookEntryBase {
     for (const auto& item : state) {
       at::Tensor t = item.value();
       const std::string& key = item.key();
-      if (key.rfind("average.", 0) == 0) {
-        if (const at::Tensor* mine = ours.find(key.substr(8)); mine != nullptr) {
+      if (detail::ema_state::is_average_key(key)) {
+        if (const at::Tensor* mine = ours.find(detail::ema_state::average_name(key)); mine != nullptr) {
           const bool both_floating = c10::isFloatingType(t.scalar_type()) && c10::isFloatingType(mine->scalar_type());
           if (both_floating && (t.scalar_type() != mine->scalar_type() || t.device() != mine->device()))
             t = t.to(mine->options());

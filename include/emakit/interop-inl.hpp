@@ -44,7 +44,7 @@ EMAKIT_FUNC const at::Tensor* entry(const c10::impl::GenericDict& dict, const st
 EMAKIT_FUNC std::vector<std::string> average_names(const StateDict& state) {
   std::vector<std::string> names;
   for (const auto& item : state)
-    if (item.key().rfind(ema_state::average_prefix, 0) == 0) names.push_back(item.key().substr(ema_state::average_prefix.size()));
+    if (ema_state::is_average_key(item.key())) names.push_back(ema_state::average_name(item.key()));
   return names;
 }
 
@@ -106,19 +106,20 @@ EMAKIT_FUNC PeerFile read_peer_file(const c10::impl::GenericDict& dict, Peer pee
     const at::Tensor* initted = entry(dict, "initted");
     if (s == nullptr || initted == nullptr)
       fail("import_state: '{}' has no 'step' and 'initted': not an ema-pytorch EMA state{}", path, hint);
-    f.step = s->item<std::int64_t>();
-    if (f.step < 0) fail("import_state: '{}': step must be >= 0, got {}", path, f.step);
-    f.initted = initted->item<bool>();
+    const std::string where = fmt::format("import_state: '{}'", path);
+    f.step = integer_value(*s, "step", where);
+    if (f.step < 0) fail("{}: step must be >= 0, got {}", where, f.step);
+    f.initted = number_value(*initted, "initted", where) != 0;
   } else if (peer == Peer::averaged_model) {
     const at::Tensor* n = entry(dict, "n_averaged");
     if (n == nullptr) fail("import_state: '{}' has no 'n_averaged': not an AveragedModel state{}", path, hint);
-    f.n_averaged = n->item<std::int64_t>();
+    f.n_averaged = integer_value(*n, "n_averaged", fmt::format("import_state: '{}'", path));
     if (f.n_averaged < 0) fail("import_state: '{}': n_averaged must be >= 0, got {}", path, f.n_averaged);
   }
   for (const auto& item : state) {
     const std::string& key = item.key();
-    if (key.rfind(ema_state::average_prefix, 0) == 0) {
-      const at::Tensor* t = entry(dict, f.prefix + key.substr(ema_state::average_prefix.size()));
+    if (ema_state::is_average_key(key)) {
+      const at::Tensor* t = entry(dict, f.prefix + ema_state::average_name(key));
       if (t != nullptr) f.state.insert(key, *t);  // a missing one: peer_report names it
     } else if (key.rfind("counters.", 0) != 0) {
       f.state.insert(key, item.value());
@@ -152,9 +153,9 @@ EMAKIT_FUNC LoadReport peer_report(const LoadReport& found, const PeerFile& file
   for (const auto& k : report.unexpected) parts.push_back(fmt::format("unexpected '{}'", k));
   for (const auto& k : report.mismatched) parts.push_back(k);
   std::vector<std::string> missing;
-  for (const auto& k : found.missing) missing.push_back(k.substr(ema_state::average_prefix.size()));
+  for (const auto& k : found.missing) missing.push_back(ema_state::average_name(k));
   std::size_t matched = 0;
-  for (const auto& item : file.state) matched += item.key().rfind(ema_state::average_prefix, 0) == 0 ? 1 : 0;
+  for (const auto& item : file.state) matched += ema_state::is_average_key(item.key()) ? 1 : 0;
   std::string instead = missing.empty() ? std::string() : holds_instead(dict, peer, missing, matched);
   if (!instead.empty()) instead.insert(0, "; ");
   if (mode == LoadMode::strict)

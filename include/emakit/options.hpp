@@ -32,9 +32,17 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 enum class BufferMode : std::uint8_t { average = 0, copy = 1, ignore = 2 };
 
-// What an Ema does with one tensor of the model. `follow_copies`: left out of averages but
-// written when an update copies the model (what ema-pytorch does with its ignored names).
-enum class Role : std::uint8_t { average, copy, ignore, follow_copies };
+// What an Ema does with one tensor of the model: averaged; copied at every update; left alone;
+// or `ignore_except_copies`: left out of averages but written when an update copies the whole
+// model (what ema-pytorch does with its ignored names; EmaOptions::ignored_follow_copies).
+// `follow_copies` is its name before 0.2, kept for one release.
+enum class Role : std::uint8_t {
+  average,
+  copy,
+  ignore,
+  ignore_except_copies,
+  follow_copies [[deprecated("renamed Role::ignore_except_copies")]] = ignore_except_copies,
+};
 
 class EmaOptions {
  public:
@@ -151,7 +159,7 @@ class EmaOptions {
   // The role of a tensor named `name`; `floating` says whether its dtype can be averaged.
   Role role(const std::string& name, bool is_buffer, bool floating) const {
     if (contains(ignore_, name) || starts_with_any(name))
-      return ignored_follow_copies_ && floating ? Role::follow_copies : Role::ignore;
+      return ignored_follow_copies_ && floating ? Role::ignore_except_copies : Role::ignore;
     if (is_buffer && buffers_ == BufferMode::ignore) return Role::ignore;
     if (!floating) return non_floating_ == BufferMode::ignore ? Role::ignore : Role::copy;
     if (contains(copy_only_, name) || (is_buffer && buffers_ == BufferMode::copy)) return Role::copy;

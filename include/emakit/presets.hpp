@@ -8,9 +8,9 @@
 // |   ema.update(model, step=step)                            |   ema.update({.step = step})                  |
 // | AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(d)) | emakit::averaged_model_ema(*model, {.decay = d}) |
 // | AveragedModel(model) (SWA)                                | emakit::averaged_model_swa(*model, {...})     |
-// | nvalchemi EMAHook(decay=..., start_step=..., ...)          | emakit::ema_hook(*model, {...})               |
+// | nvalchemi EMAHook(decay=..., start_step=..., ...)          | emakit::nvalchemi_ema(*model, {...})          |
 // |   hook(ctx, AFTER_OPTIMIZER_STEP, will_skip=s)             |   ema.update({.vetoed = s})                   |
-// |   (as a hook, lazily made)                                 | hook.add(*model, emakit::ema_hook_recipe({...})) |
+// |   (as a hook, lazily made)                                 | hook.add(*model, emakit::nvalchemi_ema_recipe({...})) |
 // | luxonis-train ModelEma(model, decay=..., decay_tau=...)    | emakit::luxonis_model_ema(*model, {...})      |
 // | luxonis-train EMACallback(decay=..., decay_tau=...)        | hook.add(*model, emakit::luxonis_ema_callback_recipe({...})) |
 //
@@ -22,6 +22,7 @@
 #include <emakit/decay.hpp>
 #include <emakit/ema.hpp>
 #include <emakit/options.hpp>
+#include <emakit/recipe.hpp>
 #include <emakit/schedule.hpp>
 #include <emakit/storage.hpp>
 
@@ -176,31 +177,48 @@ inline Ema<Uniform> averaged_model_swa(std::vector<SourceTensor> tensors, const 
 
 // nvalchemi EMAHook: AveragedModel's EMA on completed steps >= start_step with
 // step % update_every == 0; a vetoed step (will_skip) does nothing.
-struct EmaHookOptions {
+struct NvalchemiEmaOptions {
   double decay = 0.999;
   std::int64_t update_every = 1;
   std::int64_t start_step = 0;
   bool use_buffers = true;
 };
 
-inline StepSchedule ema_hook_schedule(const EmaHookOptions& o) {
+inline StepSchedule nvalchemi_ema_schedule(const NvalchemiEmaOptions& o) {
   return StepSchedule().warmup(Warmup::skip_before_start).start_step(o.start_step).update_every(o.update_every);
 }
 
 template <StoragePolicy Storage = FlatStorage>
-Ema<Fixed, StepSchedule, Storage> ema_hook(const torch::nn::Module& model, const EmaHookOptions& o = {},
-                                           Storage storage = {}) {
-  return Ema<Fixed, StepSchedule, Storage>(model, Fixed(o.decay), ema_hook_schedule(o),
+Ema<Fixed, StepSchedule, Storage> nvalchemi_ema(const torch::nn::Module& model, const NvalchemiEmaOptions& o = {},
+                                                Storage storage = {}) {
+  return Ema<Fixed, StepSchedule, Storage>(model, Fixed(o.decay), nvalchemi_ema_schedule(o),
                                            averaged_model_options(o.use_buffers), std::move(storage));
 }
-inline Ema<Fixed> ema_hook(std::vector<SourceTensor> tensors, const EmaHookOptions& o = {}) {
-  return Ema<Fixed>(std::move(tensors), Fixed(o.decay), ema_hook_schedule(o), averaged_model_options(o.use_buffers));
+inline Ema<Fixed> nvalchemi_ema(std::vector<SourceTensor> tensors, const NvalchemiEmaOptions& o = {}) {
+  return Ema<Fixed>(std::move(tensors), Fixed(o.decay), nvalchemi_ema_schedule(o), averaged_model_options(o.use_buffers));
 }
 // For emakit::EmaHook (hooks.hpp), which makes the EMA at setup or at the first eligible step:
-//   hook.add("model", *model, emakit::ema_hook_recipe({.decay = 0.999, .start_step = 100}),
+//   hook.add("model", *model, emakit::nvalchemi_ema_recipe({.decay = 0.999, .start_step = 100}),
 //            {.creation = emakit::Creation::at_first_eligible_step});
-inline Recipe<Fixed> ema_hook_recipe(const EmaHookOptions& o = {}) {
-  return Recipe<Fixed>(Fixed(o.decay), ema_hook_schedule(o), averaged_model_options(o.use_buffers));
+inline Recipe<Fixed> nvalchemi_ema_recipe(const NvalchemiEmaOptions& o = {}) {
+  return Recipe<Fixed>(Fixed(o.decay), nvalchemi_ema_schedule(o), averaged_model_options(o.use_buffers));
+}
+
+// The names before 0.2, kept for one release: ema_hook() returned an Ema, not a hook (EmaHook is
+// the trainer hook), so the preset is named after its peer like the others.
+using EmaHookOptions [[deprecated("renamed emakit::NvalchemiEmaOptions")]] = NvalchemiEmaOptions;
+template <StoragePolicy Storage = FlatStorage>
+[[deprecated("renamed emakit::nvalchemi_ema()")]] Ema<Fixed, StepSchedule, Storage> ema_hook(
+    const torch::nn::Module& model, const NvalchemiEmaOptions& o = {}, Storage storage = {}) {
+  return nvalchemi_ema(model, o, std::move(storage));
+}
+[[deprecated("renamed emakit::nvalchemi_ema()")]] inline Ema<Fixed> ema_hook(std::vector<SourceTensor> tensors,
+                                                                             const NvalchemiEmaOptions& o = {}) {
+  return nvalchemi_ema(std::move(tensors), o);
+}
+[[deprecated("renamed emakit::nvalchemi_ema_recipe()")]] inline Recipe<Fixed> ema_hook_recipe(
+    const NvalchemiEmaOptions& o = {}) {
+  return nvalchemi_ema_recipe(o);
 }
 
 // ---- luxonis-train ModelEma -----------------------------------------------------------------

@@ -153,13 +153,13 @@ using RampEma = emakit::Ema<emakit::ExponentialRamp>;
 
 // Replays an nvalchemi scenario through emakit::EmaHook (at the first eligible step or at setup):
 // the creation step, the averages, num_updates and n_averaged after every batch.
-Tally replay_ema_hook(const fs::path& dir, const emakit::EmaHookOptions& o, emakit::Creation creation,
+Tally replay_ema_hook(const fs::path& dir, const emakit::NvalchemiEmaOptions& o, emakit::Creation creation,
                       const std::set<std::string>& integer_differences = {}) {
   Tally s;
   Net net;
   load_into(*net, load_dict(dir / "step_0000.pt"), "source.");
   emakit::EmaHook hook;
-  hook.add(*net, emakit::ema_hook_recipe(o), {.creation = creation});
+  hook.add(*net, emakit::nvalchemi_ema_recipe(o), {.creation = creation});
   hook.setup();
   const auto steps = load_dict(dir / "meta.pt").at("steps").item<std::int64_t>();
   Dict last_update, previous;
@@ -284,11 +284,11 @@ int callback_comparisons(const fs::path& dir) {
 
 // A checkpoint of an EmaHook with nvalchemi's config `base` after one step, at a file of its own
 // (named by `tag`); the caller removes it.
-fs::path nvalchemi_checkpoint(const emakit::EmaHookOptions& base, const std::string& tag) {
+fs::path nvalchemi_checkpoint(const emakit::NvalchemiEmaOptions& base, const std::string& tag) {
   torch::manual_seed(3);
   Net net;
   emakit::EmaHook saver;
-  saver.add(*net, emakit::ema_hook_recipe(base));
+  saver.add(*net, emakit::nvalchemi_ema_recipe(base));
   saver.setup();
   saver.after_optimizer_step();
   const fs::path file = fs::temp_directory_path() / ("emakit_nvalchemi_" + tag + "_" + std::to_string(::getpid()) + ".pt");
@@ -368,7 +368,7 @@ TEST_CASE("nvalchemi EMAHook: start_step, update_every and vetoed steps (preset)
   auto sources = sources_from(*dir);
   // The strategy advances ctx.step_count only when the optimizer step ran: a vetoed batch
   // (will_skip) completes no step, as emakit's update({.vetoed = true}).
-  auto ema = emakit::ema_hook(sources, {.decay = 0.9, .update_every = 2, .start_step = 3, .use_buffers = false});
+  auto ema = emakit::nvalchemi_ema(sources, {.decay = 0.9, .update_every = 2, .start_step = 3, .use_buffers = false});
   const auto r = replay(*dir, sources, ema, /*pass_step=*/false, [](const auto& e, const Dict& rec) {
     CHECK(e.num_updates() == rec.at("counter.num_updates").template item<std::int64_t>());
     CHECK(e.step() == rec.at("counter.step_count").template item<std::int64_t>());
@@ -401,13 +401,13 @@ TEST_CASE("nvalchemi EMAHook: resume with pending state applied at creation, num
           "[conformance][nvalchemi]") {
   const auto dir = scenario_dir("nvalchemi_peer", "resume");
   if (!dir) return;
-  const emakit::EmaHookOptions o{.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = false};
+  const emakit::NvalchemiEmaOptions o{.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = false};
   const auto steps = load_dict(*dir / "meta.pt").at("steps").item<std::int64_t>();
   Tally s;
   Net net;
   load_into(*net, load_dict(*dir / "step_0000.pt"), "source.");
   auto hook = std::make_unique<emakit::EmaHook>();
-  hook->add(*net, emakit::ema_hook_recipe(o), {.creation = emakit::Creation::at_first_eligible_step});
+  hook->add(*net, emakit::nvalchemi_ema_recipe(o), {.creation = emakit::Creation::at_first_eligible_step});
   hook->setup();
   const fs::path file = fs::temp_directory_path() / ("emakit_nvalchemi_" + std::to_string(::getpid()) + ".pt");
   bool resumed_creation_checked = false;
@@ -436,7 +436,7 @@ TEST_CASE("nvalchemi EMAHook: resume with pending state applied at creation, num
     if (step == 8) {  // the Python run saves hook.state_dict() here and a fresh hook loads it
       hook->save_checkpoint(file);
       hook = std::make_unique<emakit::EmaHook>();
-      hook->add(*net, emakit::ema_hook_recipe(o), {.creation = emakit::Creation::at_first_eligible_step});
+      hook->add(*net, emakit::nvalchemi_ema_recipe(o), {.creation = emakit::Creation::at_first_eligible_step});
       hook->load_checkpoint(file);
       CHECK_FALSE(hook->created("model"));  // pending, as EMAHook's _pending_averaged_state
       continue;
@@ -458,7 +458,7 @@ TEST_CASE("nvalchemi EMAHook: resume with pending state applied at creation, num
   // into a fresh preset Ema, continues to the same numbers (steps given: ctx.step_count + 1).
   const Dict saved = load_dict(*dir / "hook_state_0008.pt");
   auto sources = sources_from(*dir);
-  auto ema = emakit::ema_hook(sources, o);
+  auto ema = emakit::nvalchemi_ema(sources, o);
   {
     Dict averaged_model;  // the AveragedModel's state_dict as Python saves it: module.<name>, n_averaged
     for (const auto& [k, v] : saved)
@@ -509,11 +509,11 @@ TEST_CASE("nvalchemi EMAHook: a state with another config is refused, naming the
   if (!dir) return;
   const Dict errors = load_dict(*dir / "errors.pt");
   CHECK(errors.at("pending_before_creation").item<std::int64_t>() == 1);
-  const emakit::EmaHookOptions base{.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = false};
+  const emakit::NvalchemiEmaOptions base{.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = false};
   const fs::path file = nvalchemi_checkpoint(base, "cfg");
   struct Case {
     const char* field;
-    emakit::EmaHookOptions options;
+    emakit::NvalchemiEmaOptions options;
     const char* emakit_field;  // the name emakit's message uses
   };
   const Case cases[] = {
@@ -529,7 +529,7 @@ TEST_CASE("nvalchemi EMAHook: a state with another config is refused, naming the
     // A hook whose EMA exists (made at setup): refused at load, naming the field, nothing loaded.
     Net other;
     emakit::EmaHook hook;
-    hook.add(*other, emakit::ema_hook_recipe(c.options));
+    hook.add(*other, emakit::nvalchemi_ema_recipe(c.options));
     hook.setup();
     const auto before = other->lin->weight.clone();
     CHECK_THROWS_WITH(hook.load_checkpoint(file), Catch::Contains(c.emakit_field));
@@ -550,7 +550,7 @@ TEST_CASE("nvalchemi EMAHook: a conflicting config is refused at load also befor
   const fs::path file = nvalchemi_checkpoint({.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = false}, "cfg2");
   Net other;
   emakit::EmaHook hook;
-  hook.add(*other, emakit::ema_hook_recipe({.decay = 0.9, .update_every = 3, .start_step = 4, .use_buffers = false}),
+  hook.add(*other, emakit::nvalchemi_ema_recipe({.decay = 0.9, .update_every = 3, .start_step = 4, .use_buffers = false}),
            {.creation = emakit::Creation::at_first_eligible_step});
   const auto before = other->lin->weight.clone();
   CHECK_THROWS_WITH(hook.load_checkpoint(file), Catch::Contains("config.decay"));
@@ -567,11 +567,11 @@ TEST_CASE("nvalchemi EMAHook: pending state aligned to the model's dtype at crea
   // The float32 run's state at batch 8, loaded into a hook whose model is float64, made at setup:
   // the averages are float64, with the float32 values (EMAHook: load_state_dict, then
   // _align_to_source_tensors).
-  const emakit::EmaHookOptions o{.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = false};
+  const emakit::NvalchemiEmaOptions o{.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = false};
   Net net;
   load_into(*net, load_dict(*resume / "step_0000.pt"), "source.");
   emakit::EmaHook hook;
-  hook.add(*net, emakit::ema_hook_recipe(o), {.creation = emakit::Creation::at_first_eligible_step});
+  hook.add(*net, emakit::nvalchemi_ema_recipe(o), {.creation = emakit::Creation::at_first_eligible_step});
   hook.setup();
   for (std::int64_t step = 1; step <= 8; ++step) {
     const Dict rec = load_dict(step_file(*resume, "step", step));
@@ -587,7 +587,7 @@ TEST_CASE("nvalchemi EMAHook: pending state aligned to the model's dtype at crea
       if (t.is_floating_point()) t.set_data(t.to(at::kDouble));
   }
   emakit::EmaHook hook64;
-  hook64.add(*net64, emakit::ema_hook_recipe(o), {.creation = emakit::Creation::at_first_eligible_step});
+  hook64.add(*net64, emakit::nvalchemi_ema_recipe(o), {.creation = emakit::Creation::at_first_eligible_step});
   hook64.load_checkpoint(file);
   hook64.setup();  // SETUP: made now, the pending state applied
   fs::remove(file);
@@ -616,7 +616,7 @@ TEST_CASE("nvalchemi EMAHook: a state saved with another use_buffers is refused"
   const fs::path file = nvalchemi_checkpoint({.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = false}, "cfg3");
   Net other;
   emakit::EmaHook hook;
-  hook.add(*other, emakit::ema_hook_recipe({.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = true}));
+  hook.add(*other, emakit::nvalchemi_ema_recipe({.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = true}));
   hook.setup();
   const auto before = other->lin->weight.clone();
   CHECK_THROWS_WITH(hook.load_checkpoint(file), Catch::Contains("config.options.buffers"));

@@ -386,7 +386,7 @@ TEST_CASE("Races: buffers written after update() and before wait() stay out of t
       count.add_(1000);
     }
     const bool held = busy.running();
-    ema.wait();                 // before the next optimizer step, as documented
+    ema.wait_for_model_reads();                 // before the next optimizer step, as documented
     step(params, 100.0);        // the next optimizer step
     const double w = 1.0 - r.decay;
     provoked.record(held, "the next forward's buffer writes");
@@ -427,7 +427,7 @@ TEST_CASE("Races: a BatchNorm1d forward in train mode right after update()", "[c
       net->forward(x * 10.0 + 50.0);  // the next forward, right after update(): moves the mean by ~5
     }
     const bool held = busy.running();
-    ema.wait();
+    ema.wait_for_model_reads();
     step(params, 100.0);
     const double w = 1.0 - r.decay;
     provoked.record(held, "the next forward");
@@ -580,7 +580,7 @@ TEST_CASE("Races: offload + side stream: wait() orders the copies, not the host 
   for (std::size_t i = 1; i < model.size(); ++i) small_names.push_back(model[i].name);
   emakit::FixedEma ema(model, emakit::Fixed(0.5), {}, emakit::EmaOptions().device(torch::kCPU).side_stream(true));
   ema.update();  // a first update: pinned staging and the host thread warm
-  ema.settle();
+  ema.wait_for_update();
   const at::Tensor sample = torch::arange(0, big, 4099, torch::TensorOptions().dtype(torch::kLong));
   const at::Tensor sample_dev = sample.to(dev);
   for (int round = 0; round < 2; ++round) {
@@ -596,7 +596,7 @@ TEST_CASE("Races: offload + side stream: wait() orders the copies, not the host 
     const auto t0 = Clock::now();
     const auto r = ema.update();
     const double update_ms = ms_since(t0);
-    ema.wait();
+    ema.wait_for_model_reads();
     const double wait_ms = ms_since(t0) - update_ms;
     // The copies wait() orders the device after had not even started (they wait for the busy
     // work): the host pass, which reads them, cannot have finished, so wait() did not join it.
@@ -659,7 +659,7 @@ TEST_CASE("GPU bytes an EMA holds per parameter, and no allocation per update", 
     {
       emakit::FixedEma ema(model, emakit::Fixed(0.999), {}, c.options);
       ema.update();
-      ema.settle();
+      ema.wait_for_update();
       device_sync();
       const auto held = static_cast<std::int64_t>(allocated_bytes() - base);
       const double per_param = static_cast<double>(held) / static_cast<double>(params);
@@ -671,12 +671,12 @@ TEST_CASE("GPU bytes an EMA holds per parameter, and no allocation per update", 
       // not counted).
       std::int64_t made = 0;
       for (int k = 0; k < 3; ++k) {
-        ema.wait();
+        ema.wait_for_model_reads();
         step(ts, k + 1.0);
         device_sync();
         const auto n0 = allocations();
         ema.update();
-        ema.settle();
+        ema.wait_for_update();
         device_sync();
         made += static_cast<std::int64_t>(allocations() - n0);
       }

@@ -54,7 +54,7 @@ TEST_CASE("A side-stream update gives the same averages as an inline one", "[cud
     emakit::FixedEma inline_ema(model, emakit::Fixed(0.9));
     emakit::FixedEma side_ema(model, emakit::Fixed(0.9), {}, emakit::EmaOptions().side_stream(true));
     for (int i = 0; i < 5; ++i) {
-      side_ema.wait();  // before the optimizer step writes the model
+      side_ema.wait_for_model_reads();  // before the optimizer step writes the model
       step(model, i);
       inline_ema.update();
       side_ema.update();
@@ -73,7 +73,7 @@ TEST_CASE("wait() keeps the next optimizer step from changing what the side stre
   std::vector<torch::Tensor> expected;
   for (const auto& t : model) expected.push_back(ema.average(t.name).lerp(t.tensor, 0.5));
   ema.update();
-  ema.wait();
+  ema.wait_for_model_reads();
   step(model, 100.0);  // queued right behind the update: without the wait it would race with it
   for (std::size_t i = 0; i < model.size(); ++i) {
     INFO(model[i].name);
@@ -129,7 +129,7 @@ TEST_CASE("CPU offload with a side stream: the CPU pass runs off the caller's th
   emakit::FixedEma plain(model, emakit::Fixed(0.9), {}, emakit::EmaOptions().device(torch::kCPU));
   emakit::FixedEma async(model, emakit::Fixed(0.9), {}, emakit::EmaOptions().device(torch::kCPU).side_stream(true));
   for (int i = 0; i < 4; ++i) {
-    async.wait();  // orders the device-to-host copies before the step; the host pass may go on
+    async.wait_for_model_reads();  // orders the device-to-host copies before the step; the host pass may go on
     step(model, i);
     plain.update();
     async.update();
@@ -148,16 +148,16 @@ TEST_CASE("A CUDA update allocates no device memory", "[cuda][memory]") {
     auto model = cuda_model(torch::kBFloat16, 4096);
     emakit::FixedEma ema(model, emakit::Fixed(0.9), {}, emakit::EmaOptions().side_stream(side));
     ema.update();
-    ema.wait();
+    ema.wait_for_model_reads();
     synchronize();
     auto* allocator = c10::getDeviceAllocator(c10::kCUDA);
     const auto before = allocator->getDeviceStats(0).allocation[0].allocated;
     for (int i = 0; i < 5; ++i) {
-      ema.wait();
+      ema.wait_for_model_reads();
       step(model, i);
       ema.update();
     }
-    ema.wait();
+    ema.wait_for_model_reads();
     synchronize();
     // step() allocates nothing either (in-place ops with scalars): every allocation is the EMA's.
     CHECK(allocator->getDeviceStats(0).allocation[0].allocated == before);

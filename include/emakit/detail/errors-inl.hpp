@@ -14,3 +14,17 @@
 EMAKIT_FUNC std::string emakit::detail::shape_string(c10::IntArrayRef sizes) {
   return fmt::format("[{}]", fmt::join(sizes, ", "));
 }
+
+EMAKIT_FUNC void emakit::detail::rethrow_with_context(std::string_view suffix) {
+  try {
+    throw;
+  } catch (const FormatVersionError& e) {
+    throw FormatVersionError(fmt::format("{}{}", e.what(), suffix), e.found());
+  } catch (const SynthesisRefused& e) {
+    throw SynthesisRefused(fmt::format("{}{}", e.what(), suffix));
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(fmt::format("{}{}", e.what(), suffix));
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(fmt::format("{}{}", e.what(), suffix));
+  }
+}

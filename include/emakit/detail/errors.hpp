@@ -28,9 +28,27 @@ class SynthesisRefused : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A file in a format version this emakit does not read (detail/serial/formats.hpp lists the
+// formats): the message names the format, the version found, the emakit that wrote it where the
+// file records that, and the versions this emakit reads. Every reader throws it the same way
+// (formats::check_version). A std::invalid_argument.
+class FormatVersionError : public std::invalid_argument {
+ public:
+  FormatVersionError(const std::string& message, std::int64_t found) : std::invalid_argument(message), found_(found) {}
+  std::int64_t found() const noexcept { return found_; }  // the version the file holds
+
+ private:
+  std::int64_t found_;
+};
+
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
+
+// Re-throws the exception being handled with `suffix` appended to its message (a file's name, the
+// emakit that wrote it), keeping its type: FormatVersionError, SynthesisRefused,
+// std::invalid_argument, std::runtime_error; anything else unchanged. Call it in a catch block.
+[[noreturn]] EMAKIT_FUNC void rethrow_with_context(std::string_view suffix);
 
 // Throws SynthesisRefused with a formatted message, prefixed by "emakit: ".
 template <class... Args>

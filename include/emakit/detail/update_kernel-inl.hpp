@@ -12,8 +12,8 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 EMAKIT_FUNC UpdateKernel& UpdateKernel::operator=(UpdateKernel&& other) noexcept {
   if (this == &other) return *this;
-  settle_noexcept();
-  other.settle_noexcept();
+  wait_for_update_noexcept();
+  other.wait_for_update_noexcept();
   slots_ = std::move(other.slots_);
   cpu_path_ = other.cpu_path_;
   side_stream_ = other.side_stream_;
@@ -31,10 +31,10 @@ EMAKIT_FUNC UpdateKernel::Census UpdateKernel::census() const noexcept {
   return c;
 }
 
-EMAKIT_FUNC void UpdateKernel::settle() const {
+EMAKIT_FUNC void UpdateKernel::wait_for_update() const {
   sync_counts().settles += 1;
   join_host();
-  wait_sources();
+  wait_for_model_reads();
 }
 
 EMAKIT_FUNC void UpdateKernel::check_sources() {
@@ -50,7 +50,7 @@ EMAKIT_FUNC void UpdateKernel::check_sources() {
             read_ptr(s.average) != s.average_memory;
   }
   if (stale) {
-    settle();
+    wait_for_update();
     plan();
   }
 }
@@ -138,9 +138,9 @@ EMAKIT_FUNC void UpdateKernel::stage_copy(Slot& s) {
   s.staging.copy_(s.source, non_blocking);
 }
 
-EMAKIT_FUNC void UpdateKernel::settle_noexcept() const noexcept {
+EMAKIT_FUNC void UpdateKernel::wait_for_update_noexcept() const noexcept {
   try {
-    settle();
+    wait_for_update();
   } catch (...) {  // a failed pass was already reported by update(), or cannot be anymore
   }
 }

@@ -6,14 +6,14 @@
 //   - the side stream (EmaOptions::side_stream): a CUDA device's work on parameters runs on a
 //     stream of its own that first waits for the current stream (the optimizer step). Buffers
 //     (Slot::buffer: BatchNorm statistics, written by the next forward pass) stay on the current
-//     stream, so only the next optimizer step has to wait (wait_sources()). See
+//     stream, so only the next optimizer step has to wait (wait_for_model_reads()). See
 //     detail/device_sync.hpp.
 //   - CPU offload (CUDA model, CPU average): each source is copied into a pinned staging tensor in
 //     its own dtype, with non-blocking copies the host waits for once. With the side stream as
 //     well, the CPU pass runs on a host thread after the copies land, so update() returns at once;
-//     wait_sources() orders the device after the copies only, settle() joins the host pass too.
-// Waiting is always a named call: slots() hands out the slots as they are, settle() (or
-// settled_slots(), which is settle() then slots()) waits for the last update first. Every reader
+//     wait_for_model_reads() orders the device after the copies only, wait_for_update() joins the host pass too.
+// Waiting is always a named call: slots() hands out the slots as they are, wait_for_update() (or
+// settled_slots(), which is wait_for_update() then slots()) waits for the last update first. Every reader
 // of the averages, and every writer of them outside an update, calls one of the two once.
 // An update allocates nothing and looks up no names (a skip_non_finite check allocates a few
 // scalars: one flag per foreach list, reduced on the device, read with one host sync).
@@ -38,7 +38,7 @@
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
-// How often this thread went through the kernel's two doors, settle() and wait_sources(): tests
+// How often this thread went through the kernel's two doors, wait_for_update() and wait_for_model_reads(): tests
 // check with it that every accessor of the averages settles, and how often.
 struct SyncCounts {
   std::uint64_t settles = 0;
@@ -79,16 +79,16 @@ class UpdateKernel {
   UpdateKernel& operator=(const UpdateKernel&) = delete;
   // Pending side-stream work writes tensors this kernel holds: the current stream waits for it
   // before they can be freed and reused.
-  ~UpdateKernel() { settle_noexcept(); }
+  ~UpdateKernel() { wait_for_update_noexcept(); }
 
   // The slots as they are: waits for nothing. Their names, roles and model tensors (source) can
   // be read at any time; an average read or written through them may race with an update still
   // running: readers of the averages use settled_slots().
   const std::vector<Slot>& slots() const noexcept { return slots_; }
-  // settle(), then the slots: whatever reads or writes the averages through them is ordered after
+  // wait_for_update(), then the slots: whatever reads or writes the averages through them is ordered after
   // the last update. Call it once per read, not per tensor.
   const std::vector<Slot>& settled_slots() const {
-    settle();
+    wait_for_update();
     return slots_;
   }
   std::size_t size() const noexcept { return slots_.size(); }
@@ -107,7 +107,7 @@ class UpdateKernel {
   // optimizer step writes the model: each CUDA device's current stream waits for its side
   // stream (asynchronous for the host). An offloaded update's host pass is not waited for: it
   // reads pinned copies, which the side stream has made by then. A no-op without a side stream.
-  void wait_sources() const {
+  void wait_for_model_reads() const {
     sync_counts().waits += 1;
     for (auto& lane : lanes_) lane.wait();
   }
@@ -115,9 +115,9 @@ class UpdateKernel {
   // Everything of the last update has finished: joins the host pass of an offloaded update
   // (rethrowing its error) and orders each device's current stream after the side stream. Every
   // read or write of the averages outside an update goes through it (or settled_slots()).
-  void settle() const;
+  void wait_for_update() const;
 
-  // Throws if a source changed shape since bind; re-plans (after settle()) if one moved, changed
+  // Throws if a source changed shape since bind; re-plans (after wait_for_update()) if one moved, changed
   // dtype or got new memory.
   void check_sources();
 
@@ -149,7 +149,7 @@ class UpdateKernel {
   void join_host() const {
     if (host_.valid()) host_.get();  // rethrows an error of the host pass
   }
-  void settle_noexcept() const noexcept;
+  void wait_for_update_noexcept() const noexcept;
 
   std::vector<Slot> slots_;
   CpuPath cpu_path_ = CpuPath::fused;

@@ -9,7 +9,7 @@
 #include <emakit/detail/serial/atomic_file.hpp>
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/serial/snapshot_file.hpp>
-#include <emakit/ema.hpp>
+#include <emakit/state.hpp>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>

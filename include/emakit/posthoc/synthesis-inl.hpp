@@ -29,6 +29,9 @@ EMAKIT_FUNC void check_same_model(const SnapshotInfo& reference, const SnapshotI
   }
 }
 
+// Calls sink(entry, tensor) for each tensor of the plan, in the snapshots' order: averaged
+// tensors as the weighted sum (float64 or complex128, on the CPU), copied ones from the latest
+// snapshot. One tensor of one snapshot is read at a time.
 template <class Sink>
 void combine_snapshots(const SynthesisPlan& plan, Sink&& sink) {
   const std::size_t n = plan.snapshots.size();

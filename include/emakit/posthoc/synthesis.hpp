@@ -13,7 +13,8 @@
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/serial/snapshot_file.hpp>
 #include <emakit/detail/serial/torch_pickle.hpp>
-#include <emakit/ema.hpp>
+#include <emakit/detail/module_tensors.hpp>
+#include <emakit/state.hpp>
 #include <emakit/posthoc/options.hpp>
 #include <emakit/posthoc/profile_math.hpp>
 #include <emakit/posthoc/snapshot_folder.hpp>
@@ -62,10 +63,8 @@ namespace detail {
 
 EMAKIT_FUNC void check_same_model(const SnapshotInfo& reference, const SnapshotInfo& other);
 
-// Calls sink(entry, tensor) for each tensor of the plan, in the snapshots' order: averaged
-// tensors as the weighted sum (float64 or complex128, on the CPU), copied ones from the latest
-// snapshot. One tensor of one snapshot is read at a time.
-
+// The dtype of a synthesized tensor (combine_snapshots in synthesis-inl.hpp sums in float64 or
+// complex128 on the CPU; this is what the result is converted to).
 EMAKIT_FUNC c10::ScalarType result_dtype(const SnapshotTensor& entry, const SynthesisOptions& options);
 
 // Throws unless every snapshot is of one run, naming each run.

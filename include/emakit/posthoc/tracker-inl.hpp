@@ -85,10 +85,7 @@ EMAKIT_FUNC StateDict PostHocEma::state_dict() const {
 EMAKIT_FUNC void PostHocEma::load_state_dict(const StateDict& state) {
   const detail::StateReader in(state, "PostHocEma::load_state_dict");
   const std::int64_t format = in.counter("posthoc.format");
-  if (format < 1 || format > detail::formats::posthoc_state.version)
-    detail::fail("PostHocEma::load_state_dict: posthoc.format is {}, this emakit reads 1 to {}{}", format,
-                 detail::formats::posthoc_state.version,
-                 format > detail::formats::posthoc_state.version ? " (saved by a newer emakit: update emakit)" : "");
+  detail::formats::check_version(detail::formats::posthoc_state, format, "PostHocEma::load_state_dict");
   const std::int64_t profiles = in.counter("posthoc.profiles");
   if (profiles != static_cast<std::int64_t>(emas_.size()))
     detail::fail("PostHocEma::load_state_dict: the state has {} profiles, this PostHocEma {}", profiles,
@@ -198,7 +195,10 @@ EMAKIT_FUNC void PostHocEma::check_loadable(std::size_t i, const StateDict& part
   } catch (const std::invalid_argument& e) {
     std::string_view why = e.what();
     if (why.rfind("emakit: ", 0) == 0) why.remove_prefix(8);  // detail::fail's prefix, added again below
-    detail::fail("PostHocEma::load_state_dict: profile {}: {} (the profiles or the model changed)", i, why);
+    const std::string message =
+        fmt::format("emakit: PostHocEma::load_state_dict: profile {}: {} (the profiles or the model changed)", i, why);
+    if (const auto* version = dynamic_cast<const FormatVersionError*>(&e)) throw FormatVersionError(message, version->found());
+    throw std::invalid_argument(message);
   }
 }
 

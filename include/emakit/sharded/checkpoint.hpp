@@ -67,9 +67,8 @@ inline std::vector<std::pair<std::string, at::Tensor>> read_checked(torch::seria
                                                                    const std::string& key, Checksums& sums,
                                                                    const std::string& prefix,
                                                                    const std::string& where) {
-  auto items = read_tensor_dict(archive, key, where);
+  auto items = read_checked_dict(archive, key, sums, prefix, where);
   if (!items) fail("{}: the checkpoint has no '{}'; it is not a sharded emakit checkpoint", where, key);
-  for (const auto& [k, t] : *items) sums.check(prefix + k, t, where);
   return *items;
 }
 
@@ -108,7 +107,7 @@ void save_sharded(const Ema<D, S, ShardedStorage>& ema, const std::filesystem::p
     std::vector<std::pair<std::string, at::Tensor>> state, layout;
     detail::Checksums sums;
     for (const auto& item : ema.state_dict()) {
-      if (item.key().rfind("average.", 0) == 0) continue;
+      if (detail::ema_state::is_average_key(item.key())) continue;
       state.emplace_back(item.key(), item.value());
       sums.add("state/" + item.key(), item.value());
     }
@@ -171,10 +170,7 @@ void load_sharded(Ema<D, S, ShardedStorage>& ema, const std::filesystem::path& d
     if (!info) detail::fail("{}: no 'emakit_shard'; it is not the index of a sharded emakit checkpoint", index_where);
     const auto info_state = detail::as_state(*info, index_where);
     const detail::StateReader info_in(info_state, index_where);
-    const auto format = info_in.counter("format");
-    if (format != sharded_format_version)
-      detail::fail("{}: sharded checkpoint format {}, this emakit reads format {}", index_where, format,
-                   sharded_format_version);
+    detail::formats::check_version(detail::formats::sharded, info_in.counter("format"), index_where);
     const std::int64_t save_id = info_in.counter("save_id");
     const std::int64_t old_world = info_in.counter("world");
     if (old_world <= 0) detail::fail("{}: world size {}; the index is damaged", index_where, old_world);
@@ -259,7 +255,7 @@ void load_sharded(Ema<D, S, ShardedStorage>& ema, const std::filesystem::path& d
           if (r < 0 || r >= old_world) detail::fail("{}: '{}' names rank {} of {}", index_where, e.name, r, old_world);
           const auto& file = file_of(r);
           const auto path = dir / sharded_file_name(static_cast<int>(r), static_cast<int>(old_world), save_id);
-          auto it = file.find("average." + e.name);
+          auto it = file.find(detail::ema_state::average_key(e.name));
           if (it == file.end())
             detail::fail("load_sharded: '{}' lacks 'average.{}', which the index says it holds", path.string(), e.name);
           if (it->second.numel() != len || it->second.scalar_type() != e.dtype)
@@ -275,7 +271,7 @@ void load_sharded(Ema<D, S, ShardedStorage>& ema, const std::filesystem::path& d
           detail::fail("{}: the saved pieces of '{}' cover {} of the {} elements this rank holds", index_where, e.name,
                        covered, mine->length);
       }
-      state.insert("average." + e.name, local);
+      state.insert(detail::ema_state::average_key(e.name), local);
     }
     ema.check_state_dict(state);
   });

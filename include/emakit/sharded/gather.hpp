@@ -89,8 +89,8 @@ StateDict gather_state_dict(const Ema<D, S, ShardedStorage>& ema, int to = all_r
   StateDict out;
   if (averages.is_empty() && !ema.storage().layout().empty()) return out;
   for (const auto& item : ema.state_dict())
-    if (item.key().rfind("average.", 0) != 0) out.insert(item.key(), item.value());
-  for (const auto& item : averages) out.insert("average." + item.key(), item.value());
+    if (!detail::ema_state::is_average_key(item.key())) out.insert(item.key(), item.value());
+  for (const auto& item : averages) out.insert(detail::ema_state::average_key(item.key()), item.value());
   return out;
 }
 

@@ -77,4 +77,12 @@ EMAKIT_FUNC void Checksums::check(const std::string& name, const at::Tensor& t, 
     fail("{}: '{}' does not match its checksum; the checkpoint is damaged", where, name);
 }
 
+EMAKIT_FUNC std::optional<std::vector<std::pair<std::string, at::Tensor>>> read_checked_dict(
+    torch::serialize::InputArchive& archive, const std::string& key, const Checksums& sums, const std::string& prefix,
+    const std::string& where) {
+  auto items = read_tensor_dict(archive, key, where);
+  if (items) sums.check_all(*items, prefix, where);
+  return items;
+}
+
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -36,7 +37,20 @@ struct Checksums {
   }
   void load(torch::serialize::InputArchive& archive, const std::string& key, const std::string& where);
   void check(const std::string& name, const at::Tensor& t, const std::string& where) const;
+  // Every tensor of a dictionary read back, each under `prefix` + its name.
+  void check_all(const std::vector<std::pair<std::string, at::Tensor>>& items, const std::string& prefix,
+                 const std::string& where) const {
+    for (const auto& [name, t] : items) check(prefix + name, t, where);
+  }
 };
+
+// The one read of a dictionary of tensors with its checksums: the tensor_dict() under `key`
+// (tensor_dict.hpp), each tensor checked against `sums` under `prefix` + its name before any is
+// returned; nullopt when the archive has no `key`. What the EMA state, the hook checkpoint and
+// the sharded checkpoint read their tensors with.
+EMAKIT_FUNC std::optional<std::vector<std::pair<std::string, at::Tensor>>> read_checked_dict(
+    torch::serialize::InputArchive& archive, const std::string& key, const Checksums& sums, const std::string& prefix,
+    const std::string& where);
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 

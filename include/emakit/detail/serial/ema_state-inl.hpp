@@ -45,12 +45,9 @@ EMAKIT_FUNC bool known_key(const std::string& key) {
 }
 
 EMAKIT_FUNC void check_format(const StateDict& state) {
-  const at::Tensor* f = state.find("emakit.format");
-  if (f == nullptr) fail("the state has no 'emakit.format' entry; it is not an emakit EMA state");
-  if (f->numel() != 1 || f->item<std::int64_t>() != formats::ema_state.version)
-    fail("the state's emakit.format is {}, this emakit ({}) reads format {}",
-         f->numel() == 1 ? fmt::format("{}", f->item<std::int64_t>()) : std::string("not a number"), version_string,
-         formats::ema_state.version);
+  const auto format = StateReader(state).optional_integer("emakit.format");
+  if (!format) fail("the state has no 'emakit.format' entry; it is not an emakit EMA state");
+  formats::check_version(formats::ema_state, *format, "the state's emakit.format");
 }
 
 EMAKIT_FUNC void write_config(StateDict& out, const std::string& axis, std::string_view name,
@@ -85,7 +82,7 @@ EMAKIT_FUNC void check_policy(const StateDict& state, const std::string& axis, s
     const std::string key = kind_key + "." + std::string(f.name);
     const at::Tensor* t = state.find(key);
     if (t == nullptr) fail("config differs: the state has no '{}'", key);
-    const double v = t->item<double>();
+    const double v = number_value(*t, key);
     if (v != f.value)
       fail("config differs: {} is {} in the state, {} in this EMA", key, value_string(v, f.is_integer),
            value_string(f.value, f.is_integer));
@@ -154,7 +151,7 @@ EMAKIT_FUNC Plan plan_load(const StateDict& state, LoadMode mode, const PolicyCo
     if (chosen[slot].first == nullptr) report.missing.push_back(std::move(key));
   for (const auto& item : state) {
     const auto& key = item.key();
-    if (key.rfind(average_prefix, 0) == 0) {
+    if (is_average_key(key)) {
       if (ours.count(key) == 0) report.unexpected.push_back(key);
     } else if (!known_key(key)) {
       report.unexpected.push_back(key);

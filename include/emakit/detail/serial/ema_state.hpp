@@ -24,6 +24,7 @@
 #include <emakit/detail/serial/state_reader.hpp>
 #include <emakit/detail/serial/tensor_dict.hpp>
 #include <emakit/options.hpp>
+#include <emakit/state.hpp>
 #include <emakit/version.hpp>
 
 #include <ATen/core/Tensor.h>
@@ -47,21 +48,6 @@
 #include <vector>
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE {
-
-enum class LoadMode : std::uint8_t {
-  strict,   // any missing, unexpected or mismatched tensor is an error and nothing is loaded
-  lenient,  // such tensors are reported (and warned about) and keep their current values
-};
-
-// What load_state_dict() found besides the tensors it loaded.
-struct LoadReport {
-  std::vector<std::string> missing;     // keys this EMA has and the state lacks
-  std::vector<std::string> unexpected;  // keys the state has and this EMA lacks
-  std::vector<std::string> mismatched;  // "key: why" for shape or dtype mismatches
-  bool clean() const noexcept { return missing.empty() && unexpected.empty() && mismatched.empty(); }
-};
-
-using StateDict = torch::OrderedDict<std::string, at::Tensor>;
 
 namespace detail {
 
@@ -94,8 +80,16 @@ EMAKIT_FUNC std::string value_string(double v, bool is_integer);
 
 namespace ema_state {
 
+// The key of an average in a state: "average." + the tensor's name; is_average_key() and
+// average_name() read one back. Every layout that holds averages (the sharded checkpoint, the
+// hook's, interop's) names them through these.
 inline constexpr std::string_view average_prefix = "average.";
 EMAKIT_FUNC std::string average_key(const std::string& name);
+inline bool is_average_key(std::string_view key) noexcept { return key.substr(0, average_prefix.size()) == average_prefix; }
+// The tensor's name of an average_key(); the key itself when it is not one.
+inline std::string average_name(std::string_view key) {
+  return std::string(is_average_key(key) ? key.substr(average_prefix.size()) : key);
+}
 
 struct Counters {
   std::int64_t calls = 0, step = 0, num_updates = 0, last_update_step = 0;
@@ -163,20 +157,18 @@ void load_archive(torch::serialize::InputArchive& archive, const Load& load) {
          "torch::save(ema, ...)?");
   Checksums sums;
   sums.load(archive, "emakit_checksums", where);
+  sums.check_all(*items, "", where);
   StateDict state;
-  for (const auto& [key, t] : *items) {
-    sums.check(key, t, where);
-    state.insert(key, t);
-  }
+  for (const auto& [key, t] : *items) state.insert(key, t);
   if (state.size() != sums.read.size())
     fail("{}: the archive holds {} checksums for {} tensors; the checkpoint is damaged", where, sums.read.size(),
          state.size());
   try {
     load(state);
-  } catch (const std::invalid_argument& e) {
+  } catch (const std::invalid_argument&) {
     c10::IValue writer;
     if (!archive.try_read("emakit_version", writer) || !writer.isString()) throw;
-    throw std::invalid_argument(fmt::format("{} (the file was written by emakit {})", e.what(), writer.toStringRef()));
+    rethrow_with_context(fmt::format(" (the file was written by emakit {})", writer.toStringRef()));
   }
 }
 

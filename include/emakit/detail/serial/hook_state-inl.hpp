@@ -100,14 +100,10 @@ EMAKIT_FUNC void read_header(torch::serialize::InputArchive& archive, torch::ser
   c10::IValue format;
   if (!hook.try_read("format", format) || !format.isTensor() || format.toTensor().numel() != 1)
     fail("load_checkpoint: the hook state has no format number; the checkpoint is damaged");
-  if (const auto f = format.toTensor().item<std::int64_t>(); f != formats::hook.version) {
-    c10::IValue writer;  // absent in checkpoints written before emakit recorded its version
-    const std::string by = hook.try_read("emakit_version", writer) && writer.isString()
-                               ? fmt::format(" (written by emakit {})", writer.toStringRef())
-                               : std::string();
-    fail("load_checkpoint: the checkpoint's hook format is {}{}, this emakit ({}) reads format {}", f, by,
-         version_string, formats::hook.version);
-  }
+  c10::IValue writer;  // absent in checkpoints written before emakit recorded its version
+  formats::check_version(formats::hook, integer_value(format.toTensor(), "format", "load_checkpoint"), "load_checkpoint",
+                         hook.try_read("emakit_version", writer) && writer.isString() ? writer.toStringRef()
+                                                                                       : std::string());
 }
 
 EMAKIT_FUNC bool is_header_key(const std::string& k) { return k == "format" || k == "emakit_version"; }
@@ -148,13 +144,14 @@ EMAKIT_FUNC std::optional<Entry> read_entry(torch::serialize::InputArchive& arch
                                             const std::string& key, const torch::nn::Module& model, LoadMode mode,
                                             const std::string& where) {
   torch::serialize::InputArchive mine;
-  if (!hook.try_read(key, mine) && mode == LoadMode::lenient) {
-    TORCH_WARN("emakit: ", where, ": the checkpoint has nothing for this model; it keeps its weights and EMA");
-    return std::nullopt;
-  }
-  if (!hook.try_read(key, mine))
+  if (!hook.try_read(key, mine)) {
+    if (mode == LoadMode::lenient) {
+      TORCH_WARN("emakit: ", where, ": the checkpoint has nothing for this model; it keeps its weights and EMA");
+      return std::nullopt;
+    }
     fail("{}: the checkpoint has no hook state for this model; it was saved by a hook without the key '{}'", where,
          key);
+  }
   Checksums sums;
   sums.load(mine, "checksums", where);
   c10::IValue meta_value;
@@ -175,12 +172,9 @@ EMAKIT_FUNC std::optional<Entry> read_entry(torch::serialize::InputArchive& arch
   TensorMap found;
   bool exhaustive = false;
   if (out.meta.has_online) {
-    auto online = read_tensor_dict(mine, "online", where);
+    auto online = read_checked_dict(mine, "online", sums, "online/", where);
     if (!online) fail("{}: the hook state says it holds the online weights but has none; the checkpoint is damaged", where);
-    for (auto& [k, t] : *online) {
-      sums.check("online/" + k, t, where);
-      found.emplace(k, t);
-    }
+    for (auto& [k, t] : *online) found.emplace(k, t);
     exhaustive = true;
   } else {
     torch::serialize::InputArchive weights;
@@ -190,12 +184,9 @@ EMAKIT_FUNC std::optional<Entry> read_entry(torch::serialize::InputArchive& arch
   }
   out.copies = plan_weights(model, found, exhaustive, mode, where);
 
-  if (auto items = read_tensor_dict(mine, "state", where)) {
+  if (auto items = read_checked_dict(mine, "state", sums, "state/", where)) {
     out.state.emplace();
-    for (auto& [k, t] : *items) {
-      sums.check("state/" + k, t, where);
-      out.state->insert(k, t);
-    }
+    for (auto& [k, t] : *items) out.state->insert(k, t);
   }
   if ((out.meta.created || out.meta.pending) && !out.state)
     fail("{}: the hook state has no EMA state; the checkpoint is damaged", where);

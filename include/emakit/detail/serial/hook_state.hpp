@@ -20,7 +20,7 @@
 #include <emakit/detail/serial/formats.hpp>
 #include <emakit/detail/serial/match.hpp>
 #include <emakit/detail/serial/tensor_dict.hpp>
-#include <emakit/ema.hpp>
+#include <emakit/state.hpp>
 #include <emakit/version.hpp>
 
 #include <ATen/core/Tensor.h>

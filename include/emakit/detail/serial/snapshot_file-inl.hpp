@@ -241,10 +241,7 @@ class SnapshotReader {
     std::uint32_t version, header_size;
     std::memcpy(&version, fixed.data() + 8, 4);
     std::memcpy(&header_size, fixed.data() + 12, 4);
-    if (version < snapshot_oldest_version || version > snapshot_format_version)
-      fail_runtime("snapshot '{}' has format version {}; this emakit reads versions {} to {}{}", p.string(), version,
-                   snapshot_oldest_version, snapshot_format_version,
-                   version > snapshot_format_version ? " (written by a newer emakit: update emakit)" : "");
+    formats::check_version(formats::snapshot, version, fmt::format("snapshot '{}'", p.string()));
     info_.format_version = version;
     if (header_size > snapshot_max_header)
       fail_runtime("snapshot '{}' is corrupt: its header claims {} bytes", p.string(), header_size);

@@ -127,7 +127,6 @@ namespace detail {
 
 inline constexpr std::array<char, 8> snapshot_magic = {'E', 'M', 'A', 'K', 'I', 'T', 'P', 'H'};
 inline constexpr auto snapshot_format_version = static_cast<std::uint32_t>(formats::snapshot.version);
-inline constexpr std::uint32_t snapshot_oldest_version = 1;  // the oldest version read
 inline constexpr std::uint64_t snapshot_alignment = 64;
 inline constexpr std::uint32_t snapshot_max_header = 1U << 30;
 

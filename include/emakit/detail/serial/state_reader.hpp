@@ -3,7 +3,10 @@
 //
 //   const StateReader in(state);
 //   const std::int64_t calls = in.counter("counters.calls");      // one integer, >= 0
-//   const std::string decay = in.text("config.decay");             // uint8 UTF-8 bytes
+//   const auto decay = in.optional_text("config.decay");           // uint8 UTF-8 bytes, or nullopt
+//
+// integer_value() and number_value() check one tensor the same way, for the scalars of files that
+// are not state dicts (a peer's torch.save dict, the hook's header).
 #pragma once
 
 #include <emakit/detail/config.hpp>
@@ -38,6 +41,28 @@ inline std::string tensor_string(const at::Tensor& t) {
   return std::string(p, p + c.numel());
 }
 
+// `where` (a file, a profile) leads an error message when it is given.
+inline std::string message_lead(std::string_view where) {
+  return where.empty() ? std::string() : std::string(where) + ": ";
+}
+
+// The one integer `t` holds (named `key` in errors): a floating-point tensor, or more or fewer
+// than one element, is an error naming the key, the dtype and the shape.
+inline std::int64_t integer_value(const at::Tensor& t, std::string_view key, std::string_view where = {}) {
+  if (t.numel() != 1 || c10::isFloatingType(t.scalar_type()) || c10::isComplexType(t.scalar_type()))
+    fail("{}'{}' must be one integer, got a {} tensor of shape {}", message_lead(where), key,
+         c10::toString(t.scalar_type()), shape_string(t.sizes()));
+  return t.item<std::int64_t>();
+}
+
+// The one real number `t` holds, of any real dtype; more or fewer than one element is an error.
+inline double number_value(const at::Tensor& t, std::string_view key, std::string_view where = {}) {
+  if (t.numel() != 1 || c10::isComplexType(t.scalar_type()))
+    fail("{}'{}' must be one number, got a {} tensor of shape {}", message_lead(where), key,
+         c10::toString(t.scalar_type()), shape_string(t.sizes()));
+  return t.item<double>();
+}
+
 class StateReader {
  public:
   using State = torch::OrderedDict<std::string, at::Tensor>;
@@ -51,10 +76,7 @@ class StateReader {
   std::optional<std::int64_t> optional_integer(const std::string& key) const {
     const at::Tensor* t = state_.find(key);
     if (t == nullptr) return std::nullopt;
-    if (t->numel() != 1 || c10::isFloatingType(t->scalar_type()))
-      fail("{}'{}' must be one integer, got a {} tensor of shape {}", lead(), key, c10::toString(t->scalar_type()),
-           shape_string(t->sizes()));
-    return t->item<std::int64_t>();
+    return integer_value(*t, key, where_);
   }
 
   // One integer >= 0 that must be there (a counter).
@@ -69,8 +91,7 @@ class StateReader {
   double number(const std::string& key) const {
     const at::Tensor* t = state_.find(key);
     if (t == nullptr) fail("{}the state has no '{}'", lead(), key);
-    if (t->numel() != 1) fail("{}'{}' must be one number, got shape {}", lead(), key, shape_string(t->sizes()));
-    return t->item<double>();
+    return number_value(*t, key, where_);
   }
 
   // A string_tensor(), nullopt when the key is absent.
@@ -81,7 +102,7 @@ class StateReader {
   }
 
  private:
-  std::string lead() const { return where_.empty() ? std::string() : where_ + ": "; }
+  std::string lead() const { return message_lead(where_); }
 
   const State& state_;
   std::string where_;

@@ -1,0 +1,38 @@
+// A model's tensors: walking a module (its parameters, then its buffers, by full name), and
+// telling tensors apart (the same tensor, shared memory, the same bytes). What an Ema binds to,
+// and what the trainer hooks and the post-hoc synthesis look models up by.
+#pragma once
+
+#include <emakit/detail/config.hpp>
+#include <emakit/state.hpp>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
+
+// The parameters (is_buffer false), then the buffers, of `model` and its children, by full name.
+EMAKIT_FUNC std::vector<SourceTensor> collect(const torch::nn::Module& model);
+
+EMAKIT_FUNC std::unordered_map<std::string, at::Tensor> tensors_by_name(const torch::nn::Module& model);
+
+// Whether two tensors are the same tensor of the model (one TensorImpl, or the same view of one
+// storage), and whether they share memory at all (their byte ranges in one storage overlap).
+EMAKIT_FUNC bool same_view(const at::Tensor& a, const at::Tensor& b);
+EMAKIT_FUNC std::pair<std::int64_t, std::int64_t> byte_extent(const at::Tensor& t);
+EMAKIT_FUNC bool overlap(const at::Tensor& a, const at::Tensor& b);
+
+// The same dtype, shape and bytes (NaNs compare by their bits).
+EMAKIT_FUNC bool bitwise_equal(const at::Tensor& a, const at::Tensor& b);
+
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
+
+#if !defined(EMAKIT_COMPILED)
+#include <emakit/detail/module_tensors-inl.hpp>
+#endif

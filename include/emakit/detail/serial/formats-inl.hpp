@@ -1,0 +1,34 @@
+// The definitions of detail/serial/formats.hpp: included at the end of formats.hpp in header-only
+// mode, compiled once into the emakit library (src/emakit.cpp) in compiled mode
+// (detail/config.hpp).
+#pragma once
+
+#if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
+#error "emakit/detail/serial/formats-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/serial/formats.hpp> instead"
+#endif
+
+#include <emakit/detail/serial/formats.hpp>
+
+#include <emakit/detail/errors.hpp>
+#include <emakit/version.hpp>
+
+#include <fmt/format.h>
+
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail::formats {
+
+EMAKIT_FUNC void check_version(const Format& format, std::int64_t found, std::string_view where,
+                               std::string_view writer) {
+  if (found >= format.oldest && found <= format.version) return;
+  const std::string by = writer.empty() ? std::string() : fmt::format(" (written by emakit {})", writer);
+  const std::string reads = format.oldest == format.version
+                                ? fmt::format("version {}", format.version)
+                                : fmt::format("versions {} to {}", format.oldest, format.version);
+  const char* hint = found > format.version ? "; a newer emakit wrote it: update emakit to read it"
+                     : found < 1          ? "; no emakit writes that version: the file is damaged"
+                                          : "; an older emakit wrote it, which this emakit no longer reads";
+  throw FormatVersionError(fmt::format("emakit: {}: {} version {}{}; this emakit ({}) reads {}{}", where, format.name,
+                                       found, by, version_string, reads, hint),
+                           found);
+}
+
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail::formats
