@@ -359,18 +359,18 @@ void run_step(benchmark::State& state, const std::string& mode, c10::Device devi
   auto train_step = [&] {
     optimizer.zero_grad();
     model->forward(x).square().mean().backward();
-    if (ema) ema->wait();  // the optimizer step writes the weights the side stream may still read
+    if (ema) ema->wait_for_model_reads();  // the optimizer step writes the weights the side stream may still read
     optimizer.step();
     if (ema) ema->update();
   };
   for (int i = 0; i < 3; ++i) train_step();
-  if (ema) ema->wait();
+  if (ema) ema->wait_for_model_reads();
   synchronize(device);
   constexpr int steps = 20;
   for (auto _ : state) {
     const auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < steps; ++i) train_step();
-    if (ema) ema->wait();
+    if (ema) ema->wait_for_model_reads();
     synchronize(device);
     state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / steps);
   }
