@@ -2,7 +2,7 @@
 // (emakit::ShardedStorage over a c10d Gloo process group, rendezvous through a c10d::FileStore).
 //
 //   emakit_example_sharded --ranks 4 --steps 300 [--checkpoint dir]   # train; each rank prints its memory
-//   emakit_example_sharded --bench                    # the README's table: 1, 2 and 4 ranks
+//   emakit_example_sharded --bench                    # docs/sharding.md's table: 1, 2 and 4 ranks
 //
 // The program starts its own rank processes (it re-executes itself with --rank). Each rank
 // trains the same MLP on its own batches of a synthetic regression task; the gradients are

@@ -136,7 +136,7 @@ std::string archive_bytes(torch::serialize::OutputArchive& archive) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("The README recipe (hook checkpoint and optimizer in one file) passes the checked loaders and "
+TEMPLATE_TEST_CASE("The hooks.md recipe (hook checkpoint and optimizer in one file) passes the checked loaders and "
                    "resumes bitwise",
                    "[checkpoint][untrusted][optimizer]", Sgd, SgdMomentum, Adam, AdamW, RMSprop, Adagrad, Lbfgs) {
   TempDir dir;
