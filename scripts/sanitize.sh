@@ -19,7 +19,8 @@
 #   EMAKIT_SANITIZE_OPT         its optimization/debug flags (default: "-O1 -g1": line tables for
 #                               the sanitizers' stacks, -O1 to keep the instrumented run fast)
 #   EMAKIT_CTEST_ARGS           extra ctest arguments (after -L ...)
-#   EMAKIT_SANITIZE_LABELS      the ctest labels run (default: unit|conformance|distributed)
+#   EMAKIT_SANITIZE_LABELS      a ctest label regex that narrows the preset's filter
+#                               (unit|conformance|distributed: what build/asan builds); e.g. unit
 #   EMAKIT_SANITIZE_TIMEOUT     per-test ctest timeout in seconds (default: 900)
 #
 # Only emakit (include/emakit and libemakit.a), the LibTorch header code it inlines, and the
@@ -64,6 +65,7 @@ if [[ -n "${EMAKIT_SANITIZE_BUILD_TYPE:-}${EMAKIT_SANITIZE_OPT:-}" ]]; then
 fi
 # EMAKIT_TEST_TIMEOUT (preset: 900): the instrumented tests run several times slower.
 [[ -z "${EMAKIT_SANITIZE_TIMEOUT:-}" ]] || overrides+=("-DEMAKIT_TEST_TIMEOUT=$timeout")
+# ctest applies a -L given on top of the test preset's label filter as well: it narrows it.
 ctest_labels=()
 [[ -z "${EMAKIT_SANITIZE_LABELS:-}" ]] || ctest_labels=(-L "$labels")
 
