@@ -2,6 +2,7 @@
 # Run emakit's update benchmarks against their roofline and the Python peers, in one run, and
 # write a Markdown table and a plot:
 #   build/bench-torch1.13, build/bench-torch2   emakit_bench_ema_update against each LibTorch
+#                                               (the presets bench-torch1.13, bench-torch2)
 #   $EMAKIT_BENCH_OUT (default build/bench)     torch1.13-<round>.json, torch2-<round>.json (Google
 #                                               Benchmark), peers-<round>.json, layouts.json,
 #                                               results.md, results.png
@@ -47,7 +48,7 @@ fi
 build() {
   local name="$1" dir="build/bench-$1" args=()
   case "$name" in
-    torch1.13) mapfile -t args < <(emakit_debian_torch_args) ;;
+    torch1.13) ;;
     torch2)
       local wheel_args
       wheel_args="$(emakit_wheel_torch_args)" || emakit_die "the torch wheel cannot be used: run ./scripts/test.sh for the reason"
@@ -55,10 +56,9 @@ build() {
     *) emakit_die "unknown variant '$name' (known: torch1.13 torch2)" ;;
   esac
   emakit_say "[$name] configure and build $dir" >&2
-  cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release -DEMAKIT_BUILD_BENCHMARKS=ON -DEMAKIT_BUILD_TESTS=OFF \
-    -DEMAKIT_INSTALL=OFF "${args[@]}" >"$out/configure-$name.log" 2>&1 \
+  cmake --preset "bench-$name" "${args[@]}" >"$out/configure-$name.log" 2>&1 \
     || emakit_die "configure failed (see $out/configure-$name.log)"
-  cmake --build "$dir" --target emakit_bench_ema_update -j "$EMAKIT_JOBS" >"$out/build-$name.log" 2>&1 \
+  cmake --build --preset "bench-$name" -j "$EMAKIT_JOBS" >"$out/build-$name.log" 2>&1 \
     || emakit_die "build failed (see $out/build-$name.log)"
   [[ -x "$dir/benchmarks/emakit_bench_ema_update" ]] \
     || emakit_die "no benchmark binary in $dir: is Google Benchmark (libbenchmark-dev) installed?"

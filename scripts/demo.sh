@@ -4,9 +4,10 @@
 # Installs what is missing (the Debian packages of scripts/lib.sh, among them
 # dataset-fashion-mnist and gnuplot-nox), decompresses Fashion-MNIST into
 # build/data/fashion-mnist (once), builds examples/fashion_mnist.cpp against Debian's LibTorch
-# 1.13 in build/demo and runs it: a small MLP trained on the CPU with noisy SGD, then the test
-# accuracy and loss of the online weights, a fixed EMA, a warmup EMA and post-hoc EMAs for a
-# sweep of sigma_rel, as a table and as build/demo-out/{results.csv,curve.csv,results.png}.
+# 1.13 in build/demo (the preset demo of CMakePresets.json) and runs it: a small MLP trained on
+# the CPU with noisy SGD, then the test accuracy and loss of the online weights, a fixed EMA, a
+# warmup EMA and post-hoc EMAs for a sweep of sigma_rel, as a table and as
+# build/demo-out/{results.csv,curve.csv,results.png}.
 # The run takes about 2.5 minutes on 2 cores (the first build adds about a minute).
 #
 #   ./scripts/demo.sh                        the default run (6 epochs, seed 0)
@@ -30,11 +31,9 @@ if [[ "${1:-}" == ssl ]]; then
   defaults=(--data "$EMAKIT_FASHION_MNIST_DIR")
 fi
 
-mapfile -t torch_args < <(emakit_debian_torch_args)
 dir="${EMAKIT_DEMO_BUILD_DIR:-build/demo}"
 emakit_say "configure $dir (Debian LibTorch 1.13, $EMAKIT_BUILD_TYPE)"
-cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE="$EMAKIT_BUILD_TYPE" \
-  -DEMAKIT_BUILD_TESTS=OFF -DEMAKIT_BUILD_EXAMPLES=ON "${torch_args[@]}" >/dev/null
+cmake --preset demo -B "$dir" -DCMAKE_BUILD_TYPE="$EMAKIT_BUILD_TYPE" >/dev/null
 emakit_say "build emakit_example_$example (-j$EMAKIT_JOBS)"
 cmake --build "$dir" -j "$EMAKIT_JOBS" --target "emakit_example_$example"
 program="$dir/examples/emakit_example_$example"

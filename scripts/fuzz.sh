@@ -9,7 +9,8 @@
 #   EMAKIT_FUZZ_SECONDS=1800 ./scripts/fuzz.sh
 #
 # The corpus grows in build/fuzz/corpus (kept between runs: later runs start from what earlier
-# ones found). scripts/test.sh runs this after the test variants.
+# ones found). scripts/test.sh runs this after the test variants. The two builds are the presets
+# fuzz-glue (build/fuzz-glue) and fuzz (build/fuzz) of CMakePresets.json.
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -18,18 +19,15 @@ cd "$EMAKIT_ROOT"
 seconds="${EMAKIT_FUZZ_SECONDS:-60}"
 dir=build/fuzz
 
-emakit_apt_ensure "${EMAKIT_DEB_PACKAGES[@]}"
-mapfile -t args < <(emakit_debian_torch_args)
-common=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DEMAKIT_BUILD_FUZZERS=ON -DEMAKIT_BUILD_TESTS=OFF -DEMAKIT_INSTALL=OFF
-        -DEMAKIT_USE_OPENMP=OFF "${args[@]}")
-# Two parts, two compilers (tests/fuzz/fuzz_checkpoint.cpp says why).
+emakit_apt_ensure "${EMAKIT_BUILD_DEB_PACKAGES[@]}" clang libclang-rt-dev
+# Two parts, two compilers (tests/fuzz/fuzz_checkpoint.cpp says why); the fuzz preset links
+# build/fuzz-glue's library.
 emakit_say "[fuzz] configure and build the loading part (g++, Debian LibTorch 1.13)"
-cmake -S . -B "$dir-glue" -DCMAKE_CXX_COMPILER=g++ -DEMAKIT_FUZZ_PART=glue "${common[@]}" >/dev/null
-cmake --build "$dir-glue" --target emakit_fuzz_glue -j "$EMAKIT_JOBS"
+cmake --preset fuzz-glue >/dev/null
+cmake --build --preset fuzz-glue -j "$EMAKIT_JOBS"
 emakit_say "[fuzz] configure and build the fuzzer (clang, libFuzzer, ASan + UBSan)"
-cmake -S . -B "$dir" -DCMAKE_CXX_COMPILER=clang++ -DEMAKIT_FUZZ_PART=fuzzer \
-  -DEMAKIT_FUZZ_GLUE="$EMAKIT_ROOT/$dir-glue/tests/fuzz/libemakit_fuzz_glue.a" "${common[@]}" >/dev/null
-cmake --build "$dir" --target emakit_fuzz_checkpoint -j "$EMAKIT_JOBS"
+cmake --preset fuzz >/dev/null
+cmake --build --preset fuzz -j "$EMAKIT_JOBS"
 
 fuzzer="$dir/tests/fuzz/emakit_fuzz_checkpoint"
 mkdir -p "$dir/corpus" "$dir/findings"

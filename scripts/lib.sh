@@ -1,11 +1,16 @@
 # shellcheck shell=bash disable=SC2034  # variables used by the sourcing scripts
-# Helpers shared by scripts/test.sh and scripts/demo.sh. Source it; do not run it.
+# Helpers shared by the scripts in scripts/ (test.sh, sanitize.sh, fuzz.sh, bench.sh, demo.sh,
+# seed_fixtures.sh, format.sh; mutate.sh stands alone) and benchmarks/compile_time.sh. Source it;
+# do not run it. What to build lives in CMakePresets.json (one configure, build and test preset
+# per build/<name>): the scripts call `cmake --preset NAME` and add only what is known at run
+# time (the wheel's location, a knob that was set).
 #
 # Environment knobs (all optional):
 #   EMAKIT_VENV        Python venv for the PyPI torch wheel and the reference packages
 #                      (default: $HOME/.cache/emakit/venv)
 #   EMAKIT_JOBS        parallel build/test jobs (default: 2)
-#   EMAKIT_BUILD_TYPE  CMake build type (default: Release)
+#   EMAKIT_BUILD_TYPE  CMake build type of scripts/test.sh's torch variants and scripts/demo.sh
+#                      (default: Release; the other scripts set their own)
 #   EMAKIT_NO_INSTALL  set to 1 to never call apt-get or pip (use what is there)
 
 EMAKIT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,13 +25,16 @@ EMAKIT_REQUIREMENTS="$EMAKIT_ROOT/scripts/requirements.txt"
 EMAKIT_SEED_VENV="${EMAKIT_SEED_VENV:-$HOME/.cache/emakit/seed-venv}"
 EMAKIT_SEED_REQUIREMENTS="$EMAKIT_ROOT/scripts/requirements-seed.txt"
 
-# Debian packages the build needs (compiler, CMake, LibTorch 1.13, fmt, Catch2 v2, Google
-# Benchmark, ccache, python3-venv for the reference packages, CLI11 for the examples), the
-# Fashion-MNIST demo's data and plotting (dataset-fashion-mnist, gnuplot-nox), and clang with
-# its libFuzzer and sanitizer runtimes for scripts/fuzz.sh.
-EMAKIT_DEB_PACKAGES=(g++ make cmake ccache libtorch-dev libfmt-dev catch2 libbenchmark-dev
-                     python3-venv libcli11-dev dataset-fashion-mnist gnuplot-nox
-                     clang libclang-rt-dev libgloo-dev)
+# Debian packages the tests' build needs: compiler, CMake, ccache, LibTorch 1.13, fmt, Catch2 v2,
+# the Gloo headers (the distributed tests). scripts/sanitize.sh needs no more;
+# `./scripts/test.sh --quick` adds CLI11 (the examples).
+EMAKIT_BUILD_DEB_PACKAGES=(g++ make cmake ccache libtorch-dev libfmt-dev catch2 libgloo-dev)
+# Everything the full run needs: the above, CLI11 for the examples, Google Benchmark, python3-venv
+# for the reference packages, the Fashion-MNIST demo's data and plotting (dataset-fashion-mnist,
+# gnuplot-nox), clang with its libFuzzer and sanitizer runtimes for scripts/fuzz.sh, and
+# clang-format 14 for scripts/format.sh.
+EMAKIT_DEB_PACKAGES=("${EMAKIT_BUILD_DEB_PACKAGES[@]}" libcli11-dev libbenchmark-dev python3-venv
+                     dataset-fashion-mnist gnuplot-nox clang libclang-rt-dev clang-format-14)
 
 # Where dataset-fashion-mnist installs its gzip'd IDX files, and where the demo (and its ctest,
 # examples/CMakeLists.txt) reads them uncompressed.
@@ -129,7 +137,9 @@ emakit_venv_ensure_at() {
   return 1
 }
 
-# emakit_debian_torch_args: CMake arguments selecting Debian's LibTorch 1.13.
+# emakit_debian_torch_args: CMake arguments selecting Debian's LibTorch 1.13, for a project that
+# is not configured through the root's presets (benchmarks/compile_time.sh; the presets name the
+# same folder in CMakePresets.json, the hidden preset debian-libtorch).
 emakit_debian_torch_args() {
   local multiarch dir
   multiarch="$(gcc -print-multiarch 2>/dev/null || true)"
@@ -140,7 +150,9 @@ emakit_debian_torch_args() {
 }
 
 # emakit_wheel_torch_args: CMake arguments selecting the LibTorch inside the venv's torch
-# wheel. Prints nothing and sets EMAKIT_WHEEL_STATUS when it cannot be used.
+# wheel, given on top of the presets that build against it (torch2, bench-torch2; Debian's
+# LibTorch 1.13 is named in CMakePresets.json itself). Prints nothing and sets
+# EMAKIT_WHEEL_STATUS when it cannot be used.
 #  - CMAKE_PREFIX_PATH is the torch package root, not torch.utils.cmake_prefix_path
 #    (share/cmake): TorchConfig's find_library would otherwise find Debian's libtorch first.
 #  - A CUDA wheel's Caffe2 config needs a CUDA toolkit (nvcc) to configure; CUDA::cudart is

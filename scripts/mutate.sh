@@ -134,7 +134,7 @@ while (($#)); do
     --only) shift; ONLY="${1:?--only needs an id}" ;;
     --only=*) ONLY="${1#--only=}" ;;
     --no-baseline) BASELINE=0 ;;
-    -h|--help) sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option '$1' (--list, --only ID[,ID], --no-baseline)" 2 ;;
   esac
   shift

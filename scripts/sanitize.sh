@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
 # Build emakit's unit, conformance and distributed tests with AddressSanitizer +
 # UndefinedBehaviorSanitizer (g++, Debian's LibTorch 1.13) in build/asan and run them:
-# ctest -L 'unit|conformance|distributed'. They link the compiled mode (emakit::compiled, built in
-# the same tree with the same flags, so emakit's code in libemakit.a is instrumented too): the
-# same code as header-only, and each test TU compiles in about half the time (the header-only
-# mode is tested by the LibTorch 1.13 variant of scripts/test.sh). The conformance tests need EMAKIT_PYTHON (the venv of
-# scripts/test.sh, which exports it); without it they are skipped, which the summary only accepts
+# the preset asan of CMakePresets.json (cmake --preset asan; cmake --build --preset asan;
+# ctest --preset asan, which runs -L 'unit|conformance|distributed'). They link the compiled mode
+# (emakit::compiled, built in the same tree with the same flags, so emakit's code in libemakit.a
+# is instrumented too): the same code as header-only, and each test TU compiles in about half the
+# time (the header-only mode is tested by the LibTorch 1.13 variant of scripts/test.sh). The
+# conformance tests need EMAKIT_PYTHON (the venv of scripts/test.sh, which exports it; the preset
+# reads it from the environment); without it they are skipped, which the summary only accepts
 # when emakit_expected_skips allows it (EMAKIT_ALLOW_SKIP=torch2 in scripts/test.sh).
 #
 #   ./scripts/sanitize.sh
 #   EMAKIT_CTEST_ARGS="-R Soak" ./scripts/sanitize.sh      # extra ctest arguments
 #
-# Environment knobs (besides those of scripts/lib.sh: EMAKIT_JOBS, EMAKIT_NO_INSTALL):
+# Environment knobs (besides those of scripts/lib.sh: EMAKIT_JOBS, EMAKIT_NO_INSTALL); the
+# defaults are the preset's:
 #   EMAKIT_SANITIZE_BUILD_TYPE  CMake build type of build/asan (default: RelWithDebInfo)
 #   EMAKIT_SANITIZE_OPT         its optimization/debug flags (default: "-O1 -g1": line tables for
 #                               the sanitizers' stacks, -O1 to keep the instrumented run fast)
 #   EMAKIT_CTEST_ARGS           extra ctest arguments (after -L ...)
-#   EMAKIT_SANITIZE_LABELS      the ctest labels run (default: unit|conformance|distributed)
+#   EMAKIT_SANITIZE_LABELS      a ctest label regex that narrows the preset's filter
+#                               (unit|conformance|distributed: what build/asan builds); e.g. unit
 #   EMAKIT_SANITIZE_TIMEOUT     per-test ctest timeout in seconds (default: 900)
 #
 # Only emakit (include/emakit and libemakit.a), the LibTorch header code it inlines, and the
@@ -27,7 +31,8 @@
 # leaked on purpose (a preloaded library) was reported, so leak checking does run. If a LibTorch
 # upgrade needs one, add a suppressions= file here naming LibTorch's function and why.
 #
-# Exit status: 0 when the build succeeded and every unit test passed under the sanitizers.
+# Exit status: 0 when the build succeeded and every test it ran passed under the sanitizers (and
+# every skipped one was expected: emakit_ctest_summary).
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -43,43 +48,38 @@ name="asan"
 what="ASan+UBSan, g++, Debian LibTorch 1.13, compiled mode"
 
 # g++ brings libasan/libubsan/liblsan (libgcc-12-dev depends on them).
-emakit_apt_ensure g++ make cmake ccache libtorch-dev libfmt-dev catch2 libgloo-dev
+emakit_apt_ensure "${EMAKIT_BUILD_DEB_PACKAGES[@]}"
 
-sanitize_flags="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
-
-# The runtime options, exported before the build too: catch_discover_tests runs the
-# instrumented emakit_tests after linking it (to list the test cases), under the same checks.
+# The preset holds the sanitizer flags (-fsanitize=address,undefined -fno-sanitize-recover=undefined
+# -fno-omit-frame-pointer, compile and link) and the runtime options, which its build and test
+# presets inherit: catch_discover_tests runs the instrumented emakit_tests after linking it (to
+# list the test cases), under the same checks.
 #  - halt_on_error / -fno-sanitize-recover: the first report fails the test.
 #  - detect_leaks: LeakSanitizer at exit.
 #  - check_initialization_order/strict_init_order: static-initialization-order bugs.
 #  - detect_stack_use_after_return stays off (its fake stacks slow LibTorch-heavy tests a lot).
-export ASAN_OPTIONS="detect_leaks=1:halt_on_error=1:abort_on_error=0:print_summary=1:check_initialization_order=1:strict_init_order=1:detect_odr_violation=2"
-export LSAN_OPTIONS="report_objects=0"
-export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:report_error_type=1"
-
-mapfile -t torch_args < <(emakit_debian_torch_args)
+# On top of it, only the knobs that were set.
+overrides=()
+if [[ -n "${EMAKIT_SANITIZE_BUILD_TYPE:-}${EMAKIT_SANITIZE_OPT:-}" ]]; then
+  overrides+=("-DCMAKE_BUILD_TYPE=$build_type" "-DCMAKE_CXX_FLAGS_${build_type^^}=$opt_flags")
+fi
+# EMAKIT_TEST_TIMEOUT (preset: 900): the instrumented tests run several times slower.
+[[ -z "${EMAKIT_SANITIZE_TIMEOUT:-}" ]] || overrides+=("-DEMAKIT_TEST_TIMEOUT=$timeout")
+# ctest applies a -L given on top of the test preset's label filter as well: it narrows it.
+ctest_labels=()
+[[ -z "${EMAKIT_SANITIZE_LABELS:-}" ]] || ctest_labels=(-L "$labels")
 
 summary() { printf '==> [%s] %s\n' "$name" "$1"; }
 
 emakit_say "[$name] configure ($what, $build_type: $opt_flags)"
-# EMAKIT_TEST_TIMEOUT: the instrumented tests run several times slower than the plain ones.
-if ! cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE="$build_type" \
-       -DCMAKE_CXX_COMPILER=g++ \
-       "-DCMAKE_CXX_FLAGS=$sanitize_flags" \
-       "-DCMAKE_CXX_FLAGS_${build_type^^}=$opt_flags" \
-       "-DCMAKE_EXE_LINKER_FLAGS=$sanitize_flags" \
-       "-DCMAKE_SHARED_LINKER_FLAGS=$sanitize_flags" \
-       -DEMAKIT_BUILD_TESTS=ON -DEMAKIT_BUILD_EXAMPLES=OFF -DEMAKIT_BUILD_BENCHMARKS=OFF \
-       -DEMAKIT_PACKAGE_TESTS=OFF -DEMAKIT_TESTS_COMPILED=ON -DEMAKIT_PYTHON="${EMAKIT_PYTHON:-}" -DEMAKIT_TEST_TIMEOUT="$timeout" \
-       "${torch_args[@]}"; then
+if ! cmake --preset asan "${overrides[@]}"; then
   summary "FAILED: configure ($what)"
   exit 1
 fi
 
 emakit_say "[$name] build emakit_tests, emakit_conformance_tests, emakit_distributed_tests (-j$EMAKIT_JOBS)"
 build_start=$SECONDS
-if ! cmake --build "$dir" --target emakit_tests emakit_conformance_tests emakit_distributed_tests \
-       -j "$EMAKIT_JOBS"; then
+if ! cmake --build --preset asan -j "$EMAKIT_JOBS"; then
   summary "FAILED: build ($what)"
   exit 1
 fi
@@ -89,8 +89,8 @@ emakit_say "[$name] ctest -L '$labels'"
 log="$dir/ctest.log"
 test_start=$SECONDS
 ctest_rc=0
-(cd "$dir" && ctest -L "$labels" -j "$EMAKIT_JOBS" --timeout "$timeout" --output-on-failure \
-   "${ctest_extra[@]}") 2>&1 | tee "$log" || ctest_rc=$?
+ctest --preset asan "${ctest_labels[@]}" -j "$EMAKIT_JOBS" --timeout "$timeout" "${ctest_extra[@]}" 2>&1 \
+  | tee "$log" || ctest_rc=$?
 emakit_say "[$name] tests ran in $((SECONDS - test_start)) s"
 
 line="$(emakit_ctest_summary "$log" "$ctest_rc" "$what")" && rc=0 || rc=$?

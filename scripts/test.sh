@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# Build emakit's tests and run them with ctest against both supported LibTorch versions, then
-# the unit tests under the sanitizers and the checkpoint loader's fuzz target:
-#   build/torch1.13  Debian's libtorch-dev (LibTorch 1.13)
+# Check the C++ formatting, build emakit's tests and run them with ctest against both supported
+# LibTorch versions, then the tests under the sanitizers and the checkpoint loader's fuzz target.
+# Each build/<name> is the CMake preset <name> (CMakePresets.json: `cmake --preset NAME`,
+# `cmake --build --preset NAME`, `ctest --preset NAME`):
+#   format           clang-format 14 over the C++ files (scripts/format.sh --check), a few seconds
+#   build/torch1.13  Debian's libtorch-dev (LibTorch 1.13), header-only (emakit::emakit)
 #   build/torch2     the LibTorch inside the PyPI torch wheel in the Python venv, with everything
-#                    linked against the compiled mode (emakit::compiled; the others: header-only)
-#   build/asan       the unit tests with ASan + UBSan, Debian's LibTorch (scripts/sanitize.sh)
+#                    linked against the compiled mode (emakit::compiled)
+#   build/asan       the unit, conformance and distributed tests with ASan + UBSan, Debian's
+#                    LibTorch, compiled mode (scripts/sanitize.sh)
 #   build/fuzz       libFuzzer on the checkpoint loader, 60 s (scripts/fuzz.sh)
+# Not run by default: build/torch1.13-compiled, the compiled mode on LibTorch 1.13 with every
+# test (EMAKIT_VARIANTS=torch1.13-compiled).
 # Installs what is missing first (Debian packages, the venv with scripts/requirements.txt).
 #
 # A green run proves what it says. A variant that was asked for and did not run fails the run:
@@ -20,8 +26,12 @@
 #
 #   ./scripts/test.sh                       every variant, then the fuzz run (what CI runs)
 #   ./scripts/test.sh --quick               a developer's edit loop: LibTorch 1.13, unit tests only,
-#                                           no sanitizers, no fuzzing, no venv install
-#   EMAKIT_VARIANTS=torch1.13 ./scripts/test.sh   (known: torch1.13 torch2 asan)
+#                                           no format check, no sanitizers, no fuzzing, no venv
+#                                           install, no demo data; checks only the Debian
+#                                           packages its build needs (scripts/lib.sh,
+#                                           EMAKIT_BUILD_DEB_PACKAGES, and libcli11-dev)
+#   EMAKIT_VARIANTS=torch1.13 ./scripts/test.sh
+#       (known: format torch1.13 torch1.13-compiled torch2 asan; default: format torch1.13 torch2 asan)
 #   EMAKIT_CTEST_ARGS="-L unit" ./scripts/test.sh
 #   EMAKIT_FUZZ_SECONDS=0 ./scripts/test.sh   without the fuzz run (scripts/fuzz.sh)
 #   EMAKIT_ALLOW_SKIP=torch2 ./scripts/test.sh   accept a run without PyPI (LibTorch 1.13 only)
@@ -49,7 +59,7 @@ case "${1:-}" in
 esac
 started=$SECONDS
 
-read -r -a variants <<<"${EMAKIT_VARIANTS:-torch1.13 torch2 asan}"
+read -r -a variants <<<"${EMAKIT_VARIANTS:-format torch1.13 torch2 asan}"
 read -r -a ctest_extra <<<"${EMAKIT_CTEST_ARGS:-}"
 ctest_timeout="${EMAKIT_CTEST_TIMEOUT:-900}"
 allow_skip=" ${EMAKIT_ALLOW_SKIP:-} "
@@ -57,9 +67,13 @@ for skip in ${EMAKIT_ALLOW_SKIP:-}; do
   [[ "$skip" == torch2 ]] || emakit_die "EMAKIT_ALLOW_SKIP: unknown variant '$skip' (known: torch2)"
 done
 
-emakit_apt_ensure "${EMAKIT_DEB_PACKAGES[@]}"
-# The data of the demo test (demo.fashion_mnist_short, built with the examples).
-emakit_fashion_mnist_ensure
+if ((quick == 1)); then
+  emakit_apt_ensure "${EMAKIT_BUILD_DEB_PACKAGES[@]}" libcli11-dev
+else
+  emakit_apt_ensure "${EMAKIT_DEB_PACKAGES[@]}"
+  # The data of the demo tests (demo.*, built with the examples; --quick runs no demo test).
+  emakit_fashion_mnist_ensure
+fi
 
 # The venv serves both runs: the conformance tests compare against the Python packages
 # (EMAKIT_PYTHON), and the torch2 run links the wheel's LibTorch.
@@ -93,24 +107,23 @@ if [[ "${EMAKIT_SEED_PACKAGES:-0}" == 1 ]]; then
   fi
 fi
 
-emakit_say "set-up (Debian packages, data, venvs) took $((SECONDS - started)) s"
+emakit_say "set-up (Debian packages$( ((quick == 1)) || echo ', data'), venvs) took $((SECONDS - started)) s"
 declare -A result=() took=()
 
-# run_variant NAME DESCRIPTION CMAKE_ARGS...: configure, build and ctest build/NAME; records
-# one summary line in result[NAME]; returns non-zero on failure.
+# run_variant NAME DESCRIPTION CMAKE_ARGS...: configure, build and ctest the preset NAME
+# (build/NAME; its cache reads EMAKIT_PYTHON and EMAKIT_SEED_PYTHON from the environment), with
+# CMAKE_ARGS on top; records one summary line in result[NAME]; returns non-zero on failure.
 run_variant() {
   local name="$1" what="$2"; shift 2
   local dir="build/$name" log t0=$SECONDS t1 t2
   emakit_say "[$name] configure ($what)"
-  if ! cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE="$EMAKIT_BUILD_TYPE" \
-         -DEMAKIT_BUILD_TESTS=ON -DEMAKIT_BUILD_EXAMPLES=ON -DEMAKIT_PYTHON="${EMAKIT_PYTHON:-}" \
-         -DEMAKIT_SEED_PYTHON="${EMAKIT_SEED_PYTHON:-}" "$@"; then
+  if ! cmake --preset "$name" -DCMAKE_BUILD_TYPE="$EMAKIT_BUILD_TYPE" "$@"; then
     result[$name]="FAILED: configure ($what)"
     return 1
   fi
   emakit_say "[$name] build (-j$EMAKIT_JOBS)"
   t1=$SECONDS
-  if ! cmake --build "$dir" -j "$EMAKIT_JOBS"; then
+  if ! cmake --build --preset "$name" -j "$EMAKIT_JOBS"; then
     result[$name]="FAILED: build ($what)"
     return 1
   fi
@@ -118,19 +131,20 @@ run_variant() {
   t2=$SECONDS
   log="$dir/ctest.log"
   local ctest_rc=0
-  (cd "$dir" && ctest -j "$EMAKIT_JOBS" --timeout "$ctest_timeout" --output-on-failure "${ctest_extra[@]}") 2>&1 \
+  ctest --preset "$name" -j "$EMAKIT_JOBS" --timeout "$ctest_timeout" "${ctest_extra[@]}" 2>&1 \
     | tee "$log" || ctest_rc=$?
   took[$name]="configure $((t1 - t0)) s, build $((t2 - t1)) s, ctest $((SECONDS - t2)) s"
   result[$name]="$(emakit_ctest_summary "$log" "$ctest_rc" "$what")" || return 1
 }
 
-# run_script NAME SCRIPT: runs scripts/SCRIPT, which ends with "==> [NAME] PASSED: ..." or
-# "==> [NAME] FAILED: ..."; records that line in result[NAME]; returns non-zero on failure.
+# run_script NAME SCRIPT [ARGS...]: runs scripts/SCRIPT ARGS, which ends with "==> [NAME] PASSED:
+# ..." or "==> [NAME] FAILED: ..."; records that line in result[NAME]; returns non-zero on failure.
 run_script() {
   local name="$1" script="$2" log="build/$1.summary.log" line
+  shift 2
   mkdir -p build
   local rc=0 t0=$SECONDS
-  "$EMAKIT_ROOT/scripts/$script" 2>&1 | tee "$log" || rc=$?
+  "$EMAKIT_ROOT/scripts/$script" "$@" 2>&1 | tee "$log" || rc=$?
   took[$name]="$((SECONDS - t0)) s"
   line="$(grep -E "^==> \[$name\] (PASSED|FAILED)" "$log" | tail -n1 | sed -E "s/^==> \[$name\] //" || true)"
   if ((rc == 0)) && [[ "$line" == PASSED* ]]; then
@@ -146,10 +160,18 @@ status=0
 ran=()
 for variant in "${variants[@]}"; do
   case "$variant" in
-    torch1.13)
-      mapfile -t args < <(emakit_debian_torch_args)
+    format)
+      # The C++ files as .clang-format says (scripts/format.sh --check; ./scripts/format.sh fixes).
       ran+=("$variant")
-      run_variant torch1.13 "Debian LibTorch 1.13" "${args[@]}" || status=1
+      run_script format format.sh --check || status=1
+      ;;
+    torch1.13)
+      ran+=("$variant")
+      run_variant torch1.13 "Debian LibTorch 1.13" || status=1
+      ;;
+    torch1.13-compiled)
+      ran+=("$variant")
+      run_variant torch1.13-compiled "Debian LibTorch 1.13, compiled mode" || status=1
       ;;
     torch2)
       # Asked for and not run: SKIPPED only when the user allowed it, otherwise FAILED.
@@ -176,17 +198,17 @@ for variant in "${variants[@]}"; do
       mapfile -t args <<<"$wheel_args"
       torch_version="$("$EMAKIT_VENV/bin/python" -c 'import torch; print(torch.__version__)')"
       ran+=("$variant")
-      # This variant builds everything against the compiled mode (emakit::compiled); the other
-      # two keep the header-only default, so both modes pass the whole suite.
-      run_variant torch2 "PyPI torch $torch_version, compiled mode" "${args[@]}" -DEMAKIT_TESTS_COMPILED=ON \
-        || status=1
+      # This variant builds everything against the compiled mode (emakit::compiled; the preset
+      # says so); torch1.13 keeps the header-only default, so both modes pass the whole suite.
+      run_variant torch2 "PyPI torch $torch_version, compiled mode" "${args[@]}" || status=1
       ;;
     asan)
-      # The unit tests under AddressSanitizer + UndefinedBehaviorSanitizer (scripts/sanitize.sh).
+      # The unit, conformance and distributed tests under AddressSanitizer +
+      # UndefinedBehaviorSanitizer, compiled mode (scripts/sanitize.sh).
       ran+=("$variant")
       run_script asan sanitize.sh || status=1
       ;;
-    *) emakit_die "unknown variant '$variant' (known: torch1.13 torch2 asan)" ;;
+    *) emakit_die "unknown variant '$variant' (known: format torch1.13 torch1.13-compiled torch2 asan)" ;;
   esac
   printf '==> [%s] %s\n' "$variant" "${result[$variant]}"
 done
