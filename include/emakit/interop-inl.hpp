@@ -32,7 +32,7 @@ EMAKIT_FUNC const PeerText& peer_text(Peer peer) {
   return table[i];
 }
 
-namespace {}  // (no internal linkage: the helpers below are EMAKIT_FUNC)
+// No anonymous namespace: the helpers below are EMAKIT_FUNC (external linkage in compiled mode).
 
 EMAKIT_FUNC const at::Tensor* entry(const c10::impl::GenericDict& dict, const std::string& key) {
   const auto it = dict.find(key);
