@@ -78,7 +78,7 @@ struct Fixture {
   std::unique_ptr<emakit::FixedEma> averaging;
   std::unique_ptr<emakit::FixedEma> copying;
   std::unique_ptr<emakit::detail::UpdateKernel> foreach_kernel;  // fp32 only, built on first use
-  at::Tensor flat_a, flat_b;  // CUDA roofline buffers, built on first use
+  at::Tensor flat_a, flat_b;                                     // CUDA roofline buffers, built on first use
 
   std::int64_t params() const { return layout.numel(); }
   std::int64_t source_bytes() const { return precision == Precision::fp32 ? 4 : 2; }
@@ -162,7 +162,9 @@ template <class S, bool Average>
 // The roofline is the best plain loop this CPU runs: on x86-64 also compiled for AVX2 (as
 // emakit's segments are) and picked at run time.
 template <class S, bool Average>
-void plain_loop_baseline(float* a, const S* x, std::int64_t n, float w) { plain_loop<S, Average>(a, x, n, w); }
+void plain_loop_baseline(float* a, const S* x, std::int64_t n, float w) {
+  plain_loop<S, Average>(a, x, n, w);
+}
 #if defined(__x86_64__) && !defined(__AVX2__)
 template <class S, bool Average>
 __attribute__((target("avx2"))) void plain_loop_avx2(float* a, const S* x, std::int64_t n, float w) {
@@ -234,8 +236,9 @@ void run_case(benchmark::State& state, const Case& c) {
     const std::int64_t total = f.params();
     const int threads = c.threads;
     if (c.precision == Precision::fp32)
-      step = c.op == Op::average ? std::function<void()>([s, total, threads] { roofline<float, true>(s, total, threads); })
-                                 : std::function<void()>([s, total, threads] { roofline<float, false>(s, total, threads); });
+      step = c.op == Op::average
+                 ? std::function<void()>([s, total, threads] { roofline<float, true>(s, total, threads); })
+                 : std::function<void()>([s, total, threads] { roofline<float, false>(s, total, threads); });
     else
       step = c.op == Op::average
                  ? std::function<void()>([s, total, threads] { roofline<std::uint16_t, true>(s, total, threads); })
@@ -268,8 +271,8 @@ void run_case(benchmark::State& state, const Case& c) {
         s.source = f.model[i].tensor;
         slots.push_back(std::move(s));
       }
-      f.foreach_kernel = std::make_unique<emakit::detail::UpdateKernel>(
-          std::move(slots), emakit::detail::UpdateKernel::CpuPath::foreach);
+      f.foreach_kernel = std::make_unique<emakit::detail::UpdateKernel>(std::move(slots),
+                                                                        emakit::detail::UpdateKernel::CpuPath::foreach);
     }
     auto* kernel = f.foreach_kernel.get();
     step = [kernel] { kernel->average(kWeight); };
@@ -336,7 +339,8 @@ void run_memory(benchmark::State& state, const Case& c) {
 
 struct MlpImpl : torch::nn::Module {
   explicit MlpImpl(int layers, int width) {
-    for (int i = 0; i < layers; ++i) fcs.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(width, width)));
+    for (int i = 0; i < layers; ++i)
+      fcs.push_back(register_module("fc" + std::to_string(i), torch::nn::Linear(width, width)));
   }
   torch::Tensor forward(torch::Tensor x) {
     for (auto& fc : fcs) x = torch::relu(fc->forward(x));
@@ -413,7 +417,8 @@ void register_cases(const std::vector<Layout>& layouts, const std::vector<int>& 
         for (Op op : {Op::average, Op::copy}) {
           std::vector<std::string> impls = {"emakit", "roofline"};
           if (device.is_cpu()) {
-            if (op == Op::average && precision == Precision::fp32) impls.insert(impls.end(), {"aten_lerp", "aten_foreach"});
+            if (op == Op::average && precision == Precision::fp32)
+              impls.insert(impls.end(), {"aten_lerp", "aten_foreach"});
             if (op == Op::average) impls.push_back("aten_mul_add");
             if (op == Op::copy) impls.push_back("aten_copy");
           } else if (op == Op::copy) {
@@ -479,7 +484,8 @@ int main(int argc, char** argv) {
     return 77;
   }
   if (layouts_arg.empty())
-    layouts_arg = cuda ? "many_small,resnet50,vit_b16,llm1b" : "many_small,large_16m,resnet50,large_64m,vit_b16,large_256m";
+    layouts_arg =
+        cuda ? "many_small,resnet50,vit_b16,llm1b" : "many_small,large_16m,resnet50,large_64m,vit_b16,large_256m";
   std::vector<Layout> layouts;
   const auto known = emakit_bench::all_layouts();
   for (const auto& name : split(layouts_arg)) {

@@ -60,7 +60,8 @@ inline Layout vit_b16() {
   const std::int64_t d = 768;
   l.shapes = {{1, 1, d}, {1, 197, d}, {d, 3, 16, 16}, {d}};
   for (int block = 0; block < 12; ++block) {
-    const std::vector<Shape> b = {{d}, {d}, {3 * d, d}, {3 * d}, {d, d}, {d}, {d}, {d}, {4 * d, d}, {4 * d}, {d, 4 * d}, {d}};
+    const std::vector<Shape> b = {{d}, {d}, {3 * d, d}, {3 * d}, {d, d},     {d},
+                                  {d}, {d}, {4 * d, d}, {4 * d}, {d, 4 * d}, {d}};
     l.shapes.insert(l.shapes.end(), b.begin(), b.end());
   }
   l.shapes.push_back({d});
@@ -102,8 +103,9 @@ inline Layout llm1b() {
 
 // Every layout by name, in order of size.
 inline std::vector<Layout> all_layouts() {
-  return {many_small(), large(std::int64_t{1} << 24, "large_16m"), resnet50(), large(std::int64_t{1} << 26, "large_64m"),
-          vit_b16(),    large(std::int64_t{1} << 28, "large_256m"), llm1b()};
+  return {
+      many_small(), large(std::int64_t{1} << 24, "large_16m"),  resnet50(), large(std::int64_t{1} << 26, "large_64m"),
+      vit_b16(),    large(std::int64_t{1} << 28, "large_256m"), llm1b()};
 }
 
 }  // namespace emakit_bench

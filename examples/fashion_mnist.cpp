@@ -67,7 +67,7 @@ namespace {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
-constexpr int kSkipped = 77;        // ctest's SKIP_RETURN_CODE
+constexpr int kSkipped = 77;  // ctest's SKIP_RETURN_CODE
 constexpr int kMissingData = 2;
 constexpr int kPixels = 28 * 28;
 
@@ -296,7 +296,8 @@ plot "results.csv" using 5:(strcol(5) eq "" ? NaN : $3) skip 1 with linespoints 
      {:.6f} with lines dt 3 lw 2 lc rgb warmup title "{}"
 unset multiplot
 )gp",
-      epochs <= 20 ? "set xtics 1" : "set xtics autofreq", fixed_name, warmup_name, rows[0].score.loss, rows[1].score.loss, fixed_name, rows[2].score.loss, warmup_name);
+      epochs <= 20 ? "set xtics 1" : "set xtics autofreq", fixed_name, warmup_name, rows[0].score.loss,
+      rows[1].score.loss, fixed_name, rows[2].score.loss, warmup_name);
 }
 
 // Runs gnuplot on plot.gp in `out`. Returns a line for the user when no plot was made.
@@ -306,7 +307,8 @@ std::optional<std::string> draw_plot(const fs::path& out) {
     return "gnuplot is not installed (Debian: sudo apt-get install gnuplot-nox): no plot; the CSVs are there";
   const int status = emakit_subprocess::run({gnuplot, "plot.gp"}, {.cwd = out});
   if (status != 0)
-    return fmt::format("gnuplot failed ({}) on {}: no plot", emakit_subprocess::describe(status), (out / "plot.gp").string());
+    return fmt::format("gnuplot failed ({}) on {}: no plot", emakit_subprocess::describe(status),
+                       (out / "plot.gp").string());
   return std::nullopt;
 }
 
@@ -355,7 +357,8 @@ int run(const Args& args) {
   emakit::FixedEma fixed(*model, emakit::Fixed(args.fixed_decay));
   emakit::WarmupEma warmup(*model, emakit::InversePowerWarmup(args.warmup_beta).power(args.warmup_power));
   emakit::PostHocEma posthoc(
-      *model, emakit::PostHocOptions(phema_dir).sigma_rels(args.tracked_sigma_rels).snapshot_every(args.snapshot_every));
+      *model,
+      emakit::PostHocOptions(phema_dir).sigma_rels(args.tracked_sigma_rels).snapshot_every(args.snapshot_every));
   const std::string fixed_name = fmt::format("fixed EMA {}", args.fixed_decay);
   const std::string warmup_name = fmt::format("warmup EMA {}", args.warmup_beta);
 
@@ -363,9 +366,10 @@ int run(const Args& args) {
   for (const auto& p : model->parameters()) n_params += p.numel();
   fmt::print("Fashion-MNIST from {}: {} training images{}, {} test images\n", args.data, n_train,
              args.train_subset > 0 ? " (--train-subset)" : "", test.x.size(0));
-  fmt::print("MLP {}-{}-10 ({} parameters), SGD lr {} batch {} (no momentum), {} epochs = {} steps, seed {}, {} thread{}\n",
-             kPixels, args.hidden, n_params, args.lr, args.batch_size, args.epochs, total_steps, args.seed,
-             at::get_num_threads(), at::get_num_threads() == 1 ? "" : "s");
+  fmt::print(
+      "MLP {}-{}-10 ({} parameters), SGD lr {} batch {} (no momentum), {} epochs = {} steps, seed {}, {} thread{}\n",
+      kPixels, args.hidden, n_params, args.lr, args.batch_size, args.epochs, total_steps, args.seed,
+      at::get_num_threads(), at::get_num_threads() == 1 ? "" : "s");
   fmt::print("  {}\n  {}\n  PostHocEma sigma_rels [{}], snapshots {} into {}{}\n", fixed, warmup,
              fmt::join(args.tracked_sigma_rels, ", "),
              args.snapshot_every > 0 ? fmt::format("every {} steps", args.snapshot_every) : "at each epoch's end",
@@ -447,8 +451,8 @@ int run(const Args& args) {
     try {
       const auto plan = posthoc.plan(emakit::SynthesisOptions::from_sigma_rel(sigma_rel));
       emakit::synthesize_into(plan, *synthesized);
-      rows.push_back({fmt::format("post-hoc sigma_rel={}", sigma_rel_string(sigma_rel)), evaluate(synthesized, test),
-                      sigma_rel});
+      rows.push_back(
+          {fmt::format("post-hoc sigma_rel={}", sigma_rel_string(sigma_rel)), evaluate(synthesized, test), sigma_rel});
     } catch (const std::exception& e) {
       failures.push_back(fmt::format("post-hoc sigma_rel={}: {}", sigma_rel, e.what()));
     }
@@ -462,7 +466,8 @@ int run(const Args& args) {
   fmt::print("\n{:<{}}  {:>9}  {:>9}  {:>10}\n", "model", width, "accuracy", "test loss", "vs online");
   fmt::print("{:-<{}}\n", "", width + 34);
   for (const auto& r : rows) {
-    const std::string change = &r == &rows.front() ? std::string("") : fmt::format("{:+.1f}%", change_percent(r.score.loss, reference));
+    const std::string change =
+        &r == &rows.front() ? std::string("") : fmt::format("{:+.1f}%", change_percent(r.score.loss, reference));
     fmt::print("{:<{}}  {:>8.2f}%  {:>9.4f}  {:>10}\n", r.name, width, 100.0 * r.score.accuracy, r.score.loss, change);
   }
   for (const auto& f : failures) fmt::print("{}\n", f);
@@ -485,9 +490,9 @@ int run(const Args& args) {
       written.push_back((out / "results.png").string());
   }
   const double total_seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
-  fmt::print("time: {:.1f} s in all: training {:.1f} s ({:.0f} steps/s), evaluation {:.1f} s, post-hoc sweep {:.1f} s\n",
-             total_seconds, train_seconds, static_cast<double>(total_steps) / train_seconds, eval_seconds,
-             sweep_seconds);
+  fmt::print(
+      "time: {:.1f} s in all: training {:.1f} s ({:.0f} steps/s), evaluation {:.1f} s, post-hoc sweep {:.1f} s\n",
+      total_seconds, train_seconds, static_cast<double>(total_steps) / train_seconds, eval_seconds, sweep_seconds);
   fmt::print("wrote {}\n      and {} post-hoc snapshots in {}\n", fmt::join(written, "\n      "),
              emakit::list_snapshots(phema_dir).size(), phema_dir.string());
 
@@ -500,7 +505,8 @@ int run(const Args& args) {
     std::vector<std::string> worse;
     for (std::size_t i = 1; i <= 2; ++i)
       if (!(rows[i].score.loss <= o.loss))
-        worse.push_back(fmt::format("{} has test loss {:.4f} > online {:.4f}", rows[i].name, rows[i].score.loss, o.loss));
+        worse.push_back(
+            fmt::format("{} has test loss {:.4f} > online {:.4f}", rows[i].name, rows[i].score.loss, o.loss));
     if (!worse.empty()) {
       fmt::print(stderr, "check FAILED: {}\n", fmt::join(worse, "; "));
       return 1;
@@ -518,7 +524,9 @@ int main(int argc, char** argv) {
   CLI::App app{"Fashion-MNIST with noisy SGD: test loss of the online weights vs a fixed EMA, a warmup EMA and "
                "post-hoc EMAs (emakit)"};
   app.add_option("--epochs", args.epochs, "Training epochs")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--batch-size", args.batch_size, "Images per SGD step")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--batch-size", args.batch_size, "Images per SGD step")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--lr", args.lr, "SGD learning rate (no momentum)")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--seed", args.seed, "Seed of the initialisation and the shuffling")->capture_default_str();
   app.add_option("--threads", args.threads,

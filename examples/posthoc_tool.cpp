@@ -60,7 +60,8 @@ int list(const std::string& folder) {
     const auto runs = emakit::snapshot_runs(snapshots);
     for (const auto& r : runs) fmt::print("{}\n", r.describe());
     if (runs.size() > 1)
-      fmt::print("warning: {} training runs share this folder; a synthesis refuses it until one is left\n", runs.size());
+      fmt::print("warning: {} training runs share this folder; a synthesis refuses it until one is left\n",
+                 runs.size());
   }
   if (const auto stale = emakit::interrupted_writes(folder); !stale.empty())
     fmt::print("{} temporary files of interrupted writes (not snapshots; safe to delete when nothing writes here)\n",
@@ -84,7 +85,8 @@ struct SynthesizeArgs {
 };
 
 int synthesize(const SynthesizeArgs& args) {
-  auto options = args.gamma ? emakit::SynthesisOptions(*args.gamma) : emakit::SynthesisOptions::from_sigma_rel(*args.sigma_rel);
+  auto options =
+      args.gamma ? emakit::SynthesisOptions(*args.gamma) : emakit::SynthesisOptions::from_sigma_rel(*args.sigma_rel);
   if (args.step) options.step(*args.step);
   options.max_condition(args.max_condition).max_extrapolation(args.max_extrapolation).max_weight(args.max_weight);
   options.allow_partial(args.allow_partial);
@@ -141,8 +143,9 @@ int main(int argc, char** argv) {
   synth->add_option("--dtype", args.dtype, "the result's dtype (default: the averages' dtype)")
       ->check(CLI::IsMember({"float32", "float64", "float16", "bfloat16"}));
   synth->add_option("--max-condition", args.max_condition, "refuse systems with a larger condition number");
-  synth->add_option("--max-extrapolation", args.max_extrapolation,
-                    "refuse a sigma_rel outside the tracked range by more than this factor (default 2.5; inf: no limit)")
+  synth
+      ->add_option("--max-extrapolation", args.max_extrapolation,
+                   "refuse a sigma_rel outside the tracked range by more than this factor (default 2.5; inf: no limit)")
       ->check(CLI::Range(1.0, std::numeric_limits<double>::infinity()));
   synth->add_option("--max-weight", args.max_weight, "refuse weights larger than this in magnitude (default 10)")
       ->check(CLI::PositiveNumber);
@@ -159,8 +162,8 @@ int main(int argc, char** argv) {
     }
     if (args.output.empty()) {
       const double s = args.sigma_rel ? *args.sigma_rel : emakit::gamma_to_sigma_rel(*args.gamma);
-      args.output = fmt::format("ema-{:.4f}{}.{}", s, args.step ? fmt::format("-{}", *args.step) : std::string(),
-                                args.format);
+      args.output =
+          fmt::format("ema-{:.4f}{}.{}", s, args.step ? fmt::format("-{}", *args.step) : std::string(), args.format);
     }
     return synthesize(args);
   } catch (const emakit::SynthesisRefused& e) {

@@ -99,8 +99,7 @@ int train_rank(const Args& a) {
   const torch::Tensor y_test = target(x_test);
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.2));
 
-  emakit::ShardedWarmupEma ema(*model, emakit::InversePowerWarmup(0.995), {}, {},
-                               emakit::ShardedStorage(group, 60s));
+  emakit::ShardedWarmupEma ema(*model, emakit::InversePowerWarmup(0.995), {}, {}, emakit::ShardedStorage(group, 60s));
   const auto& st = ema.storage();
   std::printf("rank %d/%d: holds %zu of %zu EMA tensors, %.3f of %.3f MiB (%.0f%%); process RSS %.1f MiB\n", a.rank,
               a.world, ema.averages().size(), st.layout().size(), mib(st.held_bytes()), mib(st.total_bytes()),
@@ -203,10 +202,21 @@ int run_ranks(const Args& a, int world, const std::vector<std::string>& extra) {
   const std::string store = std::string(dir) + "/store";
   std::vector<emakit_subprocess::Process> ranks;
   for (int r = 0; r < world; ++r) {
-    std::vector<std::string> args{"/proc/self/exe", "--rank", std::to_string(r), "--world", std::to_string(world),
-                                  "--store", store, "--steps", std::to_string(a.steps), "--width",
-                                  std::to_string(a.width), "--depth", std::to_string(a.depth)};
-    if (!a.checkpoint.empty()) args.insert(args.end(), {"--checkpoint", std::filesystem::absolute(a.checkpoint).string()});
+    std::vector<std::string> args{"/proc/self/exe",
+                                  "--rank",
+                                  std::to_string(r),
+                                  "--world",
+                                  std::to_string(world),
+                                  "--store",
+                                  store,
+                                  "--steps",
+                                  std::to_string(a.steps),
+                                  "--width",
+                                  std::to_string(a.width),
+                                  "--depth",
+                                  std::to_string(a.depth)};
+    if (!a.checkpoint.empty())
+      args.insert(args.end(), {"--checkpoint", std::filesystem::absolute(a.checkpoint).string()});
     args.insert(args.end(), extra.begin(), extra.end());
     ranks.emplace_back(std::move(args));
   }
@@ -243,15 +253,18 @@ int main(int argc, char** argv) {
     if (!a.bench) return run_ranks(a, a.ranks, {});
     if (!app.count("--width")) a.width = 2048;
     if (!app.count("--depth")) a.depth = 16;
-    const std::string table = (std::filesystem::temp_directory_path() / fmt::format("emakit-bench-{}.md", ::getpid())).string();
+    const std::string table =
+        (std::filesystem::temp_directory_path() / fmt::format("emakit-bench-{}.md", ::getpid())).string();
     std::filesystem::remove(table);
     for (int world : {1, 2, 4})
       if (run_ranks(a, world, {"--bench", "--bench-updates", std::to_string(a.bench_updates), "--out", table}) != 0)
         return 1;
-    fmt::print("ShardedEma update() on an MLP of {} layers {}x{} (fp32), one thread per rank, ranks timed one at a time, "
-               "median of {} updates\n\n",
-               a.depth, a.width, a.width, a.bench_updates);
-    fmt::print("| ranks | whole EMA (MiB) | EMA per rank, max (MiB) | update per rank, max of medians (ms) | gather to rank 0 (ms) |\n");
+    fmt::print(
+        "ShardedEma update() on an MLP of {} layers {}x{} (fp32), one thread per rank, ranks timed one at a time, "
+        "median of {} updates\n\n",
+        a.depth, a.width, a.width, a.bench_updates);
+    fmt::print("| ranks | whole EMA (MiB) | EMA per rank, max (MiB) | update per rank, max of medians (ms) | gather to "
+               "rank 0 (ms) |\n");
     fmt::print("|---|---|---|---|---|\n");
     std::ifstream in(table);
     fmt::print("{}", std::string(std::istreambuf_iterator<char>(in), {}));

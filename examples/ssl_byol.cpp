@@ -46,8 +46,8 @@ namespace F = torch::nn::functional;
 struct ByolNetImpl : torch::nn::Cloneable<ByolNetImpl> {
   ByolNetImpl() { reset(); }
   void reset() override {
-    encoder = register_module("encoder", torch::nn::Sequential(torch::nn::Linear(784, 256), torch::nn::ReLU(),
-                                                                torch::nn::Linear(256, 128)));
+    encoder = register_module(
+        "encoder", torch::nn::Sequential(torch::nn::Linear(784, 256), torch::nn::ReLU(), torch::nn::Linear(256, 128)));
     projector = register_module("projector", Projector());
     predictor = register_module("predictor", Predictor());
   }
@@ -58,7 +58,7 @@ struct ByolNetImpl : torch::nn::Cloneable<ByolNetImpl> {
     ProjectorImpl() { reset(); }
     void reset() override {
       body = register_module("body", torch::nn::Sequential(torch::nn::Linear(128, 256), torch::nn::BatchNorm1d(256),
-                                                            torch::nn::ReLU(), torch::nn::Linear(256, 64)));
+                                                           torch::nn::ReLU(), torch::nn::Linear(256, 64)));
     }
     torch::Tensor forward(const torch::Tensor& x) {
       auto z = body->forward(x);
@@ -73,7 +73,7 @@ struct ByolNetImpl : torch::nn::Cloneable<ByolNetImpl> {
     PredictorImpl() { reset(); }
     void reset() override {
       body = register_module("body", torch::nn::Sequential(torch::nn::Linear(64, 256), torch::nn::BatchNorm1d(256),
-                                                            torch::nn::ReLU(), torch::nn::Linear(256, 64)));
+                                                           torch::nn::ReLU(), torch::nn::Linear(256, 64)));
     }
     torch::Tensor forward(const torch::Tensor& x) {
       auto p = body->forward(x);
@@ -109,9 +109,9 @@ torch::Tensor augment(const torch::Tensor& x) {
 
 // BYOL's loss: 2 - 2 cos(p, t), averaged over the batch.
 torch::Tensor byol_loss(const torch::Tensor& p, const torch::Tensor& t) {
-  return (2.0 - 2.0 * (F::normalize(p, F::NormalizeFuncOptions().dim(1)) *
-                       F::normalize(t, F::NormalizeFuncOptions().dim(1)))
-                          .sum(1))
+  return (2.0 -
+          2.0 * (F::normalize(p, F::NormalizeFuncOptions().dim(1)) * F::normalize(t, F::NormalizeFuncOptions().dim(1)))
+                    .sum(1))
       .mean();
 }
 
@@ -166,8 +166,8 @@ int main(int argc, char** argv) {
   app.add_flag("--smoke", smoke, "a test run: exit 77 (ctest: skipped) when the data is missing");
   CLI11_PARSE(app, argc, argv);
 
-  for (const char* name : {"train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-                           "t10k-labels-idx1-ubyte"}) {
+  for (const char* name :
+       {"train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"}) {
     const auto file = std::filesystem::path(data) / name;
     if (!std::filesystem::exists(file)) {
       fmt::print(stderr,

@@ -30,11 +30,11 @@ namespace emakit_subprocess {
 // How a child starts. Everything is optional; by default it inherits this process's environment,
 // working folder, stdout and stderr.
 struct Options {
-  std::vector<std::string> env{};   // "NAME=value" entries, replacing this process's NAME if it has one
-  std::filesystem::path output{};   // when set: the child's stdout and stderr go to this file (truncated)
-  bool pipe_stdout = false;         // the child's stdout into a pipe that Process::stdout_fd() reads
-  std::filesystem::path cwd{};      // when set: the child's working folder
-  bool die_with_parent = false;     // the child is SIGKILLed when this process ends (Linux)
+  std::vector<std::string> env{};  // "NAME=value" entries, replacing this process's NAME if it has one
+  std::filesystem::path output{};  // when set: the child's stdout and stderr go to this file (truncated)
+  bool pipe_stdout = false;        // the child's stdout into a pipe that Process::stdout_fd() reads
+  std::filesystem::path cwd{};     // when set: the child's working folder
+  bool die_with_parent = false;    // the child is SIGKILLed when this process ends (Linux)
 };
 
 // The running program's path, to start copies of it.
@@ -86,7 +86,8 @@ class Process {
       const std::string_view entry(*e);
       bool replaced = false;
       for (const auto& mine : options.env)
-        replaced = replaced || entry.substr(0, entry.find('=') + 1) == std::string_view(mine).substr(0, mine.find('=') + 1);
+        replaced =
+            replaced || entry.substr(0, entry.find('=') + 1) == std::string_view(mine).substr(0, mine.find('=') + 1);
       if (!replaced) env.emplace_back(entry);
     }
     std::vector<char*> envp;
@@ -97,7 +98,8 @@ class Process {
     Fd output, out_read, out_write, error_read, error_write;
     if (!options.output.empty()) {
       output.fd = ::open(options.output.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-      if (output.fd < 0) throw_errno("cannot open '" + options.output.string() + "' for the output of '" + args[0] + "'");
+      if (output.fd < 0)
+        throw_errno("cannot open '" + options.output.string() + "' for the output of '" + args[0] + "'");
     }
     if (options.pipe_stdout) make_pipe(out_read, out_write);
     make_pipe(error_read, error_write);  // carries the child's errno when execve fails
@@ -122,7 +124,9 @@ class Process {
     if (n > 0) {
       wait();
       pid_ = -1;
-      const char* step = failure[0] == 1 ? "cannot enter the folder '" : failure[0] == 2 ? "" : "cannot redirect the output '";
+      const char* step = failure[0] == 1   ? "cannot enter the folder '"
+                         : failure[0] == 2 ? ""
+                                           : "cannot redirect the output '";
       const std::string where = failure[0] == 1 ? cwd : options.output.string();
       throw std::system_error(failure[1], std::generic_category(),
                               "cannot start '" + args[0] + "'" + (*step ? std::string(": ") + step + where + "'" : ""));

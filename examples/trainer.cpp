@@ -87,7 +87,8 @@ int train(int argc, char** argv) {
   std::optional<emakit::PostHocEma> posthoc;
   if (!phema.empty()) {
     if (first != 1) {
-      fmt::print(stderr, "a resumed run cannot take a post-hoc snapshot folder (the post-hoc EMA is not in the checkpoint)\n");
+      fmt::print(stderr,
+                 "a resumed run cannot take a post-hoc snapshot folder (the post-hoc EMA is not in the checkpoint)\n");
       return 2;
     }
     posthoc.emplace(*model, emakit::PostHocOptions(phema).snapshot_every(std::max(1L, steps / 5)));
@@ -125,10 +126,10 @@ int train(int argc, char** argv) {
     }
   }
   hook.train_end();  // the model keeps the EMA weights
-  if (posthoc)
-    fmt::print("post-hoc EMA: {} snapshots in {}\n", emakit::list_snapshots(phema).size(), phema);
-  fmt::print("\ntest loss at the end: online {:.6f}, EMA {:.6f} ({:+.1f}%); the model now holds the EMA weights: {:.6f}\n",
-             online, with_ema, 100.0 * (with_ema / online - 1.0), test_loss(model, x_test, y_test));
+  if (posthoc) fmt::print("post-hoc EMA: {} snapshots in {}\n", emakit::list_snapshots(phema).size(), phema);
+  fmt::print(
+      "\ntest loss at the end: online {:.6f}, EMA {:.6f} ({:+.1f}%); the model now holds the EMA weights: {:.6f}\n",
+      online, with_ema, 100.0 * (with_ema / online - 1.0), test_loss(model, x_test, y_test));
   return 0;
 }
 

@@ -13,7 +13,7 @@
 
 // Expanded for each flat alias (aliases.hpp's one list): the class, its checkpoint file
 // functions, its description.
-#define EMAKIT_INSTANTIATE(Decay)                                                                        \
+#define EMAKIT_INSTANTIATE(Decay)                                                                     \
   template class Ema<Decay, StepSchedule, FlatStorage>;                                               \
   template void save(const Ema<Decay, StepSchedule, FlatStorage>&, const std::filesystem::path&);     \
   template void load(Ema<Decay, StepSchedule, FlatStorage>&, const std::filesystem::path&, LoadMode); \

@@ -99,8 +99,10 @@ inline void cast_floats(torch::nn::Module& m, torch::Dtype dtype) {
 // Significand bits (with the implicit one) and smallest normal exponent of a floating dtype.
 inline std::pair<int, int> float_format(torch::Dtype dtype) {
   switch (dtype) {
-    case torch::kDouble: case torch::kComplexDouble: return {53, -1022};
-    case torch::kFloat: case torch::kComplexFloat: return {24, -126};
+    case torch::kDouble:
+    case torch::kComplexDouble: return {53, -1022};
+    case torch::kFloat:
+    case torch::kComplexFloat: return {24, -126};
     case torch::kHalf: return {11, -14};
     case torch::kBFloat16: return {8, -126};
     default: TORCH_CHECK(false, "float_format: not a floating dtype: ", dtype);
@@ -118,11 +120,14 @@ inline double ulp_of(double m, torch::Dtype dtype) {
 // The largest |a - b| over the elements, in ulps of `dtype` at `scale` (a magnitude per element,
 // broadcast to a's shape). Both NaN, or equal infinities: 0; one NaN or a lone infinity: infinity.
 // Complex tensors compare their real and imaginary parts. Different shapes: infinity.
-inline double max_ulps_at(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& scale, torch::Dtype dtype) {
+inline double max_ulps_at(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& scale,
+                          torch::Dtype dtype) {
   if (a.sizes() != b.sizes()) return std::numeric_limits<double>::infinity();
   auto flat = [](const torch::Tensor& t) {
     const auto d = t.detach().cpu();
-    return (d.is_complex() ? torch::view_as_real(d.to(torch::kComplexDouble)) : d.to(torch::kDouble)).contiguous().reshape({-1});
+    return (d.is_complex() ? torch::view_as_real(d.to(torch::kComplexDouble)) : d.to(torch::kDouble))
+        .contiguous()
+        .reshape({-1});
   };
   const auto s = scale.detach().cpu().to(a.is_complex() ? torch::kComplexDouble : torch::kDouble).expand(a.sizes());
   const auto x = flat(a), y = flat(b), m = flat(s).abs();
@@ -223,7 +228,7 @@ inline void write_bytes(const std::filesystem::path& file, const std::string& by
 // Copies of `file` in `dir`, each with one byte flipped (xor 0x5A), at about 40 places spread
 // over the file from byte 64 on: (copy, offset of the flipped byte).
 inline std::vector<std::pair<std::filesystem::path, std::size_t>> flipped_copies(const std::filesystem::path& file,
-                                                                                const std::filesystem::path& dir) {
+                                                                                 const std::filesystem::path& dir) {
   const std::string bytes = read_bytes(file);
   std::vector<std::pair<std::filesystem::path, std::size_t>> out;
   for (std::size_t at = 64; at < bytes.size(); at += bytes.size() / 40) {
@@ -257,7 +262,8 @@ inline std::map<std::string, torch::Tensor> model_snapshot(const torch::nn::Modu
   for (const auto& b : m.named_buffers()) out.emplace(b.key(), b.value().detach().clone());
   return out;
 }
-inline bool same_snapshot(const std::map<std::string, torch::Tensor>& a, const std::map<std::string, torch::Tensor>& b) {
+inline bool same_snapshot(const std::map<std::string, torch::Tensor>& a,
+                          const std::map<std::string, torch::Tensor>& b) {
   if (a.size() != b.size()) return false;
   for (const auto& [k, t] : a)
     if (!b.count(k) || !bitwise_equal(t, b.at(k))) return false;

@@ -29,7 +29,9 @@ struct OpCensus {
     return n;
   }
   // Tensors allocated by emakit itself, and by anything it called.
-  int own_allocations() const { return (*this)["aten::empty"] + (*this)["aten::empty_strided"] + (*this)["aten::empty_like"]; }
+  int own_allocations() const {
+    return (*this)["aten::empty"] + (*this)["aten::empty_strided"] + (*this)["aten::empty_like"];
+  }
   int allocations() const { return nested("aten::empty") + nested("aten::empty_strided") + nested("aten::empty_like"); }
   std::string str() const {
     std::string out;
@@ -46,19 +48,19 @@ OpCensus census_of(F&& f) {
   OpCensus census;
   active_census = &census;
   census_depth = 0;
-  auto handle = at::addThreadLocalCallback(
-      at::RecordFunctionCallback(
-          [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
-            if (active_census != nullptr) {
-              const std::string name = fn.name();
-              active_census->all[name] += 1;
-              if (census_depth == 0) active_census->top[name] += 1;
-            }
-            census_depth += 1;
-            return nullptr;
-          },
-          [](const at::RecordFunction&, at::ObserverContext*) { census_depth -= 1; })
-          .scopes({at::RecordScope::FUNCTION}));
+  auto handle =
+      at::addThreadLocalCallback(at::RecordFunctionCallback(
+                                     [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+                                       if (active_census != nullptr) {
+                                         const std::string name = fn.name();
+                                         active_census->all[name] += 1;
+                                         if (census_depth == 0) active_census->top[name] += 1;
+                                       }
+                                       census_depth += 1;
+                                       return nullptr;
+                                     },
+                                     [](const at::RecordFunction&, at::ObserverContext*) { census_depth -= 1; })
+                                     .scopes({at::RecordScope::FUNCTION}));
   try {
     f();
   } catch (...) {

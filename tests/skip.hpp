@@ -36,9 +36,9 @@ inline bool skip_test(const std::string& why) {
 }  // namespace emakit_test
 
 // EMAKIT_SKIP(stream expression): e.g. EMAKIT_SKIP("no AVX2 on " << cpu). Returns from the caller.
-#define EMAKIT_SKIP(why)                                               \
-  do {                                                                 \
-    std::ostringstream emakit_skip_reason_;                            \
-    emakit_skip_reason_ << why;                                        \
-    if (::emakit_test::skip_test(emakit_skip_reason_.str())) return;   \
+#define EMAKIT_SKIP(why)                                             \
+  do {                                                               \
+    std::ostringstream emakit_skip_reason_;                          \
+    emakit_skip_reason_ << why;                                      \
+    if (::emakit_test::skip_test(emakit_skip_reason_.str())) return; \
   } while (false)

@@ -40,8 +40,8 @@ namespace fs = std::filesystem;
 
 // ---- archives taken apart and put together again (archive_records.hpp) ----------------------
 
-using emakit_test::Records;
 using emakit_test::read_records;
+using emakit_test::Records;
 using emakit_test::write_records;
 using emakit_test::zip_bytes;
 
@@ -56,7 +56,9 @@ std::string& record(Records& records, const std::string& name) {
 struct Pickle {
   std::string bytes = std::string("\x80\x02", 2);
   Pickle& op(char c) { return bytes += c, *this; }
-  Pickle& global(const std::string& module, const std::string& name) { return bytes += "c" + module + "\n" + name + "\n", *this; }
+  Pickle& global(const std::string& module, const std::string& name) {
+    return bytes += "c" + module + "\n" + name + "\n", *this;
+  }
   Pickle& str(const std::string& s) {
     bytes += 'X';
     for (int i = 0; i < 4; ++i) bytes += static_cast<char>((s.size() >> (8 * i)) & 0xff);
@@ -78,9 +80,12 @@ std::string tensor_archive(int size, int storage_numel, std::size_t data_bytes, 
   p.int1(0).mark().int1(size).tuple().mark().int1(1).tuple().op('\x89');
   p.global("collections", "OrderedDict").op(')').op('R').tuple().op('R');
   p.op('u').op('b').op('.');
-  const std::string code = "class Module(Module):\n  __parameters__ = [\"w\", ]\n  __buffers__ = []\n  w : Tensor\n" + code_extra;
+  const std::string code =
+      "class Module(Module):\n  __parameters__ = [\"w\", ]\n  __buffers__ = []\n  w : Tensor\n" + code_extra;
   std::string data(data_bytes, '\0');
-  return zip_bytes({{"data.pkl", p.bytes}, {"code/__torch__.py", code}, {"constants.pkl", std::string("\x80\x02).", 4)},
+  return zip_bytes({{"data.pkl", p.bytes},
+                    {"code/__torch__.py", code},
+                    {"constants.pkl", std::string("\x80\x02).", 4)},
                     {"data/0", data}});
 }
 
@@ -123,7 +128,8 @@ struct Child {
         pending.erase(0, nl + 1);
         return l;
       }
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
       if (left.count() <= 0) return "";
       pollfd p{process.stdout_fd(), POLLIN, 0};
       if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) return "";
@@ -155,7 +161,6 @@ int rounds() {
   return env != nullptr ? std::atoi(env) : 8;
 }
 
-
 // Every tensor equals one value; returns it (or -1 when they differ).
 double uniform_value(const std::vector<torch::Tensor>& tensors) {
   const double v = tensors.front().flatten()[0].item<double>();
@@ -174,7 +179,7 @@ void kill_during_saves(const std::string& kind, const fs::path& target, int mega
   const int n = rounds();
   for (int round = 0; round < n; ++round) {
     Child child("checkpoint kill-test writer", {"EMAKIT_WRITER_KIND=" + kind, "EMAKIT_WRITER_PATH=" + target.string(),
-                                                 "EMAKIT_WRITER_MB=" + std::to_string(megabytes)});
+                                                "EMAKIT_WRITER_MB=" + std::to_string(megabytes)});
     // The first save gives the previous checkpoint and times a save.
     REQUIRE(child.line() == "saving 1");
     const auto start = std::chrono::steady_clock::now();
@@ -309,7 +314,8 @@ TEST_CASE("emakit::save and emakit::load: the torch::save layout, written atomic
   REQUIRE_THROWS_WITH(emakit::load(ema, dir.path / "missing.pt"), Contains("no file") && Contains("missing.pt"));
 }
 
-TEST_CASE("An archive that carries TorchScript code is refused before LibTorch compiles it", "[reliability][untrusted]") {
+TEST_CASE("An archive that carries TorchScript code is refused before LibTorch compiles it",
+          "[reliability][untrusted]") {
   torch::manual_seed(12);
   emakit_test::TinyNet model;
   emakit::FixedEma ema(*model, emakit::Fixed(0.5));
@@ -326,9 +332,9 @@ TEST_CASE("An archive that carries TorchScript code is refused before LibTorch c
   write_records(dir.path / "method.pt", records);
   torch::serialize::InputArchive plain;
   REQUIRE_NOTHROW(plain.load_from((dir.path / "method.pt").string()));
-  REQUIRE_THROWS_WITH(emakit::load(ema, dir.path / "method.pt"),
-                      Contains("refusing") && Contains("method.pt") && Contains("code/__torch__.py line") &&
-                          Contains("def forward") && Contains("no code"));
+  REQUIRE_THROWS_WITH(emakit::load(ema, dir.path / "method.pt"), Contains("refusing") && Contains("method.pt") &&
+                                                                     Contains("code/__torch__.py line") &&
+                                                                     Contains("def forward") && Contains("no code"));
 
   // A method that does not compile: LibTorch's loader fails inside its TorchScript compiler
   // (it compiles the archive's code while loading); emakit refuses before, with its own reason.
@@ -340,7 +346,8 @@ TEST_CASE("An archive that carries TorchScript code is refused before LibTorch c
                       Contains("refusing") && Contains("def forward") && !Contains("undefined value"));
 
   // Statements outside a class, a decorator, an import.
-  for (const std::string extra : {"import os\n", "  @torch.jit.export\n", "print(1)\n", "  x : Tensor = torch.ones(1)\n"}) {
+  for (const std::string extra :
+       {"import os\n", "  @torch.jit.export\n", "print(1)\n", "  x : Tensor = torch.ones(1)\n"}) {
     record(records, "code/__torch__.py") = declarations + extra;
     write_records(dir.path / "extra.pt", records);
     INFO(extra);
@@ -389,7 +396,8 @@ TEST_CASE("Unknown records, foreign globals and tensors larger than their data a
   });
   REQUIRE_THROWS_WITH(emakit::load(ema, os_system), Contains("data.pkl") && Contains("the global 'os.system'"));
   // An opcode outside the subset (INST, a class built from a name).
-  const auto inst = with("inst.pt", [](Records& r) { record(r, "data.pkl") = std::string("\x80\x02(ios\nsystem\n.", 15); });
+  const auto inst =
+      with("inst.pt", [](Records& r) { record(r, "data.pkl") = std::string("\x80\x02(ios\nsystem\n.", 15); });
   REQUIRE_THROWS_WITH(emakit::load(ema, inst), Contains("opcode 0x69") && Contains("outside the accepted subset"));
   // A memo index far past anything made (one flipped byte of a LONG_BINPUT): LibTorch's
   // unpickler would reserve gigabytes for it.
@@ -405,9 +413,8 @@ TEST_CASE("Unknown records, foreign globals and tensors larger than their data a
   const auto short_data = with("short.pt", [](Records& r) { record(r, "data/0").resize(1); });
   REQUIRE_THROWS_WITH(emakit::load(ema, short_data), Contains("the record data/0 holds 1 bytes"));
   // A storage naming a record that is not there.
-  const auto missing = with("missing.pt", [](Records& r) {
-    std::erase_if(r, [](const auto& rec) { return rec.first == "data/0"; });
-  });
+  const auto missing =
+      with("missing.pt", [](Records& r) { std::erase_if(r, [](const auto& rec) { return rec.first == "data/0"; }); });
   REQUIRE_THROWS_WITH(emakit::load(ema, missing), Contains("data/0, which the archive lacks"));
   // Not a zip at all, and an empty file.
   emakit_test::write_bytes(dir.path / "text.pt", "hello");
@@ -531,9 +538,9 @@ TEST_CASE("A checkpoint of another format version is an error naming both versio
     archive.save_to((dir.path / "ema99.pt").string());
   }
   emakit::FixedEma ema(*model, emakit::Fixed(0.5));
-  REQUIRE_THROWS_WITH(emakit::load(ema, dir.path / "ema99.pt"),
-                      Contains("emakit EMA state version 99") && Contains("written by emakit 9.9.9") &&
-                          Contains("ema99.pt"));
+  REQUIRE_THROWS_WITH(emakit::load(ema, dir.path / "ema99.pt"), Contains("emakit EMA state version 99") &&
+                                                                    Contains("written by emakit 9.9.9") &&
+                                                                    Contains("ema99.pt"));
   // The file's name and writer are appended without losing the error's type.
   REQUIRE_THROWS_AS(emakit::load(ema, dir.path / "ema99.pt"), emakit::FormatVersionError);
   // The version is recorded by every writer.
@@ -582,8 +589,8 @@ TEST_CASE("match_by_name pairs tensors by name and lists what is missing, missha
   using Kind = emakit::detail::NameMatch::Problem::Kind;
   const std::vector<std::pair<std::string, torch::Tensor>> ours = {
       {"a", torch::zeros({2})}, {"b", torch::zeros({3})}, {"c", torch::zeros({1})}};
-  const std::unordered_map<std::string, torch::Tensor> theirs = {{"a", torch::ones({2})}, {"b", torch::ones({4})},
-                                                                 {"d", torch::ones({1})}};
+  const std::unordered_map<std::string, torch::Tensor> theirs = {
+      {"a", torch::ones({2})}, {"b", torch::ones({4})}, {"d", torch::ones({1})}};
   const auto m = emakit::detail::match_by_name(ours, theirs, /*want_unexpected=*/true);
   REQUIRE(m.pairs.size() == 1);
   CHECK(m.pairs[0].name == "a");

@@ -101,10 +101,12 @@ TEST_CASE("Decay options out of range are rejected with the value", "[decay][err
   CHECK_THROWS_WITH(emakit::ExponentialRamp(0.9999, 0.0), Contains("ExponentialRamp::tau must be > 0, got 0"));
   CHECK_THROWS_WITH(emakit::ExponentialRamp(0.9999, -3), Contains("ExponentialRamp::tau must be > 0, got -3"));
   CHECK_THROWS_WITH(emakit::ExponentialRamp(1.5, 10), Contains("ExponentialRamp::decay must be in [0, 1), got 1.5"));
-  CHECK_THROWS_WITH(emakit::InversePowerWarmup().inv_gamma(0), Contains("InversePowerWarmup::inv_gamma must be > 0, got 0"));
+  CHECK_THROWS_WITH(emakit::InversePowerWarmup().inv_gamma(0),
+                    Contains("InversePowerWarmup::inv_gamma must be > 0, got 0"));
   CHECK_THROWS_WITH(emakit::InversePowerWarmup().power(-1), Contains("InversePowerWarmup::power must be > 0, got -1"));
   CHECK_THROWS_WITH(emakit::InversePowerWarmup(0.9).min_value(0.95), Contains("min_value") && Contains("0.95"));
-  CHECK_THROWS_WITH(emakit::InversePowerWarmup().update_after_step(-2), Contains("update_after_step") && Contains("-2"));
+  CHECK_THROWS_WITH(emakit::InversePowerWarmup().update_after_step(-2),
+                    Contains("update_after_step") && Contains("-2"));
   CHECK_THROWS_WITH(emakit::PowerFunction(-1.0), Contains("gamma") && Contains("-1"));
   CHECK_THROWS_WITH(emakit::PowerFunction::from_sigma_rel(0.3), Contains("sigma_rel") && Contains("0.3"));
   CHECK_THROWS_WITH(emakit::PowerFunction::from_sigma_rel(0.0), Contains("sigma_rel") && Contains("(0, 0.2887)"));

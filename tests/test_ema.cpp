@@ -58,8 +58,8 @@ TEST_CASE("Non-floating tensors are copied, never averaged", "[ema]") {
 TEST_CASE("Selection: copy-only names, ignored names and prefixes, buffer modes", "[ema][selection]") {
   TinyNet model;
   emakit_test::fill_floats(*model, 1.0);
-  emakit::FixedEma ema(*model, emakit::Fixed(0.5),
-                       {}, emakit::EmaOptions().copy_only({"fc.bias"}).ignore({"scale"}).ignore_prefixes({"bn.running"}));
+  emakit::FixedEma ema(*model, emakit::Fixed(0.5), {},
+                       emakit::EmaOptions().copy_only({"fc.bias"}).ignore({"scale"}).ignore_prefixes({"bn.running"}));
   emakit_test::fill_floats(*model, 3.0);
   ema.update();
   CHECK(torch::equal(ema.average("fc.weight"), torch::full({4, 3}, 2.0)));  // averaged
@@ -109,7 +109,7 @@ TEST_CASE("A bf16 model gets an fp32 average that follows it, a bf16 average sta
   // product's rounding is an ulp of 5e-5), and w's rounding to fp32 moves the result by < 1e-9.
   const double got = fp32.average("fc.weight").max().item<double>();
   CHECK(std::abs(got - expected) <= 100 * std::ldexp(1.0, -24) + 1e-9);
-  CHECK(fp32.average("fc.weight").min().item<double>() == got);  // every element alike
+  CHECK(fp32.average("fc.weight").min().item<double>() == got);                           // every element alike
   CHECK(torch::equal(bf16.average("fc.weight"), torch::ones({4, 3}, torch::kBFloat16)));  // stuck at 1
 }
 
@@ -223,16 +223,18 @@ TEST_CASE("Loading a state of another config is an error naming the field and bo
   CHECK_THROWS_WITH(b.load_state_dict(a.state_dict()),
                     Contains("config differs: config.decay.beta is 0.999 in the state, 0.9 in this EMA"));
   emakit::RampEma c(*model);
-  CHECK_THROWS_WITH(c.load_state_dict(a.state_dict()), Contains("config differs: decay policy is Fixed in the state, ExponentialRamp in this EMA"));
+  CHECK_THROWS_WITH(c.load_state_dict(a.state_dict()),
+                    Contains("config differs: decay policy is Fixed in the state, ExponentialRamp in this EMA"));
   emakit::FixedEma d(*model, emakit::Fixed(0.999), emakit::StepSchedule().update_every(3));
   CHECK_THROWS_WITH(d.load_state_dict(a.state_dict()),
                     Contains("config differs: config.schedule.update_every is 1 in the state, 3 in this EMA"));
   // The buffer mode is part of the config (nvalchemi's EMAHook refuses another use_buffers too).
   emakit::FixedEma e(*model, emakit::Fixed(0.999), {}, emakit::EmaOptions().buffers(emakit::BufferMode::copy));
   const auto before = snapshot(e.averages());
-  CHECK_THROWS_WITH(e.load_state_dict(a.state_dict()),
-                    Contains("config differs: config.options.buffers (EmaOptions::buffers) is average in the state, copy "
-                             "in this EMA"));
+  CHECK_THROWS_WITH(
+      e.load_state_dict(a.state_dict()),
+      Contains("config differs: config.options.buffers (EmaOptions::buffers) is average in the state, copy "
+               "in this EMA"));
   CHECK(same_averages(e.averages(), before));
   // A state written before the buffer mode was saved has no such key: it loads, unchecked.
   emakit::StateDict older;
@@ -241,7 +243,8 @@ TEST_CASE("Loading a state of another config is an error naming the field and bo
   CHECK(e.load_state_dict(older).clean());
 }
 
-TEST_CASE("Strict load rejects missing, unexpected and mismatched tensors and changes nothing", "[ema][state][errors]") {
+TEST_CASE("Strict load rejects missing, unexpected and mismatched tensors and changes nothing",
+          "[ema][state][errors]") {
   torch::manual_seed(5);
   TinyNet model;
   emakit::FixedEma ema(*model, emakit::Fixed(0.5));
@@ -269,7 +272,8 @@ TEST_CASE("Strict load rejects missing, unexpected and mismatched tensors and ch
   {
     auto s = fresh();
     s["average.fc.weight"] = torch::zeros({3, 4});
-    CHECK_THROWS_WITH(ema.load_state_dict(s), Contains("average.fc.weight") && Contains("[3, 4]") && Contains("[4, 3]"));
+    CHECK_THROWS_WITH(ema.load_state_dict(s),
+                      Contains("average.fc.weight") && Contains("[3, 4]") && Contains("[4, 3]"));
   }
   {
     auto s = fresh();
@@ -435,7 +439,7 @@ TEST_CASE("PowerFunction through an Ema: the first update copies, then (1 - dt/t
                        emakit::StepSchedule().update_every(2));
   w.fill_(1.0);
   CHECK(ema.update().action == Action::skipped);  // step 1
-  auto r = ema.update();                             // step 2: t = dt = 2
+  auto r = ema.update();                          // step 2: t = dt = 2
   CHECK(r.decay == 0.0);
   CHECK(torch::equal(ema.average("w"), torch::ones({2})));
   ema.update();
@@ -487,7 +491,7 @@ TEST_CASE("An Ema with Uniform lerps with the weight 1/n exactly, not 1 - (1 - 1
   emakit::Ema<emakit::Uniform, emakit::StepSchedule, emakit::FlatStorage> ema(
       std::vector<emakit::SourceTensor>{{"w", w}});
   torch::Tensor reference = w.clone();  // the average starts as a copy of the model
-  int told_apart = 0;  // updates at which the weight 1 - d would give another average
+  int told_apart = 0;                   // updates at which the weight 1 - d would give another average
   for (int n = 1; n <= 6; ++n) {
     {
       torch::NoGradGuard no_grad;

@@ -123,13 +123,13 @@ TEST_CASE("Hook: lazy creation at the first eligible step (nvalchemi EMAHook) us
     Action action;
   };
   const std::vector<Call> calls = {
-      {false, false, Action::skipped},   // step 1 < start_step
-      {false, false, Action::skipped},   // step 2 < start_step
-      {false, false, Action::skipped},   // step 3: 3 % 2 != 0
-      {true, false, Action::skipped},    // vetoed: completes no step
-      {false, true, Action::copied},     // step 4: first eligible, made here, copies
-      {false, true, Action::skipped},    // step 5
-      {false, true, Action::averaged},   // step 6
+      {false, false, Action::skipped},  // step 1 < start_step
+      {false, false, Action::skipped},  // step 2 < start_step
+      {false, false, Action::skipped},  // step 3: 3 % 2 != 0
+      {true, false, Action::skipped},   // vetoed: completes no step
+      {false, true, Action::copied},    // step 4: first eligible, made here, copies
+      {false, true, Action::skipped},   // step 5
+      {false, true, Action::averaged},  // step 6
   };
   for (const auto& c : calls) {
     emakit_test::perturb(*model);
@@ -160,7 +160,8 @@ TEST_CASE("Hook: an accumulation window updates once per window, at its first mi
   // batch_idx 0..6: updates where batch_idx % 3 == 0
   std::vector<std::string> names;
   for (Action a : actions) names.emplace_back(emakit::to_string(a));
-  CHECK(names == std::vector<std::string>{"averaged", "skipped", "skipped", "averaged", "skipped", "skipped", "averaged"});
+  CHECK(names ==
+        std::vector<std::string>{"averaged", "skipped", "skipped", "averaged", "skipped", "skipped", "averaged"});
   auto& ema = hook.ema<emakit::RampEma>("model");
   CHECK(ema.num_updates() == 3);
   CHECK(ema.step() == 3);
@@ -247,8 +248,9 @@ TEST_CASE("Hook: the publish callback gets the EMA after each update that change
   EmaHook hook;
   std::vector<std::int64_t> seen;
   torch::Tensor published_weight;
-  hook.add(*model, Recipe<emakit::Fixed, emakit::StepSchedule, emakit::ModuleStorage<emakit_test::TinyNetImpl>>(
-                       emakit::Fixed(0.5), emakit::StepSchedule().update_every(2)),
+  hook.add(*model,
+           Recipe<emakit::Fixed, emakit::StepSchedule, emakit::ModuleStorage<emakit_test::TinyNetImpl>>(
+               emakit::Fixed(0.5), emakit::StepSchedule().update_every(2)),
            {}, [&](const M& ema) {
              seen.push_back(ema.num_updates());
              published_weight = ema.module()->fc->weight.detach().clone();  // the EMA module, callable
@@ -277,7 +279,7 @@ TEST_CASE("Hook: several models by key, each with its own policies", "[hooks]") 
   emakit_test::perturb(*discriminator);
   const auto r = hook.after_optimizer_step();
   REQUIRE(r.size() == 2);
-  CHECK(r[0].decay == 0.5);  // 1 - (1 - 0.5): exact
+  CHECK(r[0].decay == 0.5);                // 1 - (1 - 0.5): exact
   CHECK(r[1].action == Action::averaged);  // Warmup::none: made as a copy at this step, then averaged
   CHECK(emakit_test::reported_decay_is(hook.ema<emakit::RampEma>("discriminator").decay(), 0.9 * (1 - std::exp(-0.5))));
   REQUIRE_THROWS_WITH(hook.ema<emakit::RampEma>("generator"), Contains("another type"));
@@ -448,8 +450,9 @@ TEST_CASE("Hook: loading a checkpoint of another model or config fails naming th
     CHECK(hook.ema<emakit::FixedEma>("model").num_updates() == 1);
   };
 
-  REQUIRE_THROWS_WITH(hook.load_checkpoint(dir.path / "other.pt"),
-                      Contains("not of this model") && Contains("'fc.weight' has shape [5, 3] in the checkpoint, [4, 3]"));
+  REQUIRE_THROWS_WITH(
+      hook.load_checkpoint(dir.path / "other.pt"),
+      Contains("not of this model") && Contains("'fc.weight' has shape [5, 3] in the checkpoint, [4, 3]"));
   unchanged();
   REQUIRE_THROWS_WITH(emakit::load_weights(*model, dir.path / "other.pt"), Contains("fc.weight"));
   unchanged();
@@ -562,7 +565,8 @@ TEST_CASE("Hook: the example of docs/hooks.md compiles and does what it says", "
   // The example's hook calls are written here once, run, and their text compared with the page's
   // (its comments dropped): an edit to either fails here. The model, optimizer and step count
   // around them are this test's (a smaller run).
-  const std::string page = doc_example(emakit_test::repo_file("docs/hooks.md"), "emakit::EmaHook hook;", "hook.train_end();");
+  const std::string page =
+      doc_example(emakit_test::repo_file("docs/hooks.md"), "emakit::EmaHook hook;", "hook.train_end();");
   REQUIRE_FALSE(page.empty());
   TempDir dir;
   WorkingFolder here(dir.path);
@@ -580,22 +584,19 @@ TEST_CASE("Hook: the example of docs/hooks.md compiles and does what it says", "
   const bool scaler_skipped_step = false;
 
   std::string text;
-  EMAKIT_EXAMPLE(text,
-    emakit::EmaHook hook;
-    hook.add(*model, emakit::Recipe(emakit::Fixed(0.999)));
-    hook.setup();
-    for (std::int64_t step = 1; step <= steps; ++step) {
-      train_step(model, optimizer);
-      hook.after_optimizer_step({.vetoed = scaler_skipped_step});
-      if (step % 1000 == 0) {
-        {
-          auto scope = hook.validation();
-          validate(model);
+  EMAKIT_EXAMPLE(
+      text, emakit::EmaHook hook; hook.add(*model, emakit::Recipe(emakit::Fixed(0.999))); hook.setup();
+      for (std::int64_t step = 1; step <= steps; ++step) {
+        train_step(model, optimizer);
+        hook.after_optimizer_step({.vetoed = scaler_skipped_step});
+        if (step % 1000 == 0) {
+          {
+            auto scope = hook.validation();
+            validate(model);
+          }
+          hook.save_checkpoint("last.pt");
         }
-        hook.save_checkpoint("last.pt");
-      }
-    }
-    hook.train_end();)
+      } hook.train_end();)
   CHECK(emakit_test::squeeze_code(text) == emakit_test::squeeze_code(page));
 
   CHECK(validations == steps / 1000);
@@ -664,7 +665,8 @@ TEST_CASE("Hook: a truncated or bit-flipped checkpoint file is an error naming i
   CHECK(failed >= tried / 4);
 }
 
-TEST_CASE("Hook: a side-stream EMA is waited for before the optimizer step, or right after the update", "[hooks][sync]") {
+TEST_CASE("Hook: a side-stream EMA is waited for before the optimizer step, or right after the update",
+          "[hooks][sync]") {
   // Without before_optimizer_step() the hook waits right after each update (safe, no overlap);
   // once the trainer calls it, the wait happens there, before the step writes the model.
   torch::manual_seed(9);
@@ -696,7 +698,8 @@ TEST_CASE("Hook: a side-stream EMA is waited for before the optimizer step, or r
   CHECK(same(averages_of(plain.averages()), averages_of(hook.ema<emakit::FixedEma>("model").averages())));
 }
 
-TEST_CASE("Hook: a checkpoint of another config is refused also before the EMA is made, and nothing loads", "[hooks][errors]") {
+TEST_CASE("Hook: a checkpoint of another config is refused also before the EMA is made, and nothing loads",
+          "[hooks][errors]") {
   torch::manual_seed(10);
   TempDir dir;
   TinyNet saved_model;
@@ -714,8 +717,10 @@ TEST_CASE("Hook: a checkpoint of another config is refused also before the EMA i
                     Contains("config.decay.beta") && Contains("0.85") && Contains("0.9"));
   CHECK(same(weights_of(*model), before));  // the model's weights were not loaded either
   EmaHook other_buffers;
-  other_buffers.add(*model, Recipe(emakit::Fixed(0.85), emakit::StepSchedule(), emakit::EmaOptions().buffers(emakit::BufferMode::copy)),
-                    {.creation = Creation::at_first_eligible_step});
+  other_buffers.add(
+      *model,
+      Recipe(emakit::Fixed(0.85), emakit::StepSchedule(), emakit::EmaOptions().buffers(emakit::BufferMode::copy)),
+      {.creation = Creation::at_first_eligible_step});
   CHECK_THROWS_WITH(other_buffers.load_checkpoint(dir.path / "a.pt"), Contains("config.options.buffers"));
   CHECK(same(weights_of(*model), before));
 }

@@ -33,7 +33,8 @@ using emakit_test::TempDir;
 using emakit_test::TinyNet;
 
 // The tensors an EMA holds under prefix + name, floating ones plus 0.25: what a peer saves.
-std::vector<std::pair<std::string, at::Tensor>> peer_tensors(const emakit::StateDict& averages, const std::string& prefix) {
+std::vector<std::pair<std::string, at::Tensor>> peer_tensors(const emakit::StateDict& averages,
+                                                             const std::string& prefix) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& item : averages) {
     const at::Tensor& t = item.value();
@@ -82,8 +83,7 @@ TEST_CASE("timm: ema.module.state_dict() (keys without module.) imports as timm'
   CHECK(compared >= 7);  // fc (2), bn (4 floating, num_batches_tracked if held), scale
 }
 
-TEST_CASE("import_state names the key the peer's file should hold, and what it holds instead",
-          "[interop][errors]") {
+TEST_CASE("import_state names the key the peer's file should hold, and what it holds instead", "[interop][errors]") {
   TempDir dir;
   TinyNet model;
   const auto file = dir.path / "ema.pt";
@@ -113,9 +113,9 @@ TEST_CASE("import_state names the key the peer's file should hold, and what it h
     auto ema = emakit::ema_pytorch(*model);
     auto saved = peer_tensors(ema.averages(), "ema_model.");
     REQUIRE(saved[1].first == "ema_model.fc.bias");
-    saved.erase(saved.begin() + 1);                          // no ema_model.fc.bias
+    saved.erase(saved.begin() + 1);  // no ema_model.fc.bias
     REQUIRE(saved[1].first == "ema_model.bn.weight");
-    saved[1].second = at::zeros({3});                      // ema_model.bn.weight: [3], not [4]
+    saved[1].second = at::zeros({3});  // ema_model.bn.weight: [3], not [4]
     saved.emplace_back("step", at::scalar_tensor(4, at::kLong));
     saved.emplace_back("initted", at::scalar_tensor(true, at::kBool));
     write_dict(file, saved);
@@ -163,7 +163,8 @@ TEST_CASE("import_state names the key the peer's file should hold, and what it h
     saved.emplace_back("initted", at::scalar_tensor(true, at::kBool));
     write_dict(file, saved);
     CHECK_THROWS_WITH(emakit::import_state(ema, emakit::Peer::ema_pytorch, file),
-                      Contains("import_state: '" + file.string() + "': 'step' must be one integer, got a Float tensor "
+                      Contains("import_state: '" + file.string() +
+                               "': 'step' must be one integer, got a Float tensor "
                                "of shape [2]"));
     auto averaged = emakit::averaged_model_ema(*model, {.decay = 0.95});
     auto saved_averaged = peer_tensors(averaged.averages(), "module.");

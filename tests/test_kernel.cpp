@@ -62,14 +62,15 @@ TEST_CASE("The fused pass equals ATen's lerp for every supported dtype pair", "[
     torch::Dtype average, source;
     double ulps;
   };
-  const Pair pairs[] = {{torch::kFloat, torch::kFloat, 3.5},   {torch::kFloat, torch::kBFloat16, 3.5},
-                        {torch::kFloat, torch::kHalf, 3.5},    {torch::kDouble, torch::kDouble, 4},
-                        {torch::kDouble, torch::kFloat, 4},    {torch::kBFloat16, torch::kBFloat16, 1},
-                        {torch::kHalf, torch::kHalf, 1},       {torch::kFloat, torch::kDouble, 4}};
+  const Pair pairs[] = {{torch::kFloat, torch::kFloat, 3.5}, {torch::kFloat, torch::kBFloat16, 3.5},
+                        {torch::kFloat, torch::kHalf, 3.5},  {torch::kDouble, torch::kDouble, 4},
+                        {torch::kDouble, torch::kFloat, 4},  {torch::kBFloat16, torch::kBFloat16, 1},
+                        {torch::kHalf, torch::kHalf, 1},     {torch::kFloat, torch::kDouble, 4}};
   std::map<std::string, double> worst;  // per dtype pair, reported below
   for (const auto& pair : pairs) {
     for (double w : {0.0, 1e-4, 0.3, 0.5, 0.9, 1.0}) {
-      for (std::int64_t n : {std::int64_t{1}, std::int64_t{1000}, emakit::detail::UpdateKernel::chunk_elements * 3 + 17}) {
+      for (std::int64_t n :
+           {std::int64_t{1}, std::int64_t{1000}, emakit::detail::UpdateKernel::chunk_elements * 3 + 17}) {
         INFO(c10::toString(pair.average) << " <- " << c10::toString(pair.source) << ", w " << w << ", n " << n);
         const auto a = torch::randn({n}).to(pair.average);
         const auto x = torch::randn({n}).to(pair.source);
@@ -149,8 +150,8 @@ TEST_CASE("Complex and non-contiguous sources take the slow paths and stay corre
   REQUIRE_FALSE(x.is_contiguous());
   // ATen's formula both ways; ATen's vectorised loop may fuse the product into the sum: 1.5 ulps
   // at max(|a|, |x|) (as against ATen's float lerp above).
-  CHECK(emakit_test::max_ulps_at(kernel_lerp(a, x, 0.3), a.lerp(x.contiguous(), 0.3), emakit_test::operand_magnitude(a, x),
-                                 torch::kFloat) <= 1.5);
+  CHECK(emakit_test::max_ulps_at(kernel_lerp(a, x, 0.3), a.lerp(x.contiguous(), 0.3),
+                                 emakit_test::operand_magnitude(a, x), torch::kFloat) <= 1.5);
 }
 
 TEST_CASE("Many small tensors and one big one give the same result with 1 and all threads", "[kernel]") {
@@ -175,8 +176,8 @@ TEST_CASE("Many small tensors and one big one give the same result with 1 and al
     // lerp(s, fl(s + 1), 0.1) against fl(fl(s + 1) - 0.9): the pass is 3 ulps (at max(|s|, |s + 1|))
     // from the exact lerp, which is 0.9 * (the rounding of s + 1, 1/2 ulp) from fl(s + 1) - 0.9,
     // itself rounded once (1/2 ulp): 4 ulps.
-    CHECK(emakit_test::max_ulps_at(one.average(s.name), s.tensor - 0.9, emakit_test::operand_magnitude(starts[s.name], s.tensor),
-                                   torch::kFloat) <= 4);
+    CHECK(emakit_test::max_ulps_at(one.average(s.name), s.tensor - 0.9,
+                                   emakit_test::operand_magnitude(starts[s.name], s.tensor), torch::kFloat) <= 4);
   }
 }
 
@@ -241,10 +242,15 @@ TEST_CASE("The vectorised bf16 and fp16 widening equals c10's conversion for all
     const float half_ref = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
     const float bf16 = emakit::detail::bf16_bits_to_float(bits);
     const float bf16_ref = static_cast<float>(c10::BFloat16(bits, c10::BFloat16::from_bits()));
-    const bool half_ok = std::isnan(half_ref) ? std::isnan(half) : std::bit_cast<std::uint32_t>(half) == std::bit_cast<std::uint32_t>(half_ref);
-    const bool bf16_ok = std::isnan(bf16_ref) ? std::isnan(bf16) : std::bit_cast<std::uint32_t>(bf16) == std::bit_cast<std::uint32_t>(bf16_ref);
+    const bool half_ok = std::isnan(half_ref)
+                             ? std::isnan(half)
+                             : std::bit_cast<std::uint32_t>(half) == std::bit_cast<std::uint32_t>(half_ref);
+    const bool bf16_ok = std::isnan(bf16_ref)
+                             ? std::isnan(bf16)
+                             : std::bit_cast<std::uint32_t>(bf16) == std::bit_cast<std::uint32_t>(bf16_ref);
     if (!half_ok || !bf16_ok) {
-      if (++mismatches <= 5) INFO("bits " << b << ": fp16 " << half << " vs " << half_ref << ", bf16 " << bf16 << " vs " << bf16_ref);
+      if (++mismatches <= 5)
+        INFO("bits " << b << ": fp16 " << half << " vs " << half_ref << ", bf16 " << bf16 << " vs " << bf16_ref);
       CHECK((half_ok && bf16_ok));
     }
   }
@@ -288,9 +294,10 @@ TEST_CASE("copy() makes every average equal to its source, for every dtype pair 
   struct Pair {
     torch::Dtype average, source;
   };
-  const Pair pairs[] = {{torch::kFloat, torch::kFloat},   {torch::kFloat, torch::kBFloat16}, {torch::kFloat, torch::kHalf},
-                        {torch::kDouble, torch::kFloat},  {torch::kFloat, torch::kDouble},   {torch::kBFloat16, torch::kBFloat16},
-                        {torch::kLong, torch::kLong},     {torch::kComplexFloat, torch::kComplexFloat}};
+  const Pair pairs[] = {{torch::kFloat, torch::kFloat},  {torch::kFloat, torch::kBFloat16},
+                        {torch::kFloat, torch::kHalf},   {torch::kDouble, torch::kFloat},
+                        {torch::kFloat, torch::kDouble}, {torch::kBFloat16, torch::kBFloat16},
+                        {torch::kLong, torch::kLong},    {torch::kComplexFloat, torch::kComplexFloat}};
   for (const auto& pair : pairs) {
     for (bool contiguous : {true, false}) {
       INFO(c10::toString(pair.average) << " <- " << c10::toString(pair.source) << (contiguous ? "" : ", transposed"));
@@ -330,9 +337,12 @@ TEST_CASE("A model of every dtype averages with 1 and all threads like ATen, cop
     for (auto& s : sources) {
       const auto start = s.tensor.to(ema.average(s.name).scalar_type()).clone();
       starts.push_back(start);
-      if (s.tensor.is_floating_point()) s.tensor.add_(1.0);
-      else s.tensor.add_(3);
-      expected.push_back(s.tensor.is_floating_point() ? start.lerp(s.tensor.to(start.scalar_type()), 0.25) : s.tensor.clone());
+      if (s.tensor.is_floating_point())
+        s.tensor.add_(1.0);
+      else
+        s.tensor.add_(3);
+      expected.push_back(s.tensor.is_floating_point() ? start.lerp(s.tensor.to(start.scalar_type()), 0.25)
+                                                      : s.tensor.clone());
     }
     ema.update();
     for (std::size_t k = 0; k < sources.size(); ++k) {
@@ -429,8 +439,8 @@ TEST_CASE("Large CPU averages are backed by huge pages where Linux allows it", "
   // lerp(s, fl(s + 2), 0.5) against fl(fl(s + 2) - 1): the pass is 2 ulps at max(|s|, |s + 2|)
   // from the exact lerp (w = 0.5 exact), which is half the rounding of s + 2 (1/4 ulp) from
   // fl(s + 2) - 1, itself rounded once (1/2 ulp): 2.75 ulps.
-  REQUIRE(emakit_test::max_ulps_at(ema.average("big"), sources[0].tensor - 1.0, emakit_test::operand_magnitude(start, sources[0].tensor),
-                                   torch::kFloat) <= 2.75);
+  REQUIRE(emakit_test::max_ulps_at(ema.average("big"), sources[0].tensor - 1.0,
+                                   emakit_test::operand_magnitude(start, sources[0].tensor), torch::kFloat) <= 2.75);
 
   const std::string mode = thp_mode();
   utsname u{};
@@ -460,7 +470,6 @@ namespace {
 
 using emakit_test::census_of;
 using emakit_test::OpCensus;
-
 
 using emakit::detail::Slot;
 using emakit::detail::UpdateKernel;
@@ -508,10 +517,12 @@ TEST_CASE("The foreach path: one lerp per (device, dtype), other dtypes through 
   torch::manual_seed(11);
   std::vector<std::pair<std::string, torch::Tensor>> model;
   for (int i = 0; i < 6; ++i) model.push_back({"f32_" + std::to_string(i), torch::randn({100 + 37 * i})});
-  for (int i = 0; i < 5; ++i) model.push_back({"bf16_" + std::to_string(i), torch::randn({3, 70 + 11 * i}).to(torch::kBFloat16)});
+  for (int i = 0; i < 5; ++i)
+    model.push_back({"bf16_" + std::to_string(i), torch::randn({3, 70 + 11 * i}).to(torch::kBFloat16)});
   for (int i = 0; i < 2; ++i) model.push_back({"f64_" + std::to_string(i), torch::randn({50}).to(torch::kDouble)});
   model.push_back({"strided", torch::randn({9, 7}).t()});  // [7, 9], rows of 9 floats
-  for (int i = 0; i < 2; ++i) model.push_back({"count_" + std::to_string(i), torch::randint(0, 100, {4}, torch::kLong)});
+  for (int i = 0; i < 2; ++i)
+    model.push_back({"count_" + std::to_string(i), torch::randint(0, 100, {4}, torch::kLong)});
   std::int64_t staged_bytes = 0;  // fp32 bytes of what goes through the pool
   for (const auto& [name, t] : model)
     if (t.scalar_type() == torch::kBFloat16 || !t.is_contiguous()) staged_bytes += t.numel() * 4;
@@ -598,7 +609,7 @@ TEST_CASE("The foreach path equals ATen's lerp for generated models and staging 
   const std::int64_t bounds[] = {1, 7, 64, 1000, 1 << 20};
   int staged_cases = 0, copied_tensors = 0;
   std::map<torch::Dtype, std::int64_t> averaged_elements;  // compared, per average dtype
-  std::map<torch::Dtype, double> worst;                      // ulps, per average dtype
+  std::map<torch::Dtype, double> worst;                    // ulps, per average dtype
   for (int c = 0; c < 60; ++c) {
     torch::manual_seed(c);
     const std::int64_t bound = bounds[pick(5)];
@@ -611,22 +622,23 @@ TEST_CASE("The foreach path equals ATen's lerp for generated models and staging 
       const auto source_dtype = dtypes[pick(4)];
       torch::Tensor t;
       switch (pick(5)) {
-        case 0: t = torch::randn({}); break;                                  // 0-d
-        case 1: t = torch::randn({1 + pick(300)}); break;                     // 1-d
-        case 2: t = torch::randn({1 + pick(20), 1 + pick(20)}); break;        // 2-d
-        case 3: t = torch::randn({1 + pick(20), 1 + pick(20)}).t(); break;    // strided
-        default: t = torch::randn({pick(3), 5}); break;                       // maybe empty
+        case 0: t = torch::randn({}); break;                                // 0-d
+        case 1: t = torch::randn({1 + pick(300)}); break;                   // 1-d
+        case 2: t = torch::randn({1 + pick(20), 1 + pick(20)}); break;      // 2-d
+        case 3: t = torch::randn({1 + pick(20), 1 + pick(20)}).t(); break;  // strided
+        default: t = torch::randn({pick(3), 5}); break;                     // maybe empty
       }
       t = t.to(source_dtype);
       // The average: the model's dtype, fp32 (the default for bf16/fp16), or another dtype.
-      const auto average_dtype = pick(3) == 0 ? dtypes[pick(4)] : (source_dtype == torch::kDouble ? torch::kDouble : torch::kFloat);
+      const auto average_dtype =
+          pick(3) == 0 ? dtypes[pick(4)] : (source_dtype == torch::kDouble ? torch::kDouble : torch::kFloat);
       const bool averaged = pick(8) != 0;
       Slot s = make_slot("t" + std::to_string(i), t, averaged ? average_dtype : source_dtype, averaged);
       const bool staged = averaged && (!t.is_contiguous() || source_dtype != average_dtype);
       if (staged && !t.is_contiguous() && t.dim() > 0 && t.size(0) > 0)
         largest_row = std::max<std::int64_t>(largest_row, t.numel() / t.size(0) * c10::elementSize(average_dtype));
-      description += fmt::format("{}{}{}->{} ", c10::toString(source_dtype), t.sizes(), t.is_contiguous() ? "" : "(strided)",
-                                 c10::toString(average_dtype));
+      description += fmt::format("{}{}{}->{} ", c10::toString(source_dtype), t.sizes(),
+                                 t.is_contiguous() ? "" : "(strided)", c10::toString(average_dtype));
       sources.push_back(t);
       slots.push_back(std::move(s));
     }
@@ -656,7 +668,8 @@ TEST_CASE("The foreach path equals ATen's lerp for generated models and staging 
       }
       const auto expected = lerp_reference(before[i], sources[i], w);
       const auto dtype = s.average.scalar_type();
-      const double ulps = emakit_test::max_ulps_at(s.average, expected, emakit_test::operand_magnitude(before[i], sources[i]), dtype);
+      const double ulps =
+          emakit_test::max_ulps_at(s.average, expected, emakit_test::operand_magnitude(before[i], sources[i]), dtype);
       CHECK(ulps <= tolerance_ulps(dtype));
       averaged_elements[dtype] += s.average.numel();
       worst[dtype] = std::max(worst[dtype], ulps);
@@ -669,7 +682,8 @@ TEST_CASE("The foreach path equals ATen's lerp for generated models and staging 
   for (auto dtype : dtypes) {
     INFO(c10::toString(dtype) << " averages: " << averaged_elements[dtype] << " elements compared");
     CHECK(averaged_elements[dtype] > 0);
-    report += fmt::format("{}: {} elements, worst {:.3g} ulps; ", c10::toString(dtype), averaged_elements[dtype], worst[dtype]);
+    report += fmt::format("{}: {} elements, worst {:.3g} ulps; ", c10::toString(dtype), averaged_elements[dtype],
+                          worst[dtype]);
   }
   WARN(report);
 }
@@ -693,7 +707,7 @@ TEST_CASE("skip_non_finite on the foreach path: one norm per (device, dtype) and
   const OpCensus ops = census_of([&] { found = kernel.first_non_finite(/*copying=*/false); });
   INFO(ops.str());
   CHECK(found == none);
-  CHECK(ops["aten::_foreach_norm"] == 2);             // fp32 and bf16 sources
+  CHECK(ops["aten::_foreach_norm"] == 2);               // fp32 and bf16 sources
   CHECK(ops.nested("aten::_local_scalar_dense") == 1);  // the one host sync
 
   torch::NoGradGuard no_grad;
@@ -702,10 +716,12 @@ TEST_CASE("skip_non_finite on the foreach path: one norm per (device, dtype) and
   CHECK(kernel.first_non_finite(true) == 7);
   sources[5][10] = std::numeric_limits<float>::quiet_NaN();
   sources[1][0] = std::numeric_limits<float>::infinity();
-  const OpCensus found_ops = census_of([&] { CHECK(kernel.first_non_finite(false) == 1); });  // the first in model order
+  const OpCensus found_ops =
+      census_of([&] { CHECK(kernel.first_non_finite(false) == 1); });  // the first in model order
   INFO(found_ops.str());
   CHECK(found_ops["aten::_foreach_norm"] == 2);
-  CHECK(found_ops.nested("aten::_local_scalar_dense") == 1);  // naming it reads the per-tensor flags: no sync per tensor
+  CHECK(found_ops.nested("aten::_local_scalar_dense") ==
+        1);  // naming it reads the per-tensor flags: no sync per tensor
   sources[1][0] = 1.0f;
   CHECK(kernel.first_non_finite(false) == 5);
   sources[5][10] = -std::numeric_limits<float>::infinity();
@@ -718,7 +734,9 @@ TEST_CASE("skip_non_finite on the foreach path: one norm per (device, dtype) and
 
 TEST_CASE("skip_non_finite on the fused CPU path dispatches nothing", "[kernel]") {
   std::vector<Slot> slots;
-  for (int i = 0; i < 4; ++i) slots.push_back(make_slot("t" + std::to_string(i), torch::randn({1000}).to(i % 2 ? torch::kBFloat16 : torch::kFloat), torch::kFloat));
+  for (int i = 0; i < 4; ++i)
+    slots.push_back(make_slot("t" + std::to_string(i),
+                              torch::randn({1000}).to(i % 2 ? torch::kBFloat16 : torch::kFloat), torch::kFloat));
   UpdateKernel kernel(std::move(slots));
   const OpCensus ops = census_of([&] { CHECK(kernel.first_non_finite(false) == UpdateKernel::npos); });
   INFO(ops.str());
@@ -726,7 +744,8 @@ TEST_CASE("skip_non_finite on the fused CPU path dispatches nothing", "[kernel]"
 }
 
 TEST_CASE("A staging bound below one byte is an error naming the value", "[kernel][errors]") {
-  CHECK_THROWS_WITH(emakit::EmaOptions().staging_bytes(0), Catch::Contains("staging_bytes") && Catch::Contains("got 0"));
+  CHECK_THROWS_WITH(emakit::EmaOptions().staging_bytes(0),
+                    Catch::Contains("staging_bytes") && Catch::Contains("got 0"));
   CHECK_THROWS_WITH(UpdateKernel({}, UpdateKernel::CpuPath::foreach, false, -5), Catch::Contains("got -5"));
 }
 
@@ -735,7 +754,8 @@ TEST_CASE("A staging bound below one byte is an error naming the value", "[kerne
 TEST_CASE("slots() waits for nothing, settled_slots() settles once", "[kernel][sync]") {
   torch::manual_seed(12);
   std::vector<Slot> slots;
-  for (int i = 0; i < 3; ++i) slots.push_back(make_slot("t" + std::to_string(i), torch::randn({10 + i}), torch::kFloat));
+  for (int i = 0; i < 3; ++i)
+    slots.push_back(make_slot("t" + std::to_string(i), torch::randn({10 + i}), torch::kFloat));
   UpdateKernel kernel(std::move(slots));
   auto& counts = emakit::detail::sync_counts();
   const auto before = counts;
@@ -749,7 +769,8 @@ TEST_CASE("slots() waits for nothing, settled_slots() settles once", "[kernel][s
   CHECK(counts.waits == before.waits + 1);  // wait_for_update() orders the streams as wait_for_model_reads() does
 }
 
-TEST_CASE("Each read of an Ema settles once whatever its number of tensors, and update() not at all", "[kernel][sync]") {
+TEST_CASE("Each read of an Ema settles once whatever its number of tensors, and update() not at all",
+          "[kernel][sync]") {
   torch::manual_seed(13);
   emakit_test::TinyNet model;
   emakit::FixedEma ema(*model, emakit::Fixed(0.9));

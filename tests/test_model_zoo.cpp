@@ -112,7 +112,7 @@ struct NodePlan {
   std::vector<std::pair<std::string, std::string>> views;  // (name, base buffer): base.t(), another view
   std::vector<std::pair<std::string, std::shared_ptr<NodePlan>>> children;
   std::vector<std::pair<std::string, std::string>> shared;  // (second name, child): one module, two names
-  std::vector<TiePlan> ties;                                 // one tensor, two names
+  std::vector<TiePlan> ties;                                // one tensor, two names
   bool external = false;  // registers "ext", a tensor made outside the tree and given to it
 };
 
@@ -129,8 +129,7 @@ at::Tensor make_tensor(const TensorPlan& p) {
       const at::Tensor indices = at::tensor(std::vector<std::int64_t>{0, 1, 3, 2, 0, 4}).view({2, 3});
       return at::sparse_coo_tensor(indices, at::ones({3}, options), {4, 5});
     }
-    default:
-      return at::zeros(p.shape, options);
+    default: return at::zeros(p.shape, options);
   }
 }
 
@@ -359,7 +358,7 @@ struct Refusal {
 struct Case {
   std::uint64_t seed = 0;
   std::shared_ptr<const NodePlan> root;
-  at::Tensor external;        // given to the tree from outside (defined when a module registers it)
+  at::Tensor external;  // given to the tree from outside (defined when a module registers it)
   std::shared_ptr<ZooImpl> model;
   StorageKind storage = StorageKind::flat;
   DecayPlan decay;
@@ -407,8 +406,9 @@ std::string describe(const Case& c) {
     case DecayKind::uniform: decay = "Uniform"; break;
   }
   const auto& s = c.schedule;
-  const char* warm = s.warmup == Warmup::none ? "none" : s.warmup == Warmup::copy_before_start ? "copy_before_start"
-                                                                                              : "skip_before_start";
+  const char* warm = s.warmup == Warmup::none                ? "none"
+                     : s.warmup == Warmup::copy_before_start ? "copy_before_start"
+                                                             : "skip_before_start";
   const char* buffers = c.options.buffers == BufferMode::average ? "average"
                         : c.options.buffers == BufferMode::copy  ? "copy"
                                                                  : "ignore";
@@ -473,8 +473,7 @@ std::shared_ptr<NodePlan> plan_node(Rng& rng, int depth_left, Budget& budget, bo
   const int children = depth_left <= 0 ? 0 : (root ? 1 : 0) + rng.below(3);
   for (int i = 0; i < children; ++i)
     node->children.emplace_back(fmt::format("m{}", i), plan_node(rng, depth_left - 1, budget, false));
-  if (!node->children.empty() && rng.chance(0.25))
-    node->shared.emplace_back("again", rng.pick(node->children).first);
+  if (!node->children.empty() && rng.chance(0.25)) node->shared.emplace_back("again", rng.pick(node->children).first);
 
   // Ties: a tensor of a descendant registered here again (an output head tied to an embedding),
   // or a tensor of this module registered under a second name.
@@ -581,7 +580,9 @@ Case generate(std::uint64_t seed) {
       randomize(tensors[i].second, rng, /*add=*/false);
     }
   }
-  auto is_special = [&](const at::Tensor& t) { return t.is_sparse() || (c.external.defined() && t.is_same(c.external)); };
+  auto is_special = [&](const at::Tensor& t) {
+    return t.is_sparse() || (c.external.defined() && t.is_same(c.external));
+  };
 
   const double s = rng.unit();
   c.storage = s < 0.4 ? StorageKind::flat : s < 0.75 ? StorageKind::module_factory : StorageKind::module_clone;
@@ -715,11 +716,14 @@ std::string tensor_table(const Case& c) {
   std::string out;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const auto& [name, t] = tensors[i];
-    out += fmt::format("\n  {:<22} tensor #{:<3} {:<6} {:<4} sizes [{}] {}{}{}", name, groups[i],
-                       buffers.count(name) ? "buffer" : "param", dtype_name(t.scalar_type()),
-                       fmt::join(t.sizes(), ", "), t.is_sparse() ? "sparse" : t.is_contiguous() ? "" : "non-contiguous",
-                       !buffers.count(name) && !t.requires_grad() ? " frozen" : "",
-                       c.external.defined() && t.is_same(c.external) ? " external" : "");
+    out +=
+        fmt::format("\n  {:<22} tensor #{:<3} {:<6} {:<4} sizes [{}] {}{}{}", name, groups[i],
+                    buffers.count(name) ? "buffer" : "param", dtype_name(t.scalar_type()), fmt::join(t.sizes(), ", "),
+                    t.is_sparse()       ? "sparse"
+                    : t.is_contiguous() ? ""
+                                        : "non-contiguous",
+                    !buffers.count(name) && !t.requires_grad() ? " frozen" : "",
+                    c.external.defined() && t.is_same(c.external) ? " external" : "");
   }
   return out;
 }
@@ -824,8 +828,8 @@ class Reference {
     const auto& s = plan_.schedule;
     // One optimizer step per window of `accumulate` calls, completed at its end (or start); a
     // vetoed call completes none; a step the caller gives is taken as it is.
-    const bool at_edge = s.accumulate == 1 ||
-                         (s.edge == WindowEdge::end ? calls % s.accumulate == 0 : (calls - 1) % s.accumulate == 0);
+    const bool at_edge =
+        s.accumulate == 1 || (s.edge == WindowEdge::end ? calls % s.accumulate == 0 : (calls - 1) % s.accumulate == 0);
     const bool completes = at_edge && !vetoed;
     Expected e;
     e.step = given ? *given : step + (completes ? 1 : 0);
@@ -981,8 +985,7 @@ std::string check_unchanged(const torch::nn::Module& model, const ModelSnapshot&
       if (!t.strides().equals(b.strides)) return fmt::format("after {}: the model's '{}' has new strides", after, name);
     }
     const at::Tensor values = t.is_sparse() ? t.detach().to_dense() : t.detach();
-    if (auto err = compare(fmt::format("after {}: the model's '{}'", after, name), values, b.values);
-        !err.empty())
+    if (auto err = compare(fmt::format("after {}: the model's '{}'", after, name), values, b.values); !err.empty())
       return err;
   }
   return {};
@@ -1019,18 +1022,16 @@ std::string check_averages(const EmaT& ema, const Reference& ref, const std::str
   for (const auto& item : averages) {
     const auto& [name, slot] = ref.names()[i++];
     const auto& a = ref.slot(slot);
-    if (auto err = compare(fmt::format("{}: averages()['{}']", when, name), item.value(), a.value);
-        !err.empty())
+    if (auto err = compare(fmt::format("{}: averages()['{}']", when, name), item.value(), a.value); !err.empty())
       return err;
-    if (a.averaged && ema.num_updates() > 1) (a.value.is_complex() ? compared.complex : compared.real) += a.value.numel();
-    if (auto err = compare(fmt::format("{}: average('{}')", when, name), ema.average(name), a.value);
-        !err.empty())
+    if (a.averaged && ema.num_updates() > 1)
+      (a.value.is_complex() ? compared.complex : compared.real) += a.value.numel();
+    if (auto err = compare(fmt::format("{}: average('{}')", when, name), ema.average(name), a.value); !err.empty())
       return err;
     if constexpr (is_module_storage<typename EmaT::storage_type>) {
       auto it = module_tensors.find(name);
       if (it == module_tensors.end()) return fmt::format("{}: the EMA module has no tensor '{}'", when, name);
-      if (auto err = compare(fmt::format("{}: the EMA module's '{}'", when, name), it->second, a.value);
-          !err.empty())
+      if (auto err = compare(fmt::format("{}: the EMA module's '{}'", when, name), it->second, a.value); !err.empty())
         return err;
     }
   }
@@ -1041,11 +1042,10 @@ template <class EmaT>
 std::string check_counters(const EmaT& ema, const Reference& ref, const std::string& when) {
   if (ema.calls() != ref.calls || ema.step() != ref.step || ema.num_updates() != ref.num_updates ||
       ema.last_update_step() != ref.last_update_step || !same_decay(ema.decay(), ref.last_decay))
-    return fmt::format(
-        "{}: counters calls/step/num_updates/last_update_step/decay are {}/{}/{}/{}/{}, the reference "
-        "{}/{}/{}/{}/{}",
-        when, ema.calls(), ema.step(), ema.num_updates(), ema.last_update_step(), ema.decay(), ref.calls, ref.step,
-        ref.num_updates, ref.last_update_step, ref.last_decay);
+    return fmt::format("{}: counters calls/step/num_updates/last_update_step/decay are {}/{}/{}/{}/{}, the reference "
+                       "{}/{}/{}/{}/{}",
+                       when, ema.calls(), ema.step(), ema.num_updates(), ema.last_update_step(), ema.decay(), ref.calls,
+                       ref.step, ref.num_updates, ref.last_update_step, ref.last_decay);
   return {};
 }
 
@@ -1081,9 +1081,9 @@ std::string run_case(Case& c, const Decay& decay, MakeStorage make_storage) {
   const emakit::StepSchedule schedule = c.schedule.make();
   const ModelSnapshot before = snapshot(model);
   const Refusal& refusal = c.refusal;
-  const std::string expected =
-      refusal.names.empty() ? std::string("any message")
-                            : fmt::format("a message naming one of '{}'", fmt::join(refusal.names, "', '"));
+  const std::string expected = refusal.names.empty()
+                                   ? std::string("any message")
+                                   : fmt::format("a message naming one of '{}'", fmt::join(refusal.names, "', '"));
 
   std::optional<EmaT> ema;
   try {
@@ -1094,7 +1094,8 @@ std::string run_case(Case& c, const Decay& decay, MakeStorage make_storage) {
     const bool named = refusal.names.empty() || std::any_of(refusal.names.begin(), refusal.names.end(), [&](auto& n) {
                          return message.find("'" + n + "'") != std::string::npos;
                        });
-    if (!named) return fmt::format("the Ema refused the model ({}), but not with {}: {}", refusal.why, expected, message);
+    if (!named)
+      return fmt::format("the Ema refused the model ({}), but not with {}: {}", refusal.why, expected, message);
     return check_unchanged(model, before, "a refused binding");
   } catch (const std::exception& e) {
     if (!refusal.expected) throw;
@@ -1132,10 +1133,9 @@ std::string run_case(Case& c, const Decay& decay, MakeStorage make_storage) {
     }
     const emakit::UpdateResult got = ema->update(info);
     const Expected want = ref.update(info.step, info.vetoed);
-    const std::string when =
-        fmt::format("call {}{}{} (expected: {} at step {})", k, info.vetoed ? ", vetoed" : "",
-                    info.step ? fmt::format(", step {} given", *info.step) : std::string(), action_name(want.action),
-                    want.step);
+    const std::string when = fmt::format("call {}{}{} (expected: {} at step {})", k, info.vetoed ? ", vetoed" : "",
+                                         info.step ? fmt::format(", step {} given", *info.step) : std::string(),
+                                         action_name(want.action), want.step);
     if (got.action != want.action || got.step != want.step || !same_decay(got.decay, want.decay))
       return fmt::format("{}: update() returned {} at step {} with decay {}, the reference {} at step {} with decay {}",
                          when, action_name(got.action), got.step, got.decay, action_name(want.action), want.step,
@@ -1156,8 +1156,7 @@ std::string run_case(Case& c, const Decay& decay, MakeStorage make_storage) {
   if (mine.size() != theirs.size())
     return fmt::format("state round trip: {} averages, {} after loading", mine.size(), theirs.size());
   for (const auto& item : mine) {
-    if (auto err = compare(fmt::format("state round trip: '{}'", item.key()), fresh.average(item.key()),
-                           item.value());
+    if (auto err = compare(fmt::format("state round trip: '{}'", item.key()), fresh.average(item.key()), item.value());
         !err.empty())
       return err;
     if constexpr (is_module_storage<Storage>) {
@@ -1177,8 +1176,7 @@ std::string run_case(Case& c, const Decay& decay, MakeStorage make_storage) {
 template <class Decay>
 std::string run_with_storage(Case& c, const Decay& decay) {
   switch (c.storage) {
-    case StorageKind::flat:
-      return run_case<Decay, emakit::FlatStorage>(c, decay, [] { return emakit::FlatStorage(); });
+    case StorageKind::flat: return run_case<Decay, emakit::FlatStorage>(c, decay, [] { return emakit::FlatStorage(); });
     case StorageKind::module_factory:
       return run_case<Decay, emakit::ModuleStorage<ZooImpl>>(
           c, decay, [&c] { return emakit::ModuleStorage<ZooImpl>([&c] { return c.build_tree(); }); });
@@ -1242,7 +1240,7 @@ TEST_CASE("Model zoo: generated module trees match a plain reference under every
     if (failing.size() <= kShown) FAIL_CHECK(error);  // INFO above gives the seed and the case
   }
   WARN(count << " zoo cases (seeds " << first << " to " << first + count - 1 << "), " << refusals
-              << " of them built to be refused, " << failing.size() << " failed");
+             << " of them built to be refused, " << failing.size() << " failed");
   if (!failing.empty())
     FAIL_CHECK(failing.size() << " of " << count << " zoo cases failed (rerun one with EMAKIT_ZOO_SEED=<seed>); seeds: "
                               << fmt::format("{}", fmt::join(failing, " ")));

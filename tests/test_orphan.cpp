@@ -83,8 +83,8 @@ TEST_CASE("An Ema whose model was destroyed refuses update and swap_into, its ow
                                Holder::child_replaced);
   INFO("model held by " << holder_name(kind));
   torch::manual_seed(25);
-  std::optional<TinyNet> tiny;           // the model, or the parent of the bound sub-module
-  std::shared_ptr<PlainNetImpl> plain;   // the custom Module
+  std::optional<TinyNet> tiny;          // the model, or the parent of the bound sub-module
+  std::shared_ptr<PlainNetImpl> plain;  // the custom Module
   torch::nn::Module* bound = nullptr;
   if (kind == Holder::make_shared_custom) {
     plain = std::make_shared<PlainNetImpl>();
@@ -159,8 +159,7 @@ TEST_CASE("An Ema whose model was destroyed refuses update and swap_into, its ow
   CHECK(require_model_holds(*fresh_model, ema.averages()) == averages_before.size());
 }
 
-TEST_CASE("An Ema bound to a module no shared_ptr owns, or to tensors, keeps its own references",
-          "[ema][orphan]") {
+TEST_CASE("An Ema bound to a module no shared_ptr owns, or to tensors, keeps its own references", "[ema][orphan]") {
   // Neither can see the model's end (docs/ema.md): the Ema holds the tensors themselves, so it
   // goes on averaging them, correctly and safely, but nothing trains them any more. This pins the
   // documented behaviour: the check must not refuse where it cannot know.

@@ -152,8 +152,8 @@ TEST_CASE("Each tracked EMA is exactly the power-function profile, with update_e
   Scalars model;
   model.set(0);
   const std::int64_t dt = 3;
-  emakit::PostHocEma posthoc(model.sources(),
-                             emakit::PostHocOptions(folder.path).gammas({6.94, 1.83}).update_every(dt).snapshot_every(0));
+  emakit::PostHocEma posthoc(
+      model.sources(), emakit::PostHocOptions(folder.path).gammas({6.94, 1.83}).update_every(dt).snapshot_every(0));
   // Steps 3, 6, 12, 15, ..., 30: step 9 never reached the EMA (the trainer skipped it).
   std::vector<std::int64_t> steps;
   for (std::int64_t s = dt; s <= 30; s += dt)
@@ -303,13 +303,15 @@ TEST_CASE("A corrupt, truncated or foreign snapshot is rejected with an error na
   auto foreign = bytes;
   foreign[0] = 'P';
   rejected(foreign, "is not an emakit snapshot file");
-  CHECK_THROWS_WITH(emakit::load_snapshot(folder.path), Contains(folder.path.string()) && Contains("is a directory, not a snapshot file"));
+  CHECK_THROWS_WITH(emakit::load_snapshot(folder.path),
+                    Contains(folder.path.string()) && Contains("is a directory, not a snapshot file"));
   CHECK_THROWS_WITH(emakit::read_snapshot_info(folder.path / "none.emkit"),
                     Contains("none.emkit") && Contains("No such file or directory"));
   auto future = bytes;
   future[8] = 3;
-  rejected(future, "emakit post-hoc snapshot version 3; this emakit (" + std::string(emakit::version_string) +
-                       ") reads versions 1 to 2; a newer emakit wrote it: update emakit",
+  rejected(future,
+           "emakit post-hoc snapshot version 3; this emakit (" + std::string(emakit::version_string) +
+               ") reads versions 1 to 2; a newer emakit wrote it: update emakit",
            false, true);
 
   // A synthesis that would read the corrupt tensor fails and writes no output.
@@ -339,13 +341,15 @@ TEST_CASE("Snapshots of another model are rejected naming the file and the tenso
 
   tensors["fc.weight"] = torch::zeros({5, 3});
   emakit::write_snapshot(folder.path / "phema-0000000004-0.emkit", header, tensors);
-  CHECK_THROWS_WITH(emakit::plan_synthesis(folder.path, options),
-                    Contains("phema-0000000004-0.emkit' is of another model") && Contains("'fc.weight' has shape [5, 3]"));
+  CHECK_THROWS_WITH(
+      emakit::plan_synthesis(folder.path, options),
+      Contains("phema-0000000004-0.emkit' is of another model") && Contains("'fc.weight' has shape [5, 3]"));
 
   emakit::StateDict fewer;
   fewer.insert("fc.weight", torch::zeros({4, 3}));
   emakit::write_snapshot(folder.path / "phema-0000000004-0.emkit", header, fewer);
-  CHECK_THROWS_WITH(emakit::plan_synthesis(folder.path, options), Contains("of another model") && Contains("no tensor 'fc.bias'"));
+  CHECK_THROWS_WITH(emakit::plan_synthesis(folder.path, options),
+                    Contains("of another model") && Contains("no tensor 'fc.bias'"));
 
   // A module that lacks a tensor of the snapshots.
   fs::remove(folder.path / "phema-0000000004-0.emkit");
@@ -357,13 +361,16 @@ TEST_CASE("Snapshots of another model are rejected naming the file and the tenso
 TEST_CASE("Bad post-hoc options are errors at construction naming the value", "[posthoc][errors]") {
   using emakit::PostHocOptions;
   CHECK_THROWS_AS(PostHocOptions("x").sigma_rels({0.05, 0.3}), std::invalid_argument);
-  CHECK_THROWS_WITH(PostHocOptions("x").sigma_rels({0.05, 0.3}), Contains("sigma_rel") && Contains("0.3") && Contains("(0, 0.2887)"));
+  CHECK_THROWS_WITH(PostHocOptions("x").sigma_rels({0.05, 0.3}),
+                    Contains("sigma_rel") && Contains("0.3") && Contains("(0, 0.2887)"));
   CHECK_THROWS_WITH(PostHocOptions("x").sigma_rels({0.0, 0.1}), Contains("got 0"));
   CHECK_THROWS_WITH(PostHocOptions("x").sigma_rels({0.1}), Contains("at least two") && Contains("got 1 ([0.1])"));
   CHECK_THROWS_WITH(PostHocOptions("x").sigma_rels({0.1, 0.05, 0.1}), Contains("0.1 appears twice"));
-  CHECK_THROWS_WITH(PostHocOptions("x").gammas({-1.0, 3.0}), Contains("PostHocOptions::gammas: each gamma must be > 0, got -1"));
+  CHECK_THROWS_WITH(PostHocOptions("x").gammas({-1.0, 3.0}),
+                    Contains("PostHocOptions::gammas: each gamma must be > 0, got -1"));
   CHECK_THROWS_WITH(PostHocOptions("x").update_every(0), Contains("PostHocOptions::update_every must be > 0, got 0"));
-  CHECK_THROWS_WITH(PostHocOptions("x").snapshot_every(-5), Contains("PostHocOptions::snapshot_every must be >= 0, got -5"));
+  CHECK_THROWS_WITH(PostHocOptions("x").snapshot_every(-5),
+                    Contains("PostHocOptions::snapshot_every must be >= 0, got -5"));
   CHECK_THROWS_WITH(PostHocOptions("x").snapshot_dtype(torch::kLong), Contains("snapshot_dtype"));
   CHECK_THROWS_WITH(PostHocOptions(""), Contains("folder"));
   CHECK_THROWS_WITH(emakit::SynthesisOptions::from_sigma_rel(0.29), Contains("sigma_rel") && Contains("0.29"));
@@ -400,19 +407,21 @@ TEST_CASE("Synthesis errors: no snapshot before the target, not a snapshot time,
   for (const auto& s : plan.snapshots) CHECK(s.t <= 20);
 
   TempFolder empty("synthesis-empty");
-  CHECK_THROWS_WITH(emakit::plan_synthesis(empty.path, options), Contains(empty.path.string()) && Contains("no snapshot"));
+  CHECK_THROWS_WITH(emakit::plan_synthesis(empty.path, options),
+                    Contains(empty.path.string()) && Contains("no snapshot"));
   CHECK_THROWS_WITH(emakit::plan_synthesis(empty.path / "missing", options), Contains("does not exist"));
 
   // The same profile twice (two runs in one folder).
   fs::copy_file(folder.path / "phema-0000000010-0.emkit", folder.path / "phema-0000000010-5.emkit");
-  CHECK_THROWS_WITH(emakit::plan_synthesis(folder.path, options.step(30)),
-                    Contains("phema-0000000010-0.emkit") && Contains("phema-0000000010-5.emkit") && Contains("same profile"));
+  CHECK_THROWS_WITH(emakit::plan_synthesis(folder.path, options.step(30)), Contains("phema-0000000010-0.emkit") &&
+                                                                               Contains("phema-0000000010-5.emkit") &&
+                                                                               Contains("same profile"));
 
   // Profiles that (almost) coincide: the condition number is reported.
   const std::vector<emakit::Profile> close = {{10, 6.94}, {10, 6.94 + 1e-7}, {20, 6.94}, {20, 6.94 + 1e-7}};
   CHECK_THROWS_AS(emakit::solve_posthoc_weights(close, {20, 3.0}), emakit::SynthesisRefused);
-  CHECK_THROWS_WITH(emakit::solve_posthoc_weights(close, {20, 3.0}), Contains("ill-conditioned: condition number") &&
-                                                                         Contains("> 1e+12"));
+  CHECK_THROWS_WITH(emakit::solve_posthoc_weights(close, {20, 3.0}),
+                    Contains("ill-conditioned: condition number") && Contains("> 1e+12"));
   CHECK_THROWS_WITH(emakit::solve_posthoc_weights(std::vector<emakit::Profile>{{10, 6.94}, {10, 6.94}}, {10, 3.0}),
                     Contains("condition number inf"));
   CHECK_NOTHROW(emakit::solve_posthoc_weights(close, {20, 3.0}, 1e30));
@@ -422,7 +431,8 @@ TEST_CASE("Synthesizing a tracked profile at a snapshot time gives that snapshot
   TempFolder folder("identity");
   torch::manual_seed(4);
   emakit_test::TinyNet model;
-  emakit::PostHocEma posthoc(*model, emakit::PostHocOptions(folder.path).sigma_rels({0.05, 0.10, 0.15}).snapshot_every(5));
+  emakit::PostHocEma posthoc(*model,
+                             emakit::PostHocOptions(folder.path).sigma_rels({0.05, 0.10, 0.15}).snapshot_every(5));
   for (int s = 1; s <= 20; ++s) {
     emakit_test::perturb(*model);
     posthoc.update();
@@ -533,7 +543,8 @@ TEST_CASE("Synthesis into a module, into a torch.load-able file and into a snaps
   TempFolder folder("outputs");
   torch::manual_seed(6);
   emakit_test::TinyNet model;
-  emakit::PostHocEma posthoc(*model, emakit::PostHocOptions(folder.path).snapshot_every(3).snapshot_dtype(torch::kHalf));
+  emakit::PostHocEma posthoc(*model,
+                             emakit::PostHocOptions(folder.path).snapshot_every(3).snapshot_dtype(torch::kHalf));
   for (int s = 1; s <= 12; ++s) {
     emakit_test::perturb(*model);
     model->bn->num_batches_tracked.fill_(s);
@@ -572,7 +583,8 @@ TEST_CASE("Synthesis into a module, into a torch.load-able file and into a snaps
   for (const auto& item : result) CHECK(torch::equal(loaded[item.key()], item.value()));
 
   // As float64, and the fp16 snapshots make it differ from the fp32 tracking by fp16 rounding only.
-  const auto wide = emakit::synthesize(posthoc.plan(emakit::SynthesisOptions::from_sigma_rel(0.08).dtype(torch::kDouble)));
+  const auto wide =
+      emakit::synthesize(posthoc.plan(emakit::SynthesisOptions::from_sigma_rel(0.08).dtype(torch::kDouble)));
   CHECK(wide["fc.weight"].scalar_type() == torch::kDouble);
   // The synthesis sums in double either way and the fp32 result is that sum rounded once: bitwise.
   CHECK(torch::equal(wide["fc.weight"].to(torch::kFloat), result["fc.weight"]));
@@ -633,7 +645,8 @@ TEST_CASE("A folder without write permission is an error naming it, and no outpu
     can_lock = guard.works();
   }
   if (!can_lock)
-    EMAKIT_SKIP("cannot make a folder unwritable here (" << (::geteuid() == 0 ? "root without the immutable flag" : "permission bits ignored") << ")");
+    EMAKIT_SKIP("cannot make a folder unwritable here ("
+                << (::geteuid() == 0 ? "root without the immutable flag" : "permission bits ignored") << ")");
   TempFolder folder("readonly");
   Scalars model;
   model.set(1);
@@ -677,7 +690,8 @@ TEST_CASE("A PostHocEma resumes from its state dict, and a state of other profil
     for (const auto& item : first.ema(i).averages())
       CHECK(emakit_test::bitwise_equal(resumed.ema(i).average(item.key()), item.value()));
 
-  emakit::PostHocEma other(*model, emakit::PostHocOptions(folder.path).sigma_rels({0.05, 0.12}).update_every(2).snapshot_every(4));
+  emakit::PostHocEma other(
+      *model, emakit::PostHocOptions(folder.path).sigma_rels({0.05, 0.12}).update_every(2).snapshot_every(4));
   const auto before = other.ema(0).average("fc.weight").clone();
   CHECK_THROWS_WITH(other.load_state_dict(first.state_dict()),
                     Contains("profile 1") && Contains("config.decay.gamma") && Contains("differs"));
@@ -771,15 +785,14 @@ TEST_CASE("A snapshot folder survives a writer killed (SIGKILL) in mid-write", "
   }
   // The odd rounds killed the writer while its temporary file existed, i.e. in mid-write.
   CHECK(killed_with_temporary >= 1);
-  WARN(fmt::format("{} kills; {} of the {} immediate ones left a temporary file; {} temporary files in all",
-                   rounds, killed_with_temporary, rounds / 2, left_total));
+  WARN(fmt::format("{} kills; {} of the {} immediate ones left a temporary file; {} temporary files in all", rounds,
+                   killed_with_temporary, rounds / 2, left_total));
   // A kill between the profiles of one step leaves that step's set incomplete (each round's writer
   // goes on at a later step): the completeness check refuses such a folder unless allowed, and
   // each kill leaves at most one profile of one step missing.
   auto options = emakit::SynthesisOptions::from_sigma_rel(0.07);
   const auto missing = emakit::detail::missing_snapshots(emakit::list_snapshots(folder.path));
-  if (!missing.empty())
-    CHECK_THROWS_AS(emakit::plan_synthesis(folder.path, options), emakit::SynthesisRefused);
+  if (!missing.empty()) CHECK_THROWS_AS(emakit::plan_synthesis(folder.path, options), emakit::SynthesisRefused);
   const auto plan = emakit::plan_synthesis(folder.path, options.allow_partial(true));
   CHECK(plan.missing.size() == missing.size());
   CHECK(plan.missing.size() <= static_cast<std::size_t>(rounds));
@@ -807,14 +820,17 @@ emakit::StateDict read_state(const fs::path& file) {
 }
 
 // The model of tests/fixtures/posthoc_v1 (its generate.cpp).
-torch::nn::Sequential fixture_model() { return torch::nn::Sequential(torch::nn::Linear(4, 3), torch::nn::BatchNorm1d(3)); }
+torch::nn::Sequential fixture_model() {
+  return torch::nn::Sequential(torch::nn::Linear(4, 3), torch::nn::BatchNorm1d(3));
+}
 
 fs::path fixture_v1() { return emakit_test::repo_file("tests/fixtures/posthoc_v1/state.pt").parent_path(); }
 
 // A copy of the format-1 fixture's snapshot files in `folder`.
 void copy_fixture_snapshots(const fs::path& folder) {
   for (const auto& e : fs::directory_iterator(fixture_v1()))
-    if (emakit::is_snapshot_file_name(e.path().filename().string())) fs::copy_file(e.path(), folder / e.path().filename());
+    if (emakit::is_snapshot_file_name(e.path().filename().string()))
+      fs::copy_file(e.path(), folder / e.path().filename());
 }
 
 }  // namespace
@@ -823,7 +839,8 @@ TEST_CASE("Each snapshot records its run, its profiles and the run's previous sn
   TempFolder folder("run-header");
   torch::manual_seed(11);
   emakit_test::TinyNet model;
-  emakit::PostHocEma posthoc(*model, emakit::PostHocOptions(folder.path).snapshot_every(2).sigma_rels({0.05, 0.08, 0.12}));
+  emakit::PostHocEma posthoc(*model,
+                             emakit::PostHocOptions(folder.path).snapshot_every(2).sigma_rels({0.05, 0.08, 0.12}));
   REQUIRE(posthoc.run().recorded());
   CHECK(posthoc.run().hex().size() == 32);
   CHECK(posthoc.run_started() > 1700000000);  // Unix seconds, after 2023
@@ -886,7 +903,8 @@ TEST_CASE("Another run's snapshots in the folder are refused at the first update
   emakit::PostHocEma second(*other_model, options);
   const auto weight_before = second.ema(0).average("weight").clone();
   CHECK_THROWS_WITH(second.update(), Contains(folder.path.string()) && Contains("another training run") &&
-                                         Contains("run " + first.run().short_hex()) && Contains("4 snapshots, t = 2 to 4") &&
+                                         Contains("run " + first.run().short_hex()) &&
+                                         Contains("4 snapshots, t = 2 to 4") &&
                                          Contains("This PostHocEma is run " + second.run().short_hex()) &&
                                          Contains("load_state_dict") && Contains("ExistingSnapshots::move_aside"));
   CHECK(second.step() == 0);
@@ -926,7 +944,8 @@ TEST_CASE("ExistingSnapshots::move_aside moves another run's snapshots into prev
   REQUIRE(legacy.size() == 12);
   torch::manual_seed(13);
   emakit_test::TinyNet model;
-  const auto options = emakit::PostHocOptions(folder.path).snapshot_every(2).existing_snapshots(emakit::ExistingSnapshots::move_aside);
+  const auto options =
+      emakit::PostHocOptions(folder.path).snapshot_every(2).existing_snapshots(emakit::ExistingSnapshots::move_aside);
   emakit::PostHocEma first(*model, options);
   for (int s = 1; s <= 2; ++s) first.update();
   CHECK(folder_bytes(folder.path / "previous-run-none") == legacy);
@@ -958,7 +977,8 @@ TEST_CASE("Format 1 snapshots and states still read: the fixture synthesizes as 
     CHECK(s.profiles == 0);
   }
   // The results format 1's emakit wrote (generate.cpp) are reproduced bitwise.
-  for (const auto& [file, step] : std::vector<std::pair<std::string, std::int64_t>>{{"synth-0.07.pt", 30}, {"synth-0.07-t20.pt", 20}}) {
+  for (const auto& [file, step] :
+       std::vector<std::pair<std::string, std::int64_t>>{{"synth-0.07.pt", 30}, {"synth-0.07-t20.pt", 20}}) {
     INFO(file);
     const auto plan = emakit::plan_synthesis(fixture_v1(), emakit::SynthesisOptions::from_sigma_rel(0.07).step(step));
     CHECK(plan.snapshots.size() == static_cast<std::size_t>(step / 5 * 2));
@@ -1037,19 +1057,20 @@ TEST_CASE("A snapshot set with gaps is refused naming each missing file, and all
 
   // A whole time in the middle: the step-8 files name step 6 as the one before them.
   remove({"phema-0000000006-0.emkit", "phema-0000000006-1.emkit"});
-  CHECK_THROWS_WITH(emakit::plan_synthesis(folder.path, options),
-                    Contains("2 snapshots of the run are missing") && Contains("'phema-0000000006-0.emkit'") &&
-                        Contains("'phema-0000000006-1.emkit'"));
+  CHECK_THROWS_WITH(emakit::plan_synthesis(folder.path, options), Contains("2 snapshots of the run are missing") &&
+                                                                      Contains("'phema-0000000006-0.emkit'") &&
+                                                                      Contains("'phema-0000000006-1.emkit'"));
   restore();
   // The first time: the step-4 files name step 2.
   remove({"phema-0000000002-0.emkit", "phema-0000000002-1.emkit"});
   CHECK_THROWS_WITH(emakit::plan_synthesis(folder.path, options), Contains("'phema-0000000002-1.emkit'"));
   restore();
   // Every file of one profile: the files record that the run tracks two.
-  remove({"phema-0000000002-1.emkit", "phema-0000000004-1.emkit", "phema-0000000006-1.emkit", "phema-0000000008-1.emkit",
-          "phema-0000000010-1.emkit", "phema-0000000012-1.emkit"});
-  CHECK_THROWS_WITH(emakit::plan_synthesis(folder.path, options),
-                    Contains("6 snapshots of the run are missing") && Contains("profile 1 (no file of it is left) at step 2"));
+  remove({"phema-0000000002-1.emkit", "phema-0000000004-1.emkit", "phema-0000000006-1.emkit",
+          "phema-0000000008-1.emkit", "phema-0000000010-1.emkit", "phema-0000000012-1.emkit"});
+  CHECK_THROWS_WITH(
+      emakit::plan_synthesis(folder.path, options),
+      Contains("6 snapshots of the run are missing") && Contains("profile 1 (no file of it is left) at step 2"));
   restore();
   CHECK(distance(emakit::synthesize(emakit::plan_synthesis(folder.path, options)), full) == 0.0);
 }
@@ -1059,15 +1080,19 @@ TEST_CASE("A target the snapshots cannot reproduce is refused, and the plan repo
   // The fixture: sigma_rel 0.05 and 0.10 at t = 5, ..., 30 (the issue's case: sigma_rel 0.001 gave
   // weights of +-8 with a raw sum of 0.757, and no warning).
   const auto folder = fixture_v1();
-  CHECK_THROWS_AS(emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(0.001)), emakit::SynthesisRefused);
+  CHECK_THROWS_AS(emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(0.001)),
+                  emakit::SynthesisRefused);
   CHECK_THROWS_WITH(emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(0.001)),
                     Contains("sigma_rel 0.001 lies 50x outside the tracked profiles' range 0.05 to 0.1") &&
                         Contains("max_extrapolation") && Contains("--max-extrapolation"));
-  CHECK_THROWS_WITH(emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(0.26)), Contains("2.6x outside"));
-  CHECK_THROWS_WITH(emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(0.019)), Contains("2.63x outside"));
-  CHECK_NOTHROW(emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(0.25)));  // 2.5x: the bound itself
-  const auto far = emakit::plan_synthesis(
-      folder, emakit::SynthesisOptions::from_sigma_rel(0.001).max_extrapolation(std::numeric_limits<double>::infinity()));
+  CHECK_THROWS_WITH(emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(0.26)),
+                    Contains("2.6x outside"));
+  CHECK_THROWS_WITH(emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(0.019)),
+                    Contains("2.63x outside"));
+  CHECK_NOTHROW(
+      emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(0.25)));  // 2.5x: the bound itself
+  const auto far = emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(0.001).max_extrapolation(
+                                                      std::numeric_limits<double>::infinity()));
   double largest = 0, sum = 0;
   for (double w : far.solution.weights) {
     largest = std::max(largest, std::abs(w));
@@ -1084,8 +1109,9 @@ TEST_CASE("A target the snapshots cannot reproduce is refused, and the plan repo
   CHECK(plan.tracked_min_sigma_rel == Approx(0.05).epsilon(1e-12));
   CHECK(plan.tracked_max_sigma_rel == Approx(0.10).epsilon(1e-12));
   CHECK(plan.solution.max_abs_weight < 1.0);
-  CHECK_THROWS_WITH(emakit::plan_synthesis(folder, inside.max_weight(plan.solution.max_abs_weight / 2)),
-                    Contains("reach") && Contains("max_weight") && Contains("phema-00000000") && Contains("--max-weight"));
+  CHECK_THROWS_WITH(
+      emakit::plan_synthesis(folder, inside.max_weight(plan.solution.max_abs_weight / 2)),
+      Contains("reach") && Contains("max_weight") && Contains("phema-00000000") && Contains("--max-weight"));
 
   // profile_error is the L2 distance of the profiles, checked by integrating them numerically:
   // the midpoint rule on each interval between snapshot times (where the profiles end), 2^16
@@ -1114,5 +1140,6 @@ TEST_CASE("A target the snapshots cannot reproduce is refused, and the plan repo
 
   // Every target of docs/posthoc.md's sample and the demo's sweep (0.02 to 0.20 from 0.05 and 0.10)
   // passes the defaults.
-  for (double s : {0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.10, 0.12, 0.13, 0.16, 0.20}) CHECK_NOTHROW(emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(s)));
+  for (double s : {0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.10, 0.12, 0.13, 0.16, 0.20})
+    CHECK_NOTHROW(emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(s)));
 }

@@ -1,6 +1,6 @@
 // Presets for the Python peers, their options, and the migration table of
-// docs/coming-from-python.md (its code is written out here, compiled, and compared with the page). Numerical equality with the real packages is checked by the
-// conformance tests (tests/conformance/).
+// docs/coming-from-python.md (its code is written out here, compiled, and compared with the page). Numerical equality
+// with the real packages is checked by the conformance tests (tests/conformance/).
 #include <emakit/emakit.hpp>
 #include <emakit/interop.hpp>
 #include <emakit/jit.hpp>
@@ -99,9 +99,11 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
   auto whole = [](double v) { return static_cast<std::int64_t>(v); };
   {
     TinyNet model;
-    EMAKIT_ROW(code[0], auto ema = emakit::ema_pytorch(*model, {.beta = 0.9999, .update_after_step = 100, .update_every = 10});)
-    CHECK(ema.decay_policy() ==
-          emakit::InversePowerWarmup(py(0, "beta")).update_after_step(whole(py(0, "update_after_step"))).single_precision(true));
+    EMAKIT_ROW(code[0],
+               auto ema = emakit::ema_pytorch(*model, {.beta = 0.9999, .update_after_step = 100, .update_every = 10});)
+    CHECK(ema.decay_policy() == emakit::InversePowerWarmup(py(0, "beta"))
+                                    .update_after_step(whole(py(0, "update_after_step")))
+                                    .single_precision(true));
     CHECK(ema.schedule() == emakit::StepSchedule()
                                 .warmup(emakit::Warmup::copy_before_start)
                                 .start_step(whole(py(0, "update_after_step")) + 2)
@@ -110,14 +112,16 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
   }
   {
     TinyNet model;
-    EMAKIT_ROW(code[1], auto ema = emakit::timm_model_ema_v3(*model, {.decay = 0.9998, .use_warmup = true}); ema.update({.step = step});)
+    EMAKIT_ROW(code[1], auto ema = emakit::timm_model_ema_v3(*model, {.decay = 0.9998, .use_warmup = true});
+               ema.update({.step = step});)
     CHECK(ema.decay_policy() == emakit::InversePowerWarmup(py(1, "decay")).warmup(py(1, "use_warmup") == 1.0));
     CHECK(ema.step() == step);
   }
   {
     TinyNet model;
     emakit_test::cast_floats(*model, torch::kBFloat16);
-    EMAKIT_ROW(code[2], emakit::FixedEma ema(*model, emakit::Fixed(0.9), {}, emakit::EmaOptions().keep_model_dtype(true));)
+    EMAKIT_ROW(code[2],
+               emakit::FixedEma ema(*model, emakit::Fixed(0.9), {}, emakit::EmaOptions().keep_model_dtype(true));)
     CHECK(ema.decay_policy() == emakit::Fixed(py(2, "decay")));
     CHECK(ema.average("fc.weight").scalar_type() == torch::kBFloat16);  // timm keeps the model's dtype
   }
@@ -126,7 +130,8 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
     EMAKIT_ROW(code[3], auto ema = emakit::averaged_model_ema(*model, {.decay = 0.999, .use_buffers = true});)
     CHECK(ema.decay_policy() == emakit::Fixed(py(3, "get_ema_multi_avg_fn")));
     CHECK(ema.schedule().warmup() == emakit::Warmup::skip_before_start);
-    CHECK(ema.options().buffers() == (py(3, "use_buffers") == 1.0 ? emakit::BufferMode::average : emakit::BufferMode::copy));
+    CHECK(ema.options().buffers() ==
+          (py(3, "use_buffers") == 1.0 ? emakit::BufferMode::average : emakit::BufferMode::copy));
   }
   {
     TinyNet model;
@@ -137,7 +142,9 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
   }
   {
     TinyNet model;
-    EMAKIT_ROW(code[5], auto ema = emakit::nvalchemi_ema(*model, {.decay = 0.999, .update_every = 2, .start_step = 100}); ema.update({.vetoed = will_skip});)
+    EMAKIT_ROW(code[5],
+               auto ema = emakit::nvalchemi_ema(*model, {.decay = 0.999, .update_every = 2, .start_step = 100});
+               ema.update({.vetoed = will_skip});)
     CHECK(ema.decay_policy() == emakit::Fixed(py(5, "decay")));
     CHECK(ema.schedule().update_every() == whole(py(5, "update_every")));
     CHECK(ema.schedule().start_step() == whole(py(5, "start_step")));
@@ -150,14 +157,19 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
   }
   {
     TinyNet model;
-    EMAKIT_ROW(code[7], emakit::EmaHook hook; hook.add(*model, emakit::nvalchemi_ema_recipe({.decay = 0.999, .start_step = 100}), {.creation = emakit::Creation::at_first_eligible_step}); hook.after_optimizer_step({.vetoed = will_skip});)
+    EMAKIT_ROW(code[7], emakit::EmaHook hook;
+               hook.add(*model, emakit::nvalchemi_ema_recipe({.decay = 0.999, .start_step = 100}),
+                        {.creation = emakit::Creation::at_first_eligible_step});
+               hook.after_optimizer_step({.vetoed = will_skip});)
     CHECK(rows[7].python.at(0) == "EMAHook(...)");
     CHECK_FALSE(hook.created("model"));  // nothing eligible yet: no EMA, no memory
   }
   {
     TinyNet model;
     emakit::EmaHook hook;
-    EMAKIT_ROW(code[8], hook.add(*model, emakit::luxonis_ema_callback_recipe({.decay = 0.5, .decay_tau = 2000, .accumulate = 4}));)
+    EMAKIT_ROW(
+        code[8],
+        hook.add(*model, emakit::luxonis_ema_callback_recipe({.decay = 0.5, .decay_tau = 2000, .accumulate = 4}));)
     hook.setup();
     const auto& ema = hook.ema<emakit::RampEma>("model");
     CHECK(ema.decay_policy() == emakit::ExponentialRamp(py(8, "decay"), py(8, "decay_tau")));
@@ -177,8 +189,8 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
 TEST_CASE("ema-pytorch preset: integers untouched, ignored names follow copies only", "[presets]") {
   TinyNet model;
   emakit_test::fill_floats(*model, 1.0);
-  auto ema = emakit::ema_pytorch(*model, {.beta = 0.5, .update_after_step = 0, .update_every = 1,
-                                          .ignore_names = {"scale"}});
+  auto ema =
+      emakit::ema_pytorch(*model, {.beta = 0.5, .update_after_step = 0, .update_every = 1, .ignore_names = {"scale"}});
   CHECK(ema.names(emakit::Role::ignore_except_copies) == std::vector<std::string>{"scale"});
   CHECK_THROWS_WITH(ema.average("bn.num_batches_tracked"), Contains("no tensor"));
   emakit_test::fill_floats(*model, 3.0);
@@ -212,7 +224,8 @@ TEST_CASE("Switch EMA pulls the model towards the average on its steps", "[prese
   CHECK(torch::equal(w, torch::full({2}, 3.0)));
   CHECK_THROWS_WITH(emakit::EmaOptions().switch_model(2, 1.0),
                     Contains("EmaOptions::switch_model beta must be in [0, 1), got 1"));
-  CHECK_THROWS_WITH(emakit::EmaOptions().switch_model(-1), Contains("EmaOptions::switch_model every must be >= 0, got -1"));
+  CHECK_THROWS_WITH(emakit::EmaOptions().switch_model(-1),
+                    Contains("EmaOptions::switch_model every must be >= 0, got -1"));
   CHECK_THROWS_WITH(emakit::EmaOptions().switch_model(2, 0.5, -3),
                     Contains("EmaOptions::switch_model offset must be >= 0, got -3"));
   CHECK_THROWS_WITH(emakit::EmaOptions().non_floating(emakit::BufferMode::average), Contains("copy or ignore"));

@@ -159,9 +159,9 @@ TEST_CASE("A tied weight is one average, updated once, under both names, with ev
 TEST_CASE("A factory module that ties what the model keeps apart is refused", "[real-models]") {
   UntiedImpl model;
   using E = emakit::Ema<emakit::Fixed, emakit::StepSchedule, emakit::ModuleStorage<TiedImpl>>;
-  REQUIRE_THROWS_WITH(
-      E(model, emakit::Fixed(0.5), {}, {}, emakit::ModuleStorage<TiedImpl>([] { return std::make_shared<TiedImpl>(); })),
-      Contains("one tensor for 'embed' and 'head'") && Contains("tie"));
+  REQUIRE_THROWS_WITH(E(model, emakit::Fixed(0.5), {}, {},
+                        emakit::ModuleStorage<TiedImpl>([] { return std::make_shared<TiedImpl>(); })),
+                      Contains("one tensor for 'embed' and 'head'") && Contains("tie"));
 }
 
 TEST_CASE("A sub-module registered twice is averaged once, under both names", "[real-models]") {
@@ -278,7 +278,8 @@ TEST_CASE("A storage that returns the model's memory is refused", "[real-models]
   REQUIRE_THROWS_WITH(E(*model, emakit::Fixed(0.5)), Contains("shares memory with the model's 'fc.weight'"));
 }
 
-TEST_CASE("A sparse tensor in the model is refused by name, not an abort, and ignored it is left alone", "[real-models]") {
+TEST_CASE("A sparse tensor in the model is refused by name, not an abort, and ignored it is left alone",
+          "[real-models]") {
   struct SparseImpl : torch::nn::Module {
     SparseImpl() {
       w = register_parameter("w", torch::randn({3, 3}));
@@ -395,9 +396,7 @@ TEST_CASE("Swap guards ended in any order give the model its own weights back", 
   for (const auto& [name, t] : model_now()) CHECK(bitwise_equal(t, own.at(name)));
   {
     auto g1 = ema.swap_into();
-    {
-      auto g2 = ema.swap_into();
-    }
+    { auto g2 = ema.swap_into(); }
     CHECK(emakit_test::same_averages(ema.averages(), model_now()));
   }
   for (const auto& [name, t] : model_now()) CHECK(bitwise_equal(t, own.at(name)));
@@ -472,8 +471,8 @@ TEST_CASE("A model changed after binding: swap_into() names the replaced or resh
   TinyNet model;
   emakit::FixedEma ema(*model, emakit::Fixed(0.5));
   model->replace_module("fc", torch::nn::Linear(3, 4));
-  REQUIRE_THROWS_WITH(ema.swap_into(), Contains("'fc.weight' is not the one the EMA was bound to") &&
-                                           Contains("replace_module"));
+  REQUIRE_THROWS_WITH(ema.swap_into(),
+                      Contains("'fc.weight' is not the one the EMA was bound to") && Contains("replace_module"));
 
   TinyNet other;
   emakit::FixedEma reshaped(*other, emakit::Fixed(0.5));
@@ -484,7 +483,8 @@ TEST_CASE("A model changed after binding: swap_into() names the replaced or resh
   REQUIRE_THROWS_WITH(reshaped.swap_into(), Contains("'fc.weight' changed shape from [4, 3] to [2, 2]"));
 }
 
-TEST_CASE("Options that cannot hold: CUDA without CUDA, a name both ignored and copied, nothing left", "[real-models]") {
+TEST_CASE("Options that cannot hold: CUDA without CUDA, a name both ignored and copied, nothing left",
+          "[real-models]") {
   TinyNet model;
   if (!at::globalContext().hasCUDA()) {
     REQUIRE_THROWS_WITH(emakit::FixedEma(*model, emakit::Fixed(0.5), {}, emakit::EmaOptions().device(torch::kCUDA)),
@@ -499,10 +499,10 @@ TEST_CASE("Options that cannot hold: CUDA without CUDA, a name both ignored and 
   REQUIRE_THROWS_WITH(emakit::FixedEma(*model, emakit::Fixed(0.5), {},
                                        emakit::EmaOptions().ignore_prefixes({"fc."}).copy_only({"fc.bias"})),
                       Contains("ignore_prefixes has 'fc.'"));
-  REQUIRE_THROWS_WITH(emakit::FixedEma(*model, emakit::Fixed(0.5), {},
-                                       emakit::EmaOptions().ignore_prefixes({"fc.", "bn."}).buffers(
-                                           emakit::BufferMode::ignore)),
-                      Contains("every tensor of the model is ignored"));
+  REQUIRE_THROWS_WITH(
+      emakit::FixedEma(*model, emakit::Fixed(0.5), {},
+                       emakit::EmaOptions().ignore_prefixes({"fc.", "bn."}).buffers(emakit::BufferMode::ignore)),
+      Contains("every tensor of the model is ignored"));
 }
 
 namespace {
@@ -563,8 +563,8 @@ TEST_CASE("A tied model through the hook's checkpoint and post-hoc synthesis: th
   CHECK(torch::equal(deployed->embed, ema.average("embed")));
 
   Tied synthesized;
-  emakit::synthesize_into(
-      emakit::plan_synthesis(dir.path / "phema", emakit::SynthesisOptions::from_sigma_rel(0.07)), *synthesized);
+  emakit::synthesize_into(emakit::plan_synthesis(dir.path / "phema", emakit::SynthesisOptions::from_sigma_rel(0.07)),
+                          *synthesized);
   CHECK(synthesized->embed.is_same(synthesized->head));
   CHECK(torch::isfinite(synthesized->embed).all().item<bool>());
 }

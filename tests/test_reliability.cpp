@@ -26,7 +26,6 @@ using emakit::Action;
 using emakit_test::bitwise_equal;
 using emakit_test::TinyNet;
 
-
 TEST_CASE("Non-finite guard off (the default, as the peers): a NaN in the model reaches the average", "[reliability]") {
   TinyNet model;
   emakit::FixedEma ema(*model, emakit::Fixed(0.5));
@@ -86,7 +85,8 @@ TEST_CASE("Non-finite guard on: the update changes nothing, is counted and names
 TEST_CASE("Non-finite guard on: copies are guarded too, and a bf16 model is scanned in place", "[reliability]") {
   TinyNet model;
   emakit_test::cast_floats(*model, torch::kBFloat16);
-  emakit::WarmupEma ema(*model, emakit::InversePowerWarmup(0.999), emakit::StepSchedule().warmup(emakit::Warmup::copy_before_start),
+  emakit::WarmupEma ema(*model, emakit::InversePowerWarmup(0.999),
+                        emakit::StepSchedule().warmup(emakit::Warmup::copy_before_start),
                         emakit::EmaOptions().skip_non_finite(true));
   const auto before = emakit_test::snapshot(ema.averages());
   model->fc->bias.data()[0] = -std::numeric_limits<float>::infinity();
@@ -172,8 +172,7 @@ TEST_CASE("Soak: many updates keep memory flat, counters exact and a constant av
   CHECK(ema.last_update_step() == (1000 + updates) / 3 * 3);
   for (const auto& item : ema.averages()) {
     INFO(item.key());
-    if (item.value().is_floating_point())
-      CHECK(bitwise_equal(item.value(), torch::full_like(item.value(), 0.3)));
+    if (item.value().is_floating_point()) CHECK(bitwise_equal(item.value(), torch::full_like(item.value(), 0.3)));
   }
 }
 

@@ -35,7 +35,8 @@ struct ProbeImpl : torch::nn::Cloneable<ProbeImpl> {
     ran_with_grad = c10::GradMode::is_enabled();
     if (records) emakit::record_teacher_output(*this, y);
     for (const auto& name : asks) {
-      std::optional<torch::Tensor> t = like_own_output ? emakit::teacher_input(*this, name, y) : emakit::teacher_input(*this, name);
+      std::optional<torch::Tensor> t =
+          like_own_output ? emakit::teacher_input(*this, name, y) : emakit::teacher_input(*this, name);
       if (t) {
         received[name] = *t;
         if (add_input) y = y + *t;
@@ -78,9 +79,7 @@ std::pair<torch::Tensor, torch::Tensor> teacher_outputs(NetImpl& teacher, const 
 struct Setup {
   Net model;
   NetEma ema;
-  Setup() : model(), ema(*model, emakit::Fixed(0.5)) {
-    emakit_test::perturb(*model, 0.5);
-  }
+  Setup() : model(), ema(*model, emakit::Fixed(0.5)) { emakit_test::perturb(*model, 0.5); }
 };
 
 }  // namespace
@@ -133,7 +132,9 @@ TEST_CASE("Teacher: the full form routes through a transform", "[teacher]") {
   s.model->a->asks.clear();
   s.model->b->asks = {"target"};
   TeacherStudent wrapper(*s.model, s.ema,
-                         TeacherRoutes().add({.receiver = "b", .teacher = "a", .name = "target",
+                         TeacherRoutes().add({.receiver = "b",
+                                              .teacher = "a",
+                                              .name = "target",
                                               .transform = [](const at::Tensor& t) { return t * 2.0; },
                                               .transform_name = "twice"}));
   const auto x = torch::randn({3, 4});
@@ -235,7 +236,8 @@ TEST_CASE("Teacher: bad routes and misbehaving modules give errors that name the
     s.model->a->asks.clear();
     s.model->b->like_own_output = true;
     TeacherStudent wrapper(*s.model, s.ema,
-                           TeacherRoutes().add({.receiver = "b", .teacher = "b",
+                           TeacherRoutes().add({.receiver = "b",
+                                                .teacher = "b",
                                                 .transform = [](const at::Tensor& t) { return t.sum(1); },
                                                 .transform_name = "sum_features"}));
     REQUIRE_THROWS_WITH(wrapper.forward(torch::randn({2, 4})),

@@ -86,7 +86,7 @@ using MyEma = emakit::Ema<Decay, emakit::StepSchedule, emakit::ModuleStorage<Net
 #if EMAKIT_CT_EMA == 1 || EMAKIT_CT_EMA == 2
 #define EMA_MAKE emakit::WarmupEma ema(*model);
 #define EMA_UPDATE ema.update();
-#define EMA_FINISH                 \
+#define EMA_FINISH                  \
   { auto guard = ema.swap_into(); } \
   emakit::save(ema, "ema.pt");      \
   emakit::load(ema, "ema.pt");      \

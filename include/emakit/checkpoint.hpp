@@ -57,7 +57,7 @@ void load(Ema<D, S, St>& ema, const std::filesystem::path& path, LoadMode mode =
 
 // Compiled mode (detail/config.hpp): save and load of the flat aliases come from the library.
 #if EMAKIT_EXTERN_ALIASES
-#define EMAKIT_EXTERN_CHECKPOINT(Decay)                                                                   \
+#define EMAKIT_EXTERN_CHECKPOINT(Decay)                                                                  \
   extern template void save(const Ema<Decay, StepSchedule, FlatStorage>&, const std::filesystem::path&); \
   extern template void load(Ema<Decay, StepSchedule, FlatStorage>&, const std::filesystem::path&, LoadMode);
 EMAKIT_FOR_EACH_FLAT_ALIAS_DECAY(EMAKIT_EXTERN_CHECKPOINT)

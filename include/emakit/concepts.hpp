@@ -41,8 +41,8 @@ enum class Action : std::uint8_t { skipped, copied, averaged };
 
 // What a decay policy is told when an update averages.
 struct DecayInput {
-  std::int64_t step = 0;    // the completed optimizer step, counting from 1
-  std::int64_t update = 0;  // this update's number among applied updates (copies count), from 1
+  std::int64_t step = 0;                     // the completed optimizer step, counting from 1
+  std::int64_t update = 0;                   // this update's number among applied updates (copies count), from 1
   std::int64_t steps_since_last_update = 0;  // step - step of the previous applied update (dt)
 };
 
@@ -63,11 +63,11 @@ concept HasLerpWeight = requires(const P& p, const DecayInput& in) {
 
 // What a schedule policy is told at each call of Ema::update().
 struct ScheduleInput {
-  std::int64_t call = 0;                    // this call's number, counting from 1
-  std::optional<std::int64_t> given_step;   // the step the caller supplied, if any
-  std::int64_t previous_step = 0;           // the step of the previous call (0 before any)
-  std::int64_t num_updates = 0;             // updates applied before this call (copies count)
-  bool vetoed = false;                      // the optimizer step was skipped (e.g. AMP overflow)
+  std::int64_t call = 0;                   // this call's number, counting from 1
+  std::optional<std::int64_t> given_step;  // the step the caller supplied, if any
+  std::int64_t previous_step = 0;          // the step of the previous call (0 before any)
+  std::int64_t num_updates = 0;            // updates applied before this call (copies count)
+  bool vetoed = false;                     // the optimizer step was skipped (e.g. AMP overflow)
 };
 
 // A schedule's answer: what to do, and which optimizer step this call completes.
@@ -100,11 +100,10 @@ struct TensorSpec {
 // here": the Ema then neither updates, saves nor loads that spec (ShardedStorage returns one
 // for each tensor another rank of its process group holds).
 template <class S>
-concept StoragePolicy =
-    std::move_constructible<S> &&
+concept StoragePolicy = std::move_constructible<S> &&
     requires(S& s, const torch::nn::Module* model, std::span<const TensorSpec> specs) {
-      { s.create(model, specs) } -> std::same_as<std::vector<at::Tensor>>;
-    };
+  { s.create(model, specs) } -> std::same_as<std::vector<at::Tensor>>;
+};
 
 // ---- optional capabilities of a storage policy ----------------------------------------------
 
@@ -129,11 +128,11 @@ concept GatheringStorage = requires(const S& s, const E& ema, int to) {
 };
 
 template <class S, class E>
-concept CheckpointingStorage =
-    requires(const S& s, const E& saved, E& loaded, const std::filesystem::path& path, LoadMode mode) {
-      s.save_checkpoint(saved, path);
-      s.load_checkpoint(loaded, path, mode);
-    };
+concept CheckpointingStorage = requires(const S& s, const E& saved, E& loaded, const std::filesystem::path& path,
+                                        LoadMode mode) {
+  s.save_checkpoint(saved, path);
+  s.load_checkpoint(loaded, path, mode);
+};
 
 // ---- optional parts of a policy -----------------------------------------------------------
 

@@ -219,9 +219,7 @@ class PowerFunction {
 
   PowerFunction() = default;  // sigma_rel 0.10
   explicit PowerFunction(double gamma) { this->gamma(gamma); }
-  static PowerFunction from_sigma_rel(double sigma_rel) {
-    return PowerFunction(sigma_rel_to_gamma(sigma_rel));
-  }
+  static PowerFunction from_sigma_rel(double sigma_rel) { return PowerFunction(sigma_rel_to_gamma(sigma_rel)); }
 
   double gamma() const noexcept { return gamma_; }
   PowerFunction& gamma(double value) {

@@ -5,7 +5,8 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/ema-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/ema.hpp> instead"
+#error \
+    "emakit/ema-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/ema.hpp> instead"
 #endif
 
 #include <emakit/ema.hpp>
@@ -13,7 +14,6 @@
 #include <fmt/format.h>
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
-
 
 [[noreturn]] EMAKIT_FUNC void fail_model_destroyed(const char* what) {
   fail("{}(): the model this Ema was bound to has been destroyed (a rebuilt model?), so the EMA would average, "
@@ -191,8 +191,10 @@ EMAKIT_FUNC LoadReport EmaCore::load_state_dict(const StateDict& state, LoadMode
   ensure_bound("load_state_dict");
   ema_state::Plan plan = plan_load(state, mode, config);
   if (mode == LoadMode::lenient) {
-    for (const auto& k : plan.report.missing) TORCH_WARN("emakit: load_state_dict: missing key '", k, "', kept the current value");
-    for (const auto& k : plan.report.unexpected) TORCH_WARN("emakit: load_state_dict: unexpected key '", k, "', ignored");
+    for (const auto& k : plan.report.missing)
+      TORCH_WARN("emakit: load_state_dict: missing key '", k, "', kept the current value");
+    for (const auto& k : plan.report.unexpected)
+      TORCH_WARN("emakit: load_state_dict: unexpected key '", k, "', ignored");
     for (const auto& k : plan.report.mismatched) TORCH_WARN("emakit: load_state_dict: ", k, "; kept the current value");
   }
   {
@@ -244,8 +246,9 @@ EMAKIT_FUNC ema_state::Plan EmaCore::plan_load(const StateDict& state, LoadMode 
                                                const ema_state::PolicyConfig& config) const {
   std::vector<at::Tensor> averages;
   for (const auto& slot : kernel_.slots()) averages.push_back(slot.average);
-  return ema_state::plan_load(state, mode, config, options_, entries_, averages,
-                              [](const at::Tensor& a, const at::Tensor& b) { return same_view(a, b) || bitwise_equal(a, b); });
+  return ema_state::plan_load(
+      state, mode, config, options_, entries_, averages,
+      [](const at::Tensor& a, const at::Tensor& b) { return same_view(a, b) || bitwise_equal(a, b); });
 }
 
 // For each tensor, the index of the first tensor that is the same tensor (itself if none).
@@ -268,8 +271,8 @@ EMAKIT_FUNC std::vector<std::size_t> identity_groups(const std::vector<SourceTen
       }
       if (roles[i] != Role::ignore && roles[j] != Role::ignore && overlap(tensors[j].tensor, t))
         fail("tensors '{}' and '{}' of the model are different views of overlapping memory; an EMA cannot "
-                     "average them independently. Leave one out (EmaOptions::ignore)",
-                     tensors[j].name, tensors[i].name);
+             "average them independently. Leave one out (EmaOptions::ignore)",
+             tensors[j].name, tensors[i].name);
     }
     if (first[i] == i) seen.push_back(i);
   }
@@ -289,8 +292,8 @@ EMAKIT_FUNC Role group_role(const std::vector<SourceTensor>& tensors, const std:
       held = i;
     } else if (roles[*held] != roles[i]) {
       fail("'{}' and '{}' are one tensor of the model (tied), but the options average one name and copy "
-                   "the other (EmaOptions::copy_only or buffers); give both names the same role",
-                   tensors[*held].name, tensors[i].name);
+           "the other (EmaOptions::copy_only or buffers); give both names the same role",
+           tensors[*held].name, tensors[i].name);
     }
   }
   if (held) return roles[*held];
@@ -301,7 +304,10 @@ EMAKIT_FUNC void check_dense(const std::string& name, const at::Tensor& t) {
   if (t.layout() != c10::kStrided)
     fail("tensor '{}' is {}; an EMA averages dense (strided) tensors only. Leave it out with "
          "EmaOptions::ignore({{\"{}\"}})",
-         name, t.is_sparse() ? "sparse (COO)" : t.is_mkldnn() ? "an MKL-DNN tensor" : "not strided (sparse?)",
+         name,
+         t.is_sparse()   ? "sparse (COO)"
+         : t.is_mkldnn() ? "an MKL-DNN tensor"
+                         : "not strided (sparse?)",
          name);
   if (c10::isQIntType(t.scalar_type()))
     fail("tensor '{}' is quantized ({}); an EMA averages float, complex and integer tensors only. Leave "
@@ -324,15 +330,15 @@ EMAKIT_FUNC void check_owned(const std::vector<SourceTensor>& tensors, const std
     auto it = model_memory.find(key);
     if (it != model_memory.end())
       fail("storage {} made, for '{}', a tensor that shares memory with the model's '{}'; an EMA must own "
-                   "its averages",
-                   storage_name, specs[i].name, *it->second);
+           "its averages",
+           storage_name, specs[i].name, *it->second);
     auto& same_storage = own_memory[key];
     for (const std::size_t j : same_storage)
       if (overlap(own[j], own[i]))
         fail("storage {} made one tensor for '{}' and '{}', which the model keeps apart (does the module "
-                     "its factory builds tie them?); the EMA would average it twice. Make the EMA module tie "
-                     "exactly what the model ties",
-                     storage_name, specs[j].name, specs[i].name);
+             "its factory builds tie them?); the EMA would average it twice. Make the EMA module tie "
+             "exactly what the model ties",
+             storage_name, specs[j].name, specs[i].name);
     same_storage.push_back(i);
   }
 }
@@ -423,7 +429,8 @@ EMAKIT_FUNC void EmaCore::bind(const torch::nn::Module* model, std::vector<Sourc
     if (slot_of[spec] != static_cast<std::size_t>(-1)) entries_.push_back({std::move(name), slot_of[spec]});
   sources_.clear();
   for (const auto& slot : slots) sources_.push_back(slot.source);
-  kernel_ = UpdateKernel(std::move(slots), UpdateKernel::CpuPath::fused, options_.side_stream(), options_.staging_bytes());
+  kernel_ =
+      UpdateKernel(std::move(slots), UpdateKernel::CpuPath::fused, options_.side_stream(), options_.staging_bytes());
   bound_ = true;
 }
 
@@ -440,7 +447,8 @@ EMAKIT_FUNC void EmaCore::check_model_not_swapped(const char* what) const {
 
 EMAKIT_FUNC void EmaCore::check_step_in(const StepInfo& info) const {
   constexpr auto max = std::numeric_limits<std::int64_t>::max();
-  if (counters_.calls == max) fail("update(): the call counter is at its maximum ({}); it cannot count another call", max);
+  if (counters_.calls == max)
+    fail("update(): the call counter is at its maximum ({}); it cannot count another call", max);
   if (info.step) {
     if (*info.step < 0) fail("update({{.step = {}}}): a step must be >= 0", *info.step);
   } else if (counters_.step == max) {
@@ -494,15 +502,14 @@ EMAKIT_FUNC void EmaCore::check_model_unchanged(const char* what) const {
     auto it = theirs.find(e.name);
     if (it == theirs.end())
       fail("{}(): the model no longer has tensor '{}' that the EMA was bound to (was a sub-module "
-                   "replaced?); make a new Ema for the changed model",
-                   what, e.name);
+           "replaced?); make a new Ema for the changed model",
+           what, e.name);
     if (it->second.unsafeGetTensorImpl() != slots[e.slot].source.unsafeGetTensorImpl())
       fail("{}(): the model's tensor '{}' is not the one the EMA was bound to (a sub-module replaced with "
-                   "replace_module(), or the parameter registered anew, after the Ema was made); the EMA weights "
-                   "would not reach the model. Make a new Ema for the changed model",
-                   what, e.name);
+           "replace_module(), or the parameter registered anew, after the Ema was made); the EMA weights "
+           "would not reach the model. Make a new Ema for the changed model",
+           what, e.name);
   }
 }
-
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

@@ -97,7 +97,6 @@ namespace detail {
 // The error of a call that would use the bound model after that model was destroyed.
 [[noreturn]] EMAKIT_FUNC void fail_model_destroyed(const char* what);
 
-
 }  // namespace detail
 
 // ---- the core: everything of an Ema that does not depend on its policies' types ----------------
@@ -120,7 +119,8 @@ class FunctionRef<R(Args...)> {
  public:
   template <class F>
     requires(!std::is_same_v<std::remove_cvref_t<F>, FunctionRef> && std::is_invocable_r_v<R, F&, Args...>)
-  FunctionRef(F&& f) noexcept  // NOLINT(google-explicit-constructor): passed as an argument
+  FunctionRef(F&& f)
+  noexcept  // NOLINT(google-explicit-constructor): passed as an argument
       : object_(const_cast<void*>(static_cast<const void*>(std::addressof(f)))),
         call_([](void* object, Args... args) -> R {
           return (*static_cast<std::remove_reference_t<F>*>(object))(std::forward<Args>(args)...);
@@ -317,11 +317,11 @@ class Ema {
 
   // ---- counters and parts -------------------------------------------------------------------
 
-  std::int64_t calls() const noexcept { return core_.calls(); }                // update() calls seen
-  std::int64_t step() const noexcept { return core_.step(); }                  // last completed step
-  std::int64_t num_updates() const noexcept { return core_.num_updates(); }    // copies + averages applied
+  std::int64_t calls() const noexcept { return core_.calls(); }              // update() calls seen
+  std::int64_t step() const noexcept { return core_.step(); }                // last completed step
+  std::int64_t num_updates() const noexcept { return core_.num_updates(); }  // copies + averages applied
   std::int64_t last_update_step() const noexcept { return core_.last_update_step(); }
-  double decay() const noexcept { return core_.decay(); }                      // d of the last applied update
+  double decay() const noexcept { return core_.decay(); }  // d of the last applied update
   // Updates skipped because the model held a NaN or an infinity (EmaOptions::skip_non_finite),
   // and the tensor named by the last of them.
   std::int64_t non_finite_updates() const noexcept { return core_.non_finite_updates(); }
@@ -338,8 +338,7 @@ class Ema {
 
   // The EMA module, for a module-backed storage, settled (see wait()): its parameters and buffers
   // are the averages.
-  decltype(auto) module() const
-    requires requires(const Storage& s) { s.module(); }
+  decltype(auto) module() const requires requires(const Storage& s) { s.module(); }
   {
     core_.ensure_bound("module");
     core_.wait_for_update_kernel();
@@ -378,9 +377,7 @@ class Ema {
   // For a storage that holds only part of the average here (GatheringStorage: ShardedStorage):
   // gathers the whole average (a collective) and puts it into `model`, matched by name, until the
   // guard's scope ends. This Ema's own swap, as swap_into(): update() is refused while it is open.
-  [[nodiscard]] SwapGuard swap_gathered_into(torch::nn::Module& model) const
-    requires GatheringStorage<Storage, Ema>
-  {
+  [[nodiscard]] SwapGuard swap_gathered_into(torch::nn::Module& model) const requires GatheringStorage<Storage, Ema> {
     core_.ensure_bound("swap_gathered_into");
     return core_.swap_gathered_into(storage_.gather(*this, all_ranks), model);
   }
@@ -436,9 +433,7 @@ class Ema {
                 return storage_.create(m, specs);
               }) {}
 
-  static detail::PolicyNames policy_names() {
-    return {detail::policy_name<Decay>(), detail::policy_name<Schedule>()};
-  }
+  static detail::PolicyNames policy_names() { return {detail::policy_name<Decay>(), detail::policy_name<Schedule>()}; }
   static detail::ema_state::PolicyConfig policy_config(const Decay& decay, const Schedule& schedule) {
     return {detail::policy_name<Decay>(), detail::policy_fields(decay), detail::policy_name<Schedule>(),
             detail::policy_fields(schedule)};

@@ -47,8 +47,9 @@ inline std::string_view to_string(WindowEdge e) noexcept { return e == WindowEdg
 namespace detail {
 // A policy that emakit prints: it satisfies one of the policy concepts and names itself.
 template <class P>
-concept PrintablePolicy =
-    (DecayPolicy<P> || SchedulePolicy<P> || StoragePolicy<P>) && requires { P::name; };
+concept PrintablePolicy = (DecayPolicy<P> || SchedulePolicy<P> || StoragePolicy<P>)&&requires {
+  P::name;
+};
 
 // The text of a policy's description, and of an Ema's (format-inl.hpp): compiled once, not per
 // policy or Ema type.
@@ -81,8 +82,7 @@ template <DecayPolicy D, SchedulePolicy S, StoragePolicy St>
 std::string describe(const Ema<D, S, St>& ema) {
   return detail::describe_ema({detail::describe_policy(ema.decay_policy()), detail::describe_policy(ema.schedule()),
                                detail::describe_policy(ema.storage()), ema.names(Role::average).size(),
-                               ema.names(Role::copy).size(), ema.calls(), ema.step(), ema.num_updates(),
-                               ema.decay()});
+                               ema.names(Role::copy).size(), ema.calls(), ema.step(), ema.num_updates(), ema.decay()});
 }
 
 // Compiled mode (detail/config.hpp): the flat aliases' descriptions come from the library.

@@ -55,8 +55,7 @@ class EmaOptions;
 
 // The one class template. The defaults give the "30-line loop" most C++ trainers copy:
 // a fixed decay of 0.9999, every step, the average kept as a flat state dict.
-template <DecayPolicy Decay = Fixed, SchedulePolicy Schedule = StepSchedule,
-          StoragePolicy Storage = FlatStorage>
+template <DecayPolicy Decay = Fixed, SchedulePolicy Schedule = StepSchedule, StoragePolicy Storage = FlatStorage>
 class Ema;
 
 // An Ema's policies and options before it exists (recipe.hpp), and the trainer hook that makes

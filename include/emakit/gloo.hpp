@@ -30,9 +30,8 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 // A Gloo process group of `world` ranks, this process being `rank`, that meets through `store`
 // and talks over TCP on `hostname` ("127.0.0.1": loopback, all ranks on this machine).
-inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store,
-                                                              int rank, int world,
-                                                              std::chrono::milliseconds timeout,
+inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                              int world, std::chrono::milliseconds timeout,
                                                               const std::string& hostname = "127.0.0.1") {
   if (world <= 0) detail::fail("make_gloo_group: world must be > 0, got {}", world);
   if (rank < 0 || rank >= world) detail::fail("make_gloo_group: rank must be in [0, {}), got {}", world, rank);

@@ -3,7 +3,8 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/hooks-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/hooks.hpp> instead"
+#error \
+    "emakit/hooks-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/hooks.hpp> instead"
 #endif
 
 #include <emakit/hooks.hpp>
@@ -12,7 +13,8 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 EMAKIT_FUNC void check_hook_key(const std::string& key) {
   bool ok = !key.empty() && !(key[0] >= '0' && key[0] <= '9') && key != "emakit_hook";
-  for (char c : key) ok = ok && ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_');
+  for (char c : key)
+    ok = ok && ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_');
   if (!ok)
     fail("model key '{}' is not usable: a key is letters, digits and '_', does not start with a digit and is "
          "not 'emakit_hook' (it names a part of the checkpoint)",

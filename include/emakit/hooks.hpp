@@ -139,8 +139,8 @@ class HookEntryBase {
   virtual void keep() = 0;
   virtual void save(torch::serialize::OutputArchive& archive, torch::serialize::OutputArchive& hook) = 0;
   // Checks what load would do and returns the function that does it (it does not throw).
-  virtual std::function<void()> plan_load(torch::serialize::InputArchive& archive,
-                                          torch::serialize::InputArchive& hook, LoadMode mode) = 0;
+  virtual std::function<void()> plan_load(torch::serialize::InputArchive& archive, torch::serialize::InputArchive& hook,
+                                          LoadMode mode) = 0;
 
  protected:
   std::string key_;
@@ -431,8 +431,9 @@ class EmaHook {
   // The EMA of model `key`, e.g. hook.ema<emakit::FixedEma>("model"). It must have been made.
   template <class E>
   E& ema(const std::string& key) {
-    auto* typed = dynamic_cast<detail::HookEntry<typename E::decay_type, typename E::schedule_type,
-                                                 typename E::storage_type>*>(&entry(key));
+    auto* typed =
+        dynamic_cast<detail::HookEntry<typename E::decay_type, typename E::schedule_type, typename E::storage_type>*>(
+            &entry(key));
     if (typed == nullptr) detail::fail("model '{}' has an EMA of another type than the one asked for", key);
     if (typed->ema() == nullptr)
       detail::fail("model '{}' has no EMA yet: it is made at {}", key,
@@ -473,7 +474,8 @@ void StageScope::end() noexcept {
 // Loads the model weights of `key` from a file of EmaHook::save_checkpoint() into `model` (the
 // EMA weights, with the default HookOptions): what an inference program does. Checks every
 // tensor first; a checkpoint of another model is an error naming the first mismatch.
-EMAKIT_FUNC void load_weights(torch::nn::Module& model, const std::filesystem::path& path, const std::string& key = "model");
+EMAKIT_FUNC void load_weights(torch::nn::Module& model, const std::filesystem::path& path,
+                              const std::string& key = "model");
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
 

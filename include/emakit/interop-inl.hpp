@@ -3,7 +3,8 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/interop-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/interop.hpp> instead"
+#error \
+    "emakit/interop-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/interop.hpp> instead"
 #endif
 
 #include <emakit/interop.hpp>
@@ -40,7 +41,6 @@ EMAKIT_FUNC const at::Tensor* entry(const c10::impl::GenericDict& dict, const st
   return &it->value().toTensor();
 }
 
-
 EMAKIT_FUNC std::vector<std::string> average_names(const StateDict& state) {
   std::vector<std::string> names;
   for (const auto& item : state)
@@ -56,7 +56,8 @@ EMAKIT_FUNC bool holds_prefixed(const c10::impl::GenericDict& dict, std::string_
 
 // Every name is in `dict` without a prefix: the peer's inner model saved alone.
 EMAKIT_FUNC bool holds_unprefixed(const c10::impl::GenericDict& dict, const std::vector<std::string>& names) {
-  return !names.empty() && std::all_of(names.begin(), names.end(), [&](const auto& n) { return entry(dict, n) != nullptr; });
+  return !names.empty() &&
+         std::all_of(names.begin(), names.end(), [&](const auto& n) { return entry(dict, n) != nullptr; });
 }
 
 // What the file holds where it should hold the `missing` names (under the peer's prefix), as a
@@ -98,8 +99,8 @@ EMAKIT_FUNC PeerFile read_peer_file(const c10::impl::GenericDict& dict, Peer pee
   const auto unprefixed =
       std::find_if(names.begin(), names.end(), [&](const auto& n) { return entry(dict, n) != nullptr; });
   const std::string hint = !prefixed && unprefixed != names.end()
-                               ? fmt::format(": its keys are the model's own ('{}'): saved from {}? Save {}", *unprefixed,
-                                             peer_text(peer).inner_call, peer_text(peer).save_call)
+                               ? fmt::format(": its keys are the model's own ('{}'): saved from {}? Save {}",
+                                             *unprefixed, peer_text(peer).inner_call, peer_text(peer).save_call)
                                : std::string();
   if (peer == Peer::ema_pytorch) {
     const at::Tensor* s = entry(dict, "step");
@@ -135,7 +136,8 @@ EMAKIT_FUNC std::string to_peer_key(std::string text, const std::string& prefix)
   for (std::size_t at = text.find("'" + ours); at != std::string::npos; at = text.find("'" + ours, at + 1))
     text.replace(at + 1, ours.size(), prefix);
   const std::string state_word = " in the state,";
-  if (const auto at = text.find(state_word); at != std::string::npos) text.replace(at, state_word.size(), " in the file,");
+  if (const auto at = text.find(state_word); at != std::string::npos)
+    text.replace(at, state_word.size(), " in the file,");
   return text;
 }
 
@@ -148,7 +150,8 @@ EMAKIT_FUNC LoadReport peer_report(const LoadReport& found, const PeerFile& file
   if (report.clean()) return report;
   std::vector<std::string> parts;
   constexpr std::size_t shown = 4;
-  for (std::size_t i = 0; i < report.missing.size() && i < shown; ++i) parts.push_back(fmt::format("no '{}'", report.missing[i]));
+  for (std::size_t i = 0; i < report.missing.size() && i < shown; ++i)
+    parts.push_back(fmt::format("no '{}'", report.missing[i]));
   if (report.missing.size() > shown) parts.push_back(fmt::format("and {} more missing", report.missing.size() - shown));
   for (const auto& k : report.unexpected) parts.push_back(fmt::format("unexpected '{}'", k));
   for (const auto& k : report.mismatched) parts.push_back(k);
@@ -169,8 +172,10 @@ EMAKIT_FUNC LoadReport peer_report(const LoadReport& found, const PeerFile& file
 EMAKIT_FUNC void keep_current(StateDict& out, const LoadReport& found, const StateDict& state) {
   auto keep = [&](const std::string& key) {
     if (const at::Tensor* t = state.find(key)) {
-      if (out.contains(key)) out[key] = *t;
-      else out.insert(key, *t);
+      if (out.contains(key))
+        out[key] = *t;
+      else
+        out.insert(key, *t);
     }
   };
   for (const auto& k : found.missing) keep(k);

@@ -105,7 +105,7 @@ void export_state(const E& ema, Peer peer, const std::filesystem::path& path) {
 template <class E>
 LoadReport import_state(E& ema, Peer peer, const std::filesystem::path& file, LoadMode mode = LoadMode::strict) {
   const auto dict = detail::read_pickle_dict(file, "import_state");
-  const std::string path = file.string();  // for messages
+  const std::string path = file.string();    // for messages
   const StateDict state = ema.state_dict();  // this EMA's own config, counters and keys
   detail::interop::PeerFile peer_file = detail::interop::read_peer_file(dict, peer, path, state);
   std::int64_t step = ema.step(), updates = ema.num_updates(), last = ema.last_update_step();

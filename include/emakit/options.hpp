@@ -171,8 +171,7 @@ class EmaOptions {
     if (!c10::isFloatingType(source)) return source;  // complex stays complex
     if (dtype_) return *dtype_;
     if (keep_model_dtype_) return source;
-    return (source == c10::ScalarType::Half || source == c10::ScalarType::BFloat16) ? c10::ScalarType::Float
-                                                                                     : source;
+    return (source == c10::ScalarType::Half || source == c10::ScalarType::BFloat16) ? c10::ScalarType::Float : source;
   }
 
   // Fails if a name or prefix of these options matches none of `names`.
@@ -189,7 +188,8 @@ class EmaOptions {
                        n, p);
     }
     for (const auto& p : ignore_prefixes_) {
-      const bool any = std::any_of(names.begin(), names.end(), [&](const std::string& n) { return n.rfind(p, 0) == 0; });
+      const bool any =
+          std::any_of(names.begin(), names.end(), [&](const std::string& n) { return n.rfind(p, 0) == 0; });
       if (!any) detail::fail("EmaOptions::ignore_prefixes has '{}', which starts no tensor name of the model", p);
     }
   }

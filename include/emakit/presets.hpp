@@ -10,9 +10,10 @@
 // | AveragedModel(model) (SWA)                                | emakit::averaged_model_swa(*model, {...})     |
 // | nvalchemi EMAHook(decay=..., start_step=..., ...)          | emakit::nvalchemi_ema(*model, {...})          |
 // |   hook(ctx, AFTER_OPTIMIZER_STEP, will_skip=s)             |   ema.update({.vetoed = s})                   |
-// |   (as a hook, lazily made)                                 | hook.add(*model, emakit::nvalchemi_ema_recipe({...})) |
-// | luxonis-train ModelEma(model, decay=..., decay_tau=...)    | emakit::luxonis_model_ema(*model, {...})      |
-// | luxonis-train EMACallback(decay=..., decay_tau=...)        | hook.add(*model, emakit::luxonis_ema_callback_recipe({...})) |
+// |   (as a hook, lazily made)                                 | hook.add(*model, emakit::nvalchemi_ema_recipe({...}))
+// | | luxonis-train ModelEma(model, decay=..., decay_tau=...)    | emakit::luxonis_model_ema(*model, {...})      | |
+// luxonis-train EMACallback(decay=..., decay_tau=...)        | hook.add(*model,
+// emakit::luxonis_ema_callback_recipe({...})) |
 //
 // Every preset keeps the average in the model's dtype, as its peer does; emakit's own default
 // (an fp32 average of a bf16/fp16 model) differs on purpose. Set `.dtype` to get it back.
@@ -83,14 +84,15 @@ inline EmaOptions ema_pytorch_options(const EmaPytorchOptions& o) {
                  .ignore_prefixes(o.ignore_startswith_names)
                  .ignored_follow_copies(true)
                  .non_floating(BufferMode::ignore);
-  if (o.update_model_with_ema_every > 0) out.switch_model(o.update_model_with_ema_every, o.update_model_with_ema_beta, 1);
+  if (o.update_model_with_ema_every > 0)
+    out.switch_model(o.update_model_with_ema_every, o.update_model_with_ema_beta, 1);
   if (o.dtype) out.dtype(*o.dtype);
   return out;
 }
 
 template <StoragePolicy Storage = FlatStorage>
 Ema<InversePowerWarmup, StepSchedule, Storage> ema_pytorch(const torch::nn::Module& model,
-                                                          const EmaPytorchOptions& o = {}, Storage storage = {}) {
+                                                           const EmaPytorchOptions& o = {}, Storage storage = {}) {
   return Ema<InversePowerWarmup, StepSchedule, Storage>(model, ema_pytorch_decay(o), ema_pytorch_schedule(o),
                                                         ema_pytorch_options(o), std::move(storage));
 }
@@ -131,19 +133,20 @@ inline EmaOptions timm_v3_options(const TimmModelEmaV3Options& o) {
 
 template <StoragePolicy Storage = FlatStorage>
 Ema<InversePowerWarmup, StepSchedule, Storage> timm_model_ema_v3(const torch::nn::Module& model,
-                                                                const TimmModelEmaV3Options& o = {},
-                                                                Storage storage = {}) {
+                                                                 const TimmModelEmaV3Options& o = {},
+                                                                 Storage storage = {}) {
   return Ema<InversePowerWarmup, StepSchedule, Storage>(model, timm_v3_decay(o), StepSchedule(), timm_v3_options(o),
                                                         std::move(storage));
 }
-inline Ema<InversePowerWarmup> timm_model_ema_v3(std::vector<SourceTensor> tensors, const TimmModelEmaV3Options& o = {}) {
+inline Ema<InversePowerWarmup> timm_model_ema_v3(std::vector<SourceTensor> tensors,
+                                                 const TimmModelEmaV3Options& o = {}) {
   return Ema<InversePowerWarmup>(std::move(tensors), timm_v3_decay(o), StepSchedule(), timm_v3_options(o));
 }
 
 // ---- torch AveragedModel, and nvalchemi's EMAHook on top of it ------------------------------
 
 struct AveragedModelOptions {
-  double decay = 0.999;     // get_ema_multi_avg_fn's default (not used by the SWA preset)
+  double decay = 0.999;  // get_ema_multi_avg_fn's default (not used by the SWA preset)
   bool use_buffers = false;
 };
 
@@ -161,13 +164,14 @@ Ema<Fixed, StepSchedule, Storage> averaged_model_ema(const torch::nn::Module& mo
                                            averaged_model_options(o.use_buffers), std::move(storage));
 }
 inline Ema<Fixed> averaged_model_ema(std::vector<SourceTensor> tensors, const AveragedModelOptions& o = {}) {
-  return Ema<Fixed>(std::move(tensors), Fixed(o.decay), averaged_model_schedule(), averaged_model_options(o.use_buffers));
+  return Ema<Fixed>(std::move(tensors), Fixed(o.decay), averaged_model_schedule(),
+                    averaged_model_options(o.use_buffers));
 }
 
 // AveragedModel(model, use_buffers=...): stochastic weight averaging, the equal-weight mean.
 template <StoragePolicy Storage = FlatStorage>
-Ema<Uniform, StepSchedule, Storage> averaged_model_swa(const torch::nn::Module& model, const AveragedModelOptions& o = {},
-                                                       Storage storage = {}) {
+Ema<Uniform, StepSchedule, Storage> averaged_model_swa(const torch::nn::Module& model,
+                                                       const AveragedModelOptions& o = {}, Storage storage = {}) {
   return Ema<Uniform, StepSchedule, Storage>(model, Uniform(), averaged_model_schedule(),
                                              averaged_model_options(o.use_buffers), std::move(storage));
 }
@@ -195,7 +199,8 @@ Ema<Fixed, StepSchedule, Storage> nvalchemi_ema(const torch::nn::Module& model, 
                                            averaged_model_options(o.use_buffers), std::move(storage));
 }
 inline Ema<Fixed> nvalchemi_ema(std::vector<SourceTensor> tensors, const NvalchemiEmaOptions& o = {}) {
-  return Ema<Fixed>(std::move(tensors), Fixed(o.decay), nvalchemi_ema_schedule(o), averaged_model_options(o.use_buffers));
+  return Ema<Fixed>(std::move(tensors), Fixed(o.decay), nvalchemi_ema_schedule(o),
+                    averaged_model_options(o.use_buffers));
 }
 // For emakit::EmaHook (hooks.hpp), which makes the EMA at setup or at the first eligible step:
 //   hook.add("model", *model, emakit::nvalchemi_ema_recipe({.decay = 0.999, .start_step = 100}),
@@ -233,8 +238,8 @@ struct LuxonisModelEmaOptions {
 
 template <StoragePolicy Storage = FlatStorage>
 Ema<ExponentialRamp, StepSchedule, Storage> luxonis_model_ema(const torch::nn::Module& model,
-                                                             const LuxonisModelEmaOptions& o = {},
-                                                             Storage storage = {}) {
+                                                              const LuxonisModelEmaOptions& o = {},
+                                                              Storage storage = {}) {
   return Ema<ExponentialRamp, StepSchedule, Storage>(model, ExponentialRamp(o.decay, o.decay_tau), StepSchedule(),
                                                      EmaOptions().keep_model_dtype(true), std::move(storage));
 }

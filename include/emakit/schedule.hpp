@@ -93,12 +93,10 @@ class StepSchedule {
 
   Decision decide(const ScheduleInput& in) const noexcept {
     const std::int64_t n = accumulate_;
-    const bool at_edge = n == 1 || (window_edge_ == WindowEdge::end ? in.call % n == 0
-                                                                   : (in.call - 1) % n == 0);
+    const bool at_edge = n == 1 || (window_edge_ == WindowEdge::end ? in.call % n == 0 : (in.call - 1) % n == 0);
     // An optimizer step completes at the window's edge, unless it was vetoed (skipped).
     // (Counted only without a given step: a given step may follow a previous step of INT64_MAX.)
-    const std::int64_t step =
-        in.given_step ? *in.given_step : in.previous_step + (at_edge && !in.vetoed ? 1 : 0);
+    const std::int64_t step = in.given_step ? *in.given_step : in.previous_step + (at_edge && !in.vetoed ? 1 : 0);
     if (in.vetoed || !at_edge) return {Action::skipped, step};
 
     const std::int64_t phase = (step - every_offset_) % update_every_;
@@ -113,8 +111,7 @@ class StepSchedule {
         if (!started || !eligible) return {Action::skipped, step};
         return {in.num_updates == 0 ? Action::copied : Action::averaged, step};
       case Warmup::none:
-      default:
-        return {started && eligible ? Action::averaged : Action::skipped, step};
+      default: return {started && eligible ? Action::averaged : Action::skipped, step};
     }
   }
 

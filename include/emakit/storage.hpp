@@ -132,8 +132,7 @@ class ModuleStorage {
     } else {
       detail::fail("ModuleStorage: {} is not Cloneable (derive it from torch::nn::Cloneable<{}>) and no factory "
                    "was given; pass ModuleStorage<M>(factory)",
-                   model ? model->name() : std::string("the module type"),
-                   model ? model->name() : std::string("M"));
+                   model ? model->name() : std::string("the module type"), model ? model->name() : std::string("M"));
     }
   }
 

@@ -78,7 +78,7 @@ class SwapGuard;
 namespace detail {
 class EmaCore;
 SwapGuard open_swap(std::shared_ptr<SwapState> state);
-}
+}  // namespace detail
 
 // Holds the EMA weights in the model for its scope and restores the model's own weights when the
 // scope ends, also when it ends by an exception. Made by Ema::swap_into() (and by

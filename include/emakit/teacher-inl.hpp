@@ -3,7 +3,8 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/teacher-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/teacher.hpp> instead"
+#error \
+    "emakit/teacher-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/teacher.hpp> instead"
 #endif
 
 #include <emakit/teacher.hpp>
@@ -44,16 +45,19 @@ EMAKIT_FUNC std::size_t edit_distance(std::string_view a, std::string_view b) {
 
 EMAKIT_FUNC std::vector<std::pair<std::string, const torch::nn::Module*>> module_paths(const torch::nn::Module& model) {
   std::vector<std::pair<std::string, const torch::nn::Module*>> out{{"", &model}};
-  for (const auto& item : model.named_modules("", /*include_self=*/false)) out.emplace_back(item.key(), item.value().get());
+  for (const auto& item : model.named_modules("", /*include_self=*/false))
+    out.emplace_back(item.key(), item.value().get());
   return out;
 }
 
-EMAKIT_FUNC const torch::nn::Module* find_path(const std::vector<std::pair<std::string, const torch::nn::Module*>>& paths,
-                                               const std::string& path, const char* side) {
+EMAKIT_FUNC const torch::nn::Module* find_path(
+    const std::vector<std::pair<std::string, const torch::nn::Module*>>& paths, const std::string& path,
+    const char* side) {
   for (const auto& [p, m] : paths)
     if (p == path) return m;
   std::vector<std::pair<std::size_t, std::string>> near;
-  for (const auto& [p, m] : paths) near.emplace_back(edit_distance(path, p), p.empty() ? "\"\" (the model)" : "'" + p + "'");
+  for (const auto& [p, m] : paths)
+    near.emplace_back(edit_distance(path, p), p.empty() ? "\"\" (the model)" : "'" + p + "'");
   std::sort(near.begin(), near.end());
   std::vector<std::string> best;
   for (std::size_t i = 0; i < near.size() && i < 3; ++i) best.push_back(near[i].second);
@@ -71,8 +75,7 @@ EMAKIT_FUNC void record_teacher_output(const torch::nn::Module& self, const at::
   if (it != pass->teacher_paths.end()) pass->recorded[it->second] = output.detach();
 }
 
-EMAKIT_FUNC std::optional<at::Tensor> teacher_input(const torch::nn::Module& self,
-                                                    std::string_view name,
+EMAKIT_FUNC std::optional<at::Tensor> teacher_input(const torch::nn::Module& self, std::string_view name,
                                                     const at::Tensor* like) {
   detail::TeacherPass* pass = detail::active_teacher_pass();
   if (pass == nullptr || pass->mode != detail::TeacherPass::Mode::student) return std::nullopt;

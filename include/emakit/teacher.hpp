@@ -102,10 +102,10 @@ struct TeacherPass {
   enum class Mode : std::uint8_t { teacher, student };
   Mode mode = Mode::teacher;
   const std::vector<TeacherRoute>* routes = nullptr;
-  std::unordered_map<const torch::nn::Module*, std::string> teacher_paths;      // recording modules
+  std::unordered_map<const torch::nn::Module*, std::string> teacher_paths;           // recording modules
   std::unordered_map<const torch::nn::Module*, std::vector<std::size_t>> receivers;  // route indices
-  std::unordered_map<std::string, at::Tensor> recorded;                          // by teacher path
-  std::vector<char> asked;                                                       // per route
+  std::unordered_map<std::string, at::Tensor> recorded;                              // by teacher path
+  std::vector<char> asked;                                                           // per route
 };
 
 EMAKIT_FUNC TeacherPass*& active_teacher_pass() noexcept;
@@ -119,8 +119,9 @@ EMAKIT_FUNC std::size_t edit_distance(std::string_view a, std::string_view b);
 // "", then every sub-module path of `model`, with the module each names.
 EMAKIT_FUNC std::vector<std::pair<std::string, const torch::nn::Module*>> module_paths(const torch::nn::Module& model);
 
-EMAKIT_FUNC const torch::nn::Module* find_path(const std::vector<std::pair<std::string, const torch::nn::Module*>>& paths,
-                                               const std::string& path, const char* side);
+EMAKIT_FUNC const torch::nn::Module* find_path(
+    const std::vector<std::pair<std::string, const torch::nn::Module*>>& paths, const std::string& path,
+    const char* side);
 
 }  // namespace detail
 
@@ -172,8 +173,9 @@ class TeacherStudent {
   // One input for both passes.
   template <class... Args>
   decltype(auto) forward(Args&&... args) {
-    return run_as("forward", [&](module_type& t) { t.forward(args...); },
-                  [&](module_type& s) -> decltype(auto) { return s.forward(std::forward<Args>(args)...); });
+    return run_as(
+        "forward", [&](module_type& t) { t.forward(args...); },
+        [&](module_type& s) -> decltype(auto) { return s.forward(std::forward<Args>(args)...); });
   }
   // Multi-view: the teacher sees one view, the student another (tuples of forward arguments).
   template <class... T, class... S>

@@ -54,7 +54,6 @@
 namespace emakit_conformance {
 namespace fs = std::filesystem;
 
-
 using Dict = std::map<std::string, at::Tensor>;
 
 inline Dict load_dict(const fs::path& path) {
@@ -332,8 +331,8 @@ Replay replay(const fs::path& dir, std::vector<emakit::SourceTensor>& sources, E
     }
     previous = rec;
   }
-  std::cout << dir.parent_path().filename().string() << "/" << dir.filename().string() << ": " << r.steps
-            << " steps, " << r.summary(max_ulps);
+  std::cout << dir.parent_path().filename().string() << "/" << dir.filename().string() << ": " << r.steps << " steps, "
+            << r.summary(max_ulps);
   if (r.after.compared > 0) std::cout << "; of which the model after the update: " << r.after.summary(after_max_ulps);
   std::cout << "\n";
   REQUIRE(r.compared > 0);
@@ -348,6 +347,5 @@ inline auto averaged_model_counters = [](const auto& ema, const Dict& rec) {
   CHECK(ema.num_updates() == rec.at("counter.n_averaged").item<std::int64_t>());
 };
 inline auto no_counters = [](const auto&, const Dict&) {};
-
 
 }  // namespace emakit_conformance

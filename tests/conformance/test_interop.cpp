@@ -33,8 +33,8 @@ void require_counts(const Replay& r, const fs::path& dir, std::int64_t first) {
 int check_in_python(const std::string& exported, const fs::path& reference, const char* peer) {
   const std::string python = EMAKIT_CONFORMANCE_PYTHON;
   REQUIRE(!python.empty());
-  return emakit_subprocess::run({python, fmt::format("{}/_check_export.py", EMAKIT_CONFORMANCE_SCRIPTS), exported,
-                                 reference.string(), peer});
+  return emakit_subprocess::run(
+      {python, fmt::format("{}/_check_export.py", EMAKIT_CONFORMANCE_SCRIPTS), exported, reference.string(), peer});
 }
 
 // Runs the recipe `name` of docs/coming-from-python.md in `folder` (tests/conformance/_doc_recipes.py);

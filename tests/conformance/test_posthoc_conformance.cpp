@@ -121,7 +121,8 @@ std::vector<emakit::Profile> their_order(const Dict& data) {
   std::vector<emakit::Profile> out;
   const auto inds = data.at("order_ind"), steps = data.at("order_step"), gammas = data.at("gammas");
   for (std::int64_t i = 0; i < inds.numel(); ++i)
-    out.push_back({static_cast<double>(steps[i].item<std::int64_t>()), gammas[inds[i].item<std::int64_t>()].item<double>()});
+    out.push_back(
+        {static_cast<double>(steps[i].item<std::int64_t>()), gammas[inds[i].item<std::int64_t>()].item<double>()});
   return out;
 }
 
@@ -133,9 +134,11 @@ TEST_CASE("Post-hoc weights: emakit's are ema-pytorch's normalised to sum 1", "[
   const auto profiles = their_order(*data);
   const double target_gamma = data->at("target_gamma").item<double>();
   CHECK(emakit::sigma_rel_to_gamma(data->at("target_sigma_rel").item<double>()) == Approx(target_gamma).epsilon(1e-10));
-  for (const auto& [key, t] : {std::pair{"weights", data->at("steps")}, std::pair{"weights_mid", data->at("mid_step")}}) {
+  for (const auto& [key, t] :
+       {std::pair{"weights", data->at("steps")}, std::pair{"weights_mid", data->at("mid_step")}}) {
     const auto theirs = data->at(key);
-    const auto ours = emakit::solve_posthoc_weights(profiles, {static_cast<double>(t.item<std::int64_t>()), target_gamma});
+    const auto ours =
+        emakit::solve_posthoc_weights(profiles, {static_cast<double>(t.item<std::int64_t>()), target_gamma});
     REQUIRE(theirs.numel() == static_cast<std::int64_t>(ours.weights.size()));
     double their_sum = theirs.sum().item<double>();
     INFO(key << ": ema-pytorch's weights sum to " << their_sum);
@@ -143,7 +146,8 @@ TEST_CASE("Post-hoc weights: emakit's are ema-pytorch's normalised to sum 1", "[
     CHECK(std::abs(their_sum - 1.0) > 1e-3);  // it does not normalise
     for (std::int64_t i = 0; i < theirs.numel(); ++i) {
       CHECK(ours.weights[i] * ours.raw_sum == Approx(theirs[i].item<double>()).margin(1e-9));
-      if (profiles[i].t > t.item<std::int64_t>()) CHECK(std::abs(theirs[i].item<double>()) < 1e-12);  // after the target
+      if (profiles[i].t > t.item<std::int64_t>())
+        CHECK(std::abs(theirs[i].item<double>()) < 1e-12);  // after the target
     }
   }
 }
@@ -173,7 +177,8 @@ TEST_CASE("Post-hoc synthesis on ema-pytorch's snapshots: its result divided by 
   }
   const double target_gamma = data->at("target_gamma").item<double>();
   for (const auto& [suffix, t] : {std::pair{"", data->at("steps")}, std::pair{"_mid", data->at("mid_step")}}) {
-    const auto plan = emakit::plan_synthesis(folder.path, emakit::SynthesisOptions(target_gamma).step(t.item<std::int64_t>()));
+    const auto plan =
+        emakit::plan_synthesis(folder.path, emakit::SynthesisOptions(target_gamma).step(t.item<std::int64_t>()));
     const auto ours = emakit::synthesize(plan);
     const at::Tensor weights = data->at(fmt::format("weights{}", suffix));
     const double their_sum = weights.sum().item<double>();
@@ -186,14 +191,16 @@ TEST_CASE("Post-hoc synthesis on ema-pytorch's snapshots: its result divided by 
     auto magnitude = [&](const std::string& name) {
       at::Tensor m = at::zeros_like(data->at("synth." + name), at::kDouble);
       for (std::int64_t i = 0; i < terms; ++i)
-        m += data->at(fmt::format("ckpt.{}.{}.{}", order_ind[i].item<std::int64_t>(), order_step[i].item<std::int64_t>(), name))
+        m += data->at(fmt::format("ckpt.{}.{}.{}", order_ind[i].item<std::int64_t>(),
+                                  order_step[i].item<std::int64_t>(), name))
                  .to(at::kDouble)
                  .abs() *
              std::abs(weights[i].item<double>());
       return m;
     };
     int compared = 0;
-    const double scaled = max_ulps(ours, *data, fmt::format("synth{}.", suffix), floats, magnitude, compared, their_sum);
+    const double scaled =
+        max_ulps(ours, *data, fmt::format("synth{}.", suffix), floats, magnitude, compared, their_sum);
     const double plain = max_relative(ours, *data, fmt::format("synth{}.", suffix), floats);
     const double bound = 2.0 * static_cast<double>(terms) + 1;  // K products and K sums a side, the scaling
     std::cout << fmt::format("posthoc conformance (target t = {}): |emakit * {:.6f} - ema-pytorch| max {:.3g} ulps of "
@@ -253,9 +260,10 @@ TEST_CASE("Post-hoc tracking: ema-pytorch's EMA after k calls is emakit's after 
     return r;
   };
   const Tracked shifted = replay(true), plain = replay(false);
-  std::cout << fmt::format("posthoc conformance tracking: with the first state twice max {:.3g} ulps ({:.3g} per update, "
-                           "bound {:g} per update, {} tensors); on the plain trajectory max rel {:.3g}\n",
-                           shifted.max_ulps, shifted.max_per_update, kPerUpdate, shifted.compared, plain.worst_rel);
+  std::cout << fmt::format(
+      "posthoc conformance tracking: with the first state twice max {:.3g} ulps ({:.3g} per update, "
+      "bound {:g} per update, {} tensors); on the plain trajectory max rel {:.3g}\n",
+      shifted.max_ulps, shifted.max_per_update, kPerUpdate, shifted.compared, plain.worst_rel);
   int floats = 0;
   for (const auto& name : names) floats += data->at("traj." + name).is_floating_point() ? 1 : 0;
   REQUIRE(shifted.compared == floats * static_cast<int>(gammas.numel() * steps.numel()));

@@ -142,7 +142,9 @@ auto in_module(torch::nn::Module& m) {
   };
 }
 
-std::int64_t counter(const Dict& rec, const std::string& name) { return rec.at("counter." + name).item<std::int64_t>(); }
+std::int64_t counter(const Dict& rec, const std::string& name) {
+  return rec.at("counter." + name).item<std::int64_t>();
+}
 
 void report(const std::string& what, std::int64_t steps, const Tally& s, double bound) {
   std::cout << what << ": " << steps << " steps, " << s.summary(bound) << "\n";
@@ -261,7 +263,8 @@ Tally replay_callback(const fs::path& dir, double decay, double tau, bool call_a
 int count_created(const fs::path& dir) {
   const auto steps = load_dict(dir / "meta.pt").at("steps").item<std::int64_t>();
   int n = 0;
-  for (std::int64_t step = 1; step <= steps; ++step) n += counter(load_dict(step_file(dir, "step", step)), "created") != 0;
+  for (std::int64_t step = 1; step <= steps; ++step)
+    n += counter(load_dict(step_file(dir, "step", step)), "created") != 0;
   return n;
 }
 
@@ -291,7 +294,8 @@ fs::path nvalchemi_checkpoint(const emakit::NvalchemiEmaOptions& base, const std
   saver.add(*net, emakit::nvalchemi_ema_recipe(base));
   saver.setup();
   saver.after_optimizer_step();
-  const fs::path file = fs::temp_directory_path() / ("emakit_nvalchemi_" + tag + "_" + std::to_string(::getpid()) + ".pt");
+  const fs::path file =
+      fs::temp_directory_path() / ("emakit_nvalchemi_" + tag + "_" + std::to_string(::getpid()) + ".pt");
   saver.save_checkpoint(file);
   return file;
 }
@@ -305,21 +309,28 @@ TEST_CASE("luxonis-train ModelEma: ramped decay over the whole state dict", "[co
   if (!dir) return;
   auto sources = sources_from(*dir);
   auto ema = emakit::luxonis_model_ema(sources, {.decay = 0.99, .decay_tau = 5.0});
-  const auto r = replay(*dir, sources, ema, false, [](const auto& e, const Dict& rec) {
-    CHECK(e.num_updates() == rec.at("counter.updates").template item<std::int64_t>());
-  }, kLuxonis);
+  const auto r = replay(
+      *dir, sources, ema, false,
+      [](const auto& e, const Dict& rec) {
+        CHECK(e.num_updates() == rec.at("counter.updates").template item<std::int64_t>());
+      },
+      kLuxonis);
   REQUIRE(r.compared == expected_comparisons(*dir));
   REQUIRE(r.compared == model_tensors(*dir) * r.steps);
 }
 
-TEST_CASE("luxonis-train ModelEma: use_dynamic_decay=False is FixedEma in the model's dtype", "[conformance][luxonis]") {
+TEST_CASE("luxonis-train ModelEma: use_dynamic_decay=False is FixedEma in the model's dtype",
+          "[conformance][luxonis]") {
   const auto dir = scenario_dir("luxonis_peer", "fixed_decay");
   if (!dir) return;
   auto sources = sources_from(*dir);
   emakit::FixedEma ema(sources, emakit::Fixed(0.7), {}, emakit::EmaOptions().keep_model_dtype(true));
-  const auto r = replay(*dir, sources, ema, false, [](const auto& e, const Dict& rec) {
-    CHECK(e.num_updates() == rec.at("counter.updates").template item<std::int64_t>());
-  }, kLuxonis);
+  const auto r = replay(
+      *dir, sources, ema, false,
+      [](const auto& e, const Dict& rec) {
+        CHECK(e.num_updates() == rec.at("counter.updates").template item<std::int64_t>());
+      },
+      kLuxonis);
   REQUIRE(r.compared == expected_comparisons(*dir));
   REQUIRE(r.compared == model_tensors(*dir) * r.steps);
 }
@@ -369,10 +380,13 @@ TEST_CASE("nvalchemi EMAHook: start_step, update_every and vetoed steps (preset)
   // The strategy advances ctx.step_count only when the optimizer step ran: a vetoed batch
   // (will_skip) completes no step, as emakit's update({.vetoed = true}).
   auto ema = emakit::nvalchemi_ema(sources, {.decay = 0.9, .update_every = 2, .start_step = 3, .use_buffers = false});
-  const auto r = replay(*dir, sources, ema, /*pass_step=*/false, [](const auto& e, const Dict& rec) {
-    CHECK(e.num_updates() == rec.at("counter.num_updates").template item<std::int64_t>());
-    CHECK(e.step() == rec.at("counter.step_count").template item<std::int64_t>());
-  }, kLerp);
+  const auto r = replay(
+      *dir, sources, ema, /*pass_step=*/false,
+      [](const auto& e, const Dict& rec) {
+        CHECK(e.num_updates() == rec.at("counter.num_updates").template item<std::int64_t>());
+        CHECK(e.step() == rec.at("counter.step_count").template item<std::int64_t>());
+      },
+      kLerp);
   // The peer records its state once it made its averaged model: every model tensor at those steps.
   REQUIRE(r.compared == expected_comparisons(*dir));
   REQUIRE(r.compared == model_tensors(*dir) * count_created(*dir));
@@ -524,7 +538,8 @@ TEST_CASE("nvalchemi EMAHook: a state with another config is refused, naming the
   for (const auto& c : cases) {
     INFO(c.field);
     const at::Tensor msg = errors.at(std::string("message.") + c.field);
-    const std::string python(reinterpret_cast<const char*>(msg.data_ptr<std::uint8_t>()), static_cast<std::size_t>(msg.numel()));
+    const std::string python(reinterpret_cast<const char*>(msg.data_ptr<std::uint8_t>()),
+                             static_cast<std::size_t>(msg.numel()));
     CHECK_THAT(python, Catch::Contains("EMAHook checkpoint conflict") && Catch::Contains(c.field));
     // A hook whose EMA exists (made at setup): refused at load, naming the field, nothing loaded.
     Net other;
@@ -547,10 +562,12 @@ TEST_CASE("nvalchemi EMAHook: a conflicting config is refused at load also befor
   if (!dir) return;
   const Dict errors = load_dict(*dir / "errors.pt");
   REQUIRE(errors.at("message.decay").numel() > 0);  // EMAHook raised for a pending state too
-  const fs::path file = nvalchemi_checkpoint({.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = false}, "cfg2");
+  const fs::path file =
+      nvalchemi_checkpoint({.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = false}, "cfg2");
   Net other;
   emakit::EmaHook hook;
-  hook.add(*other, emakit::nvalchemi_ema_recipe({.decay = 0.9, .update_every = 3, .start_step = 4, .use_buffers = false}),
+  hook.add(*other,
+           emakit::nvalchemi_ema_recipe({.decay = 0.9, .update_every = 3, .start_step = 4, .use_buffers = false}),
            {.creation = emakit::Creation::at_first_eligible_step});
   const auto before = other->lin->weight.clone();
   CHECK_THROWS_WITH(hook.load_checkpoint(file), Catch::Contains("config.decay"));
@@ -598,7 +615,8 @@ TEST_CASE("nvalchemi EMAHook: pending state aligned to the model's dtype at crea
   const emakit::StateDict averages = ema.averages();
   // dtype checked (float64 both) and values: the float32 values widened, exactly (0 ulps).
   Tally s;
-  compare(in_state(averages), aligned, "peer.", s, [](const std::string&) { return std::vector<Operand>{}; }, 0);
+  compare(
+      in_state(averages), aligned, "peer.", s, [](const std::string&) { return std::vector<Operand>{}; }, 0);
   REQUIRE(s.compared == static_cast<int>(averages.size()));
   report("dtype_alignment", 0, s, 0);
   CHECK(averages.find("lin.weight")->scalar_type() == at::kDouble);
@@ -607,16 +625,17 @@ TEST_CASE("nvalchemi EMAHook: pending state aligned to the model's dtype at crea
 // EMAHook refuses a state saved with another use_buffers. emakit's state carries
 // EmaOptions::buffers (config.options.buffers), and a load into an EMA with another buffer mode
 // is refused, naming it.
-TEST_CASE("nvalchemi EMAHook: a state saved with another use_buffers is refused",
-          "[conformance][nvalchemi]") {
+TEST_CASE("nvalchemi EMAHook: a state saved with another use_buffers is refused", "[conformance][nvalchemi]") {
   const auto dir = scenario_dir("nvalchemi_peer", "config_conflict");
   if (!dir) return;
   const Dict errors = load_dict(*dir / "errors.pt");
   REQUIRE(errors.at("message.use_buffers").numel() > 0);  // EMAHook raised
-  const fs::path file = nvalchemi_checkpoint({.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = false}, "cfg3");
+  const fs::path file =
+      nvalchemi_checkpoint({.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = false}, "cfg3");
   Net other;
   emakit::EmaHook hook;
-  hook.add(*other, emakit::nvalchemi_ema_recipe({.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = true}));
+  hook.add(*other,
+           emakit::nvalchemi_ema_recipe({.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = true}));
   hook.setup();
   const auto before = other->lin->weight.clone();
   CHECK_THROWS_WITH(hook.load_checkpoint(file), Catch::Contains("config.options.buffers"));

@@ -71,7 +71,8 @@ struct ModelImpl : torch::nn::Cloneable<ModelImpl> {
 };
 TORCH_MODULE(Model);
 
-using ModuleEmaPytorch = emakit::Ema<emakit::InversePowerWarmup, emakit::StepSchedule, emakit::ModuleStorage<ModelImpl>>;
+using ModuleEmaPytorch =
+    emakit::Ema<emakit::InversePowerWarmup, emakit::StepSchedule, emakit::ModuleStorage<ModelImpl>>;
 
 // Tolerances (ulps of float32; replay.hpp):
 //   kLerp = 1.5 ulps per update, elementwise: ema-pytorch's EMA lerps with ATen's lerp, emakit
@@ -142,7 +143,8 @@ Outcome replay_wrapper(const fs::path& dir, const emakit::TeacherRoutes& routes,
           wrapper.teacher(), rec, "after_ema.", o.forwards_tally,
           [&](const std::string& name) {
             std::vector<Operand> ops;
-            if (was != nullptr && was->count("peer." + name)) ops.push_back({was->at("peer." + name), was->at("peer." + name)});
+            if (was != nullptr && was->count("peer." + name))
+              ops.push_back({was->at("peer." + name), was->at("peer." + name)});
             return ops;
           },
           kForward, true);
@@ -169,8 +171,10 @@ Outcome replay_wrapper(const fs::path& dir, const emakit::TeacherRoutes& routes,
           if (!before.count(name)) return ops;  // not an average (integers: compared bitwise)
           const at::Tensor& mine = before.at(name);
           at::Tensor theirs = mine;  // at the first step, emakit's own start
-          if (rec.count("after_ema." + name)) theirs = rec.at("after_ema." + name);
-          else if (previous.count("peer." + name)) theirs = previous.at("peer." + name);
+          if (rec.count("after_ema." + name))
+            theirs = rec.at("after_ema." + name);
+          else if (previous.count("peer." + name))
+            theirs = previous.at("peer." + name);
           ops.push_back({theirs, mine});
           ops.push_back({rec.at("after." + name), rec.at("after." + name)});
           return ops;
@@ -196,8 +200,8 @@ Outcome replay_wrapper(const fs::path& dir, const emakit::TeacherRoutes& routes,
     }
     previous = rec;
   }
-  std::cout << dir.filename().string() << ": " << steps << " steps, " << o.forwards << " student forwards, "
-            << o.evals << " eval forwards; averages: " << o.averages.summary(kLerp)
+  std::cout << dir.filename().string() << ": " << steps << " steps, " << o.forwards << " student forwards, " << o.evals
+            << " eval forwards; averages: " << o.averages.summary(kLerp)
             << "; forward passes: " << o.forwards_tally.summary(kForward) << "\n";
   // Every step compares each teacher tensor (peer.*), each model tensor after the forward
   // (after.*), the output, and the EMA model's state after its forward when it runs in train mode
@@ -217,7 +221,8 @@ TEST_CASE("EMAModuleWrapper: routes as a map (module path and name), student out
   if (!dir) return;
   // {"predictor": "projector"}: a module path, so the teacher's projector as "ema_output";
   // {"head": "target"}: not a path, so the name, from the teacher's head.
-  const auto o = replay_wrapper(*dir, emakit::TeacherRoutes::map({{"predictor", "projector"}, {"head", "target"}}), true);
+  const auto o =
+      replay_wrapper(*dir, emakit::TeacherRoutes::map({{"predictor", "projector"}, {"head", "target"}}), true);
   CHECK(o.forwards == 12);
   CHECK(o.evals == 3);
 }
@@ -233,6 +238,7 @@ TEST_CASE("EMAModuleWrapper: forward_online_during_train=False returns the EMA m
           "[conformance][ema-module-wrapper]") {
   const auto dir = scenario_dir("ema_module_wrapper_peer", "not_online_in_train");
   if (!dir) return;
-  const auto o = replay_wrapper(*dir, emakit::TeacherRoutes::map({{"predictor", "projector"}, {"head", "target"}}), false);
+  const auto o =
+      replay_wrapper(*dir, emakit::TeacherRoutes::map({{"predictor", "projector"}, {"head", "target"}}), false);
   CHECK(o.forwards == 6);
 }

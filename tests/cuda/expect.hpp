@@ -39,14 +39,14 @@ inline std::vector<Skip>& skips() {
 }  // namespace emakit_cuda_test
 
 // Fails the test under EMAKIT_EXPECT_CUDA=1, else records a named skip; either way returns.
-#define EMAKIT_CUDA_UNAVAILABLE(why)                                                                          \
-  do {                                                                                                       \
-    std::ostringstream emakit_unavailable_;                                                                  \
-    emakit_unavailable_ << why;                                                                              \
-    if (::emakit_cuda_test::expect_cuda())                                                                   \
+#define EMAKIT_CUDA_UNAVAILABLE(why)                                                                           \
+  do {                                                                                                         \
+    std::ostringstream emakit_unavailable_;                                                                    \
+    emakit_unavailable_ << why;                                                                                \
+    if (::emakit_cuda_test::expect_cuda())                                                                     \
       FAIL(emakit_unavailable_.str() << " (EMAKIT_EXPECT_CUDA=1: every CUDA check must run on this machine)"); \
-    ::emakit_cuda_test::skips().push_back(                                                                   \
-        {Catch::getResultCapture().getCurrentTestName(), emakit_unavailable_.str()});                        \
-    WARN("SKIPPED: " << emakit_unavailable_.str());                                                          \
-    return;                                                                                                  \
+    ::emakit_cuda_test::skips().push_back(                                                                     \
+        {Catch::getResultCapture().getCurrentTestName(), emakit_unavailable_.str()});                          \
+    WARN("SKIPPED: " << emakit_unavailable_.str());                                                            \
+    return;                                                                                                    \
   } while (false)

@@ -16,8 +16,10 @@ void check_against_cpu(torch::Dtype model_dtype, emakit::EmaOptions options) {
   gpu_model->to(torch::kCUDA);
   {
     torch::NoGradGuard no_grad;
-    for (const auto& item : gpu_model->named_parameters()) cpu_model->named_parameters()[item.key()].set_data(item.value().cpu());
-    for (const auto& item : gpu_model->named_buffers()) cpu_model->named_buffers()[item.key()].set_data(item.value().cpu());
+    for (const auto& item : gpu_model->named_parameters())
+      cpu_model->named_parameters()[item.key()].set_data(item.value().cpu());
+    for (const auto& item : gpu_model->named_buffers())
+      cpu_model->named_buffers()[item.key()].set_data(item.value().cpu());
   }
   emakit::WarmupEma gpu(*gpu_model, emakit::InversePowerWarmup(0.99), {}, options);
   emakit::WarmupEma cpu(*cpu_model, emakit::InversePowerWarmup(0.99));

@@ -121,8 +121,7 @@ class Provocations {
     c.rounds += 1;
     c.held += held ? 1 : 0;
     if (dev.is_cuda() && !held)
-      WARN("the current stream had finished its busy work before " << what
-                                                                   << ": this round did not provoke the race");
+      WARN("the current stream had finished its busy work before " << what << ": this round did not provoke the race");
   }
   void require_each() const {
     REQUIRE(!counts_.empty());
@@ -282,7 +281,8 @@ class OpCensus {
   OpCensus() {
     norms() = 0;
     syncs() = 0;
-    handle_ = at::addGlobalCallback(at::RecordFunctionCallback(&OpCensus::on_start).scopes({at::RecordScope::FUNCTION}));
+    handle_ =
+        at::addGlobalCallback(at::RecordFunctionCallback(&OpCensus::on_start).scopes({at::RecordScope::FUNCTION}));
   }
   ~OpCensus() { at::removeCallback(handle_); }
   OpCensus(const OpCensus&) = delete;
@@ -315,7 +315,8 @@ class OpCensus {
 TEST_CASE("Races: module() right after a side-stream update reads the new average", "[cuda][race]") {
   auto seq = linear_stack(300);
   emakit::ModuleEma<torch::nn::SequentialImpl> ema(*seq, emakit::Fixed(0.5), {}, long_side_stream());
-  module_read_rounds(seq, ema, [&] { return ema.update(); }, [&] { return ema.module()->parameters(); });
+  module_read_rounds(
+      seq, ema, [&] { return ema.update(); }, [&] { return ema.module()->parameters(); });
 }
 
 TEST_CASE("Races: TeacherStudent::teacher() right after a side-stream update", "[cuda][race]") {
@@ -323,7 +324,8 @@ TEST_CASE("Races: TeacherStudent::teacher() right after a side-stream update", "
   auto seq = linear_stack(300);
   ModuleEma ema(*seq, emakit::Fixed(0.5), {}, long_side_stream());
   emakit::TeacherStudent<ModuleEma> wrapper(*seq, ema, emakit::TeacherRoutes::paths({"0"}));
-  module_read_rounds(seq, ema, [&] { return wrapper.update(); }, [&] { return wrapper.teacher().parameters(); });
+  module_read_rounds(
+      seq, ema, [&] { return wrapper.update(); }, [&] { return wrapper.teacher().parameters(); });
 }
 
 // Before and after of one tensor (or the flat parameters) for one update.
@@ -386,8 +388,8 @@ TEST_CASE("Races: buffers written after update() and before wait() stay out of t
       count.add_(1000);
     }
     const bool held = busy.running();
-    ema.wait_for_model_reads();                 // before the next optimizer step, as documented
-    step(params, 100.0);        // the next optimizer step
+    ema.wait_for_model_reads();  // before the next optimizer step, as documented
+    step(params, 100.0);         // the next optimizer step
     const double w = 1.0 - r.decay;
     provoked.record(held, "the next forward's buffer writes");
     check_bn_round(ema.averages(), names, w, {before, src}, {before_mean, src_mean}, {before_var, src_var}, src_count);
@@ -514,7 +516,7 @@ void hook_attempt(Busy& busy, Provocations& provoked, bool before_step) {
   ParamBag bag(300, 4096, torch::kBFloat16);
   emakit::EmaHook hook;
   hook.add(*bag, emakit::Recipe<emakit::Fixed, emakit::StepSchedule, emakit::FlatStorage>(emakit::Fixed(0.5), {},
-                                                                                         long_side_stream()));
+                                                                                          long_side_stream()));
   hook.setup();
   auto& ema = hook.ema<emakit::FixedEma>("model");
   const auto names = param_names(*bag);
@@ -684,8 +686,9 @@ TEST_CASE("GPU bytes an EMA holds per parameter, and no allocation per update", 
     }
   }
 #else
-  EMAKIT_CUDA_UNAVAILABLE("this LibTorch has no device-generic allocator statistics (c10/core/CachingDeviceAllocator.h): "
-                          "the GPU bytes per parameter and the allocations per update were not measured");
+  EMAKIT_CUDA_UNAVAILABLE(
+      "this LibTorch has no device-generic allocator statistics (c10/core/CachingDeviceAllocator.h): "
+      "the GPU bytes per parameter and the allocations per update were not measured");
 #endif
 }
 
@@ -714,8 +717,8 @@ TEST_CASE("skip_non_finite on CUDA: NaN and inf are found, huge finite values ar
       const char* what;
     };
     std::int64_t skipped = 0;
-    for (const auto& p : {Poison{150, std::nan(""), "a NaN in a bf16 tensor"}, Poison{151, inf, "+inf in an fp16 tensor"},
-                          Poison{152, -inf, "-inf in an fp32 tensor"}}) {
+    for (const auto& p : {Poison{150, std::nan(""), "a NaN in a bf16 tensor"},
+                          Poison{151, inf, "+inf in an fp16 tensor"}, Poison{152, -inf, "-inf in an fp32 tensor"}}) {
       INFO(p.what);
       const at::Tensor before = flat_copy(in_order(ema.averages(), names)).cpu();
       at::Tensor& t = model[p.tensor].tensor;
@@ -745,9 +748,9 @@ TEST_CASE("skip_non_finite on CUDA: NaN and inf are found, huge finite values ar
     // The largest finite values of each dtype are no infinity (an L2 norm of them would overflow).
     {
       torch::NoGradGuard no_grad;
-      model[150].tensor.narrow(0, 7, 1).fill_(3.0e38);  // bf16, max 3.39e38
+      model[150].tensor.narrow(0, 7, 1).fill_(3.0e38);   // bf16, max 3.39e38
       model[151].tensor.narrow(0, 7, 1).fill_(65504.0);  // fp16 max
-      model[152].tensor.narrow(0, 7, 1).fill_(3.0e38);  // fp32
+      model[152].tensor.narrow(0, 7, 1).fill_(3.0e38);   // fp32
     }
     const at::Tensor before = as_double(flat_copy(in_order(ema.averages(), names)));
     const at::Tensor src = as_double(flat_copy(ts, torch::kFloat));

@@ -29,8 +29,10 @@ const c10::Device cuda0(c10::kCUDA, 0);
 std::vector<emakit::SourceTensor> cuda_model(torch::Dtype dtype, std::int64_t big = std::int64_t{1} << 24) {
   torch::manual_seed(0);
   std::vector<emakit::SourceTensor> out;
-  for (int i = 0; i < 3; ++i) out.push_back({"big" + std::to_string(i), torch::randn({big}, torch::kCUDA).to(dtype), false});
-  for (int i = 0; i < 50; ++i) out.push_back({"small" + std::to_string(i), torch::randn({17 + i}, torch::kCUDA).to(dtype), false});
+  for (int i = 0; i < 3; ++i)
+    out.push_back({"big" + std::to_string(i), torch::randn({big}, torch::kCUDA).to(dtype), false});
+  for (int i = 0; i < 50; ++i)
+    out.push_back({"small" + std::to_string(i), torch::randn({17 + i}, torch::kCUDA).to(dtype), false});
   return out;
 }
 
@@ -124,7 +126,8 @@ TEST_CASE("CPU offload stages a CUDA model in pinned memory, in the model's dtyp
   }
 }
 
-TEST_CASE("CPU offload with a side stream: the CPU pass runs off the caller's thread, reads join it", "[cuda][offload]") {
+TEST_CASE("CPU offload with a side stream: the CPU pass runs off the caller's thread, reads join it",
+          "[cuda][offload]") {
   auto model = cuda_model(torch::kBFloat16);
   emakit::FixedEma plain(model, emakit::Fixed(0.9), {}, emakit::EmaOptions().device(torch::kCPU));
   emakit::FixedEma async(model, emakit::Fixed(0.9), {}, emakit::EmaOptions().device(torch::kCPU).side_stream(true));
@@ -163,8 +166,9 @@ TEST_CASE("A CUDA update allocates no device memory", "[cuda][memory]") {
     CHECK(allocator->getDeviceStats(0).allocation[0].allocated == before);
   }
 #else
-  EMAKIT_CUDA_UNAVAILABLE("this LibTorch has no device-generic allocator statistics (c10/core/CachingDeviceAllocator.h): "
-                          "the allocations of a CUDA update were not counted");
+  EMAKIT_CUDA_UNAVAILABLE(
+      "this LibTorch has no device-generic allocator statistics (c10/core/CachingDeviceAllocator.h): "
+      "the allocations of a CUDA update were not counted");
 #endif
 }
 

@@ -43,20 +43,22 @@ inline std::map<std::string, std::function<int(const RankArgs&)>>& rank_cases() 
   return cases;
 }
 struct RankCaseRegistrar {
-  RankCaseRegistrar(const char* name, std::function<int(const RankArgs&)> f) { rank_cases().emplace(name, std::move(f)); }
+  RankCaseRegistrar(const char* name, std::function<int(const RankArgs&)> f) {
+    rank_cases().emplace(name, std::move(f));
+  }
 };
 #define EMAKIT_RANK_CASE_CAT2(a, b) a##b
 #define EMAKIT_RANK_CASE_CAT(a, b) EMAKIT_RANK_CASE_CAT2(a, b)
-#define RANK_CASE(name)                                                                      \
+#define RANK_CASE(name)                                                                     \
   static int EMAKIT_RANK_CASE_CAT(rank_case_, __LINE__)(const emakit_dist::RankArgs& args); \
   static emakit_dist::RankCaseRegistrar EMAKIT_RANK_CASE_CAT(rank_case_reg_, __LINE__)(     \
-      name, EMAKIT_RANK_CASE_CAT(rank_case_, __LINE__));                                   \
+      name, EMAKIT_RANK_CASE_CAT(rank_case_, __LINE__));                                    \
   static int EMAKIT_RANK_CASE_CAT(rank_case_, __LINE__)(const emakit_dist::RankArgs& args)
 
 // How one rank process ended.
 struct RankEnd {
-  int exit_code = -1;   // when it exited
-  int signal = 0;       // when a signal ended it
+  int exit_code = -1;         // when it exited
+  int signal = 0;             // when a signal ended it
   bool killed_by_us = false;  // still running at the deadline
   std::string log;
   bool passed() const { return signal == 0 && !killed_by_us && exit_code == 0; }
@@ -71,7 +73,8 @@ struct Launch {
       const auto& e = ranks[r];
       s += "---- rank " + std::to_string(r) + ": " +
            (e.killed_by_us ? std::string("killed at the deadline")
-                           : e.signal ? "signal " + std::to_string(e.signal) : "exit " + std::to_string(e.exit_code)) +
+            : e.signal     ? "signal " + std::to_string(e.signal)
+                           : "exit " + std::to_string(e.exit_code)) +
            "\n" + e.log + "\n";
     }
     return s;

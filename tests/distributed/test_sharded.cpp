@@ -108,19 +108,26 @@ TEST_CASE("sharded checkpoint: a mixed, incomplete or damaged set is refused nam
     require_all_passed(run);
     CHECK(any_log_contains(run, expected));
   };
-  refused("mixed", [&](const std::filesystem::path& c) {  // another save's file under this save's name
-    std::filesystem::copy_file(shard_file(other.path / "whole-ckpt", 1, 4), shard_file(c, 1, 4),
-                               std::filesystem::copy_options::overwrite_existing);
-  }, "': belongs to another save");
-  refused("missing", [](const std::filesystem::path& c) { std::filesystem::remove(shard_file(c, 3, 4)); },
-          "' is missing");
-  refused("no-index", [](const std::filesystem::path& c) { std::filesystem::remove(c / "index.pt"); }, "no index");
-  refused("damaged", [](const std::filesystem::path& c) {
-    const auto file = shard_file(c, 2, 4);
-    std::string bytes = emakit_test::read_bytes(file);
-    bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x5A);
-    emakit_test::write_bytes(file, bytes);
-  }, "rank-2-of-4.");
+  refused(
+      "mixed",
+      [&](const std::filesystem::path& c) {  // another save's file under this save's name
+        std::filesystem::copy_file(shard_file(other.path / "whole-ckpt", 1, 4), shard_file(c, 1, 4),
+                                   std::filesystem::copy_options::overwrite_existing);
+      },
+      "': belongs to another save");
+  refused(
+      "missing", [](const std::filesystem::path& c) { std::filesystem::remove(shard_file(c, 3, 4)); }, "' is missing");
+  refused(
+      "no-index", [](const std::filesystem::path& c) { std::filesystem::remove(c / "index.pt"); }, "no index");
+  refused(
+      "damaged",
+      [](const std::filesystem::path& c) {
+        const auto file = shard_file(c, 2, 4);
+        std::string bytes = emakit_test::read_bytes(file);
+        bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x5A);
+        emakit_test::write_bytes(file, bytes);
+      },
+      "rank-2-of-4.");
 }
 
 TEST_CASE("sharded checkpoint: a save that stops half-way leaves the previous checkpoint whole, the next save "
@@ -133,8 +140,9 @@ TEST_CASE("sharded checkpoint: a save that stops half-way leaves the previous ch
   REQUIRE(count_files(ckpt) == 5);  // 4 rank files and the index
   // What a save killed before its index leaves: every rank's file under the new save's id (here
   // another run's, 2 ranks' worth) and no new index. The previous checkpoint loads, bitwise.
-  for (int r : {0, 1}) std::filesystem::copy_file(shard_file(other.path / "whole-ckpt", r, 4),
-                                                  ckpt / ("rank-" + std::to_string(r) + "-of-4.00000000000000ff.pt"));
+  for (int r : {0, 1})
+    std::filesystem::copy_file(shard_file(other.path / "whole-ckpt", r, 4),
+                               ckpt / ("rank-" + std::to_string(r) + "-of-4.00000000000000ff.pt"));
   require_all_passed(launch("load", 2, dir.path, 60, "whole"));
   // The next save commits and removes every file that is not its own.
   require_all_passed(launch("save", 4, dir.path, 60, "whole"));
@@ -184,8 +192,7 @@ TEST_CASE("sharded EMA: update() during a gathered swap is refused as during a p
   require_all_passed(launch("swap_refuses_update", 2, dir.path));
 }
 
-TEST_CASE("sharded EMA: emakit::save and emakit::load write and read a sharded checkpoint, strictly",
-          "[distributed]") {
+TEST_CASE("sharded EMA: emakit::save and emakit::load write and read a sharded checkpoint, strictly", "[distributed]") {
   TempDir dir;
   require_all_passed(launch("save_load_dispatch", 2, dir.path));
   CHECK(std::filesystem::exists(dir.path / "via-save" / "index.pt"));
@@ -198,13 +205,13 @@ namespace {
 
 using namespace std::chrono_literals;
 
-#define RANK_CHECK(cond, ...)                                                          \
-  do {                                                                                 \
-    if (!(cond)) {                                                                     \
+#define RANK_CHECK(cond, ...)                                                         \
+  do {                                                                                \
+    if (!(cond)) {                                                                    \
       std::fprintf(stderr, "rank check failed at line %d: %s: %s\n", __LINE__, #cond, \
-                   fmt::format(__VA_ARGS__).c_str());                                  \
-      return 1;                                                                        \
-    }                                                                                  \
+                   fmt::format(__VA_ARGS__).c_str());                                 \
+      return 1;                                                                       \
+    }                                                                                 \
   } while (0)
 
 // Linear layers of several sizes, a BatchNorm (float running stats, int64 num_batches_tracked)
@@ -557,7 +564,6 @@ RANK_CASE("bad_inputs") {
   RANK_CHECK(m.find("no index") != std::string::npos, "{}", m);
   return 0;
 }
-
 
 // A gathered swap is the Ema's own SwapGuard: update() is refused with the plain swap's error,
 // changes nothing, and works again once the guard has ended.

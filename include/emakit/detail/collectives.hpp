@@ -56,7 +56,8 @@ struct Communicator {
   int world = 1;
 
   // All ranks' rows of `mine` (each the same length), by rank.
-  std::vector<std::vector<std::int64_t>> exchange(const std::vector<std::int64_t>& mine, const std::string& what) const {
+  std::vector<std::vector<std::int64_t>> exchange(const std::vector<std::int64_t>& mine,
+                                                  const std::string& what) const {
     if (world == 1) return {mine};
     const auto k = static_cast<std::int64_t>(mine.size());
     at::Tensor in = at::empty({k}, at::TensorOptions().dtype(at::kLong));

@@ -3,15 +3,16 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/detail/cpu_pass-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/cpu_pass.hpp> instead"
+#error \
+    "emakit/detail/cpu_pass-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/cpu_pass.hpp> instead"
 #endif
 
 #include <emakit/detail/cpu_pass.hpp>
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
-EMAKIT_FUNC void CpuPass::add(SegmentFn fn, std::size_t slot, std::int64_t n, std::int64_t cost, const at::Tensor* average,
-         const at::Tensor* input) {
+EMAKIT_FUNC void CpuPass::add(SegmentFn fn, std::size_t slot, std::int64_t n, std::int64_t cost,
+                              const at::Tensor* average, const at::Tensor* input) {
   if (n == 0) return;
   segments_.push_back(Segment{fn, slot, n, cost, total_, average, input});
   total_ += n * cost;

@@ -4,7 +4,8 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/detail/module_tensors-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/module_tensors.hpp> instead"
+#error \
+    "emakit/detail/module_tensors-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/module_tensors.hpp> instead"
 #endif
 
 #include <emakit/detail/module_tensors.hpp>

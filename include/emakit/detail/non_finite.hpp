@@ -41,9 +41,8 @@ class NonFiniteCheck {
         scanned_.push_back(i);
         continue;
       }
-      auto g = std::find_if(groups_.begin(), groups_.end(), [&](const Group& x) {
-        return x.device == s.source.device() && x.dtype == type;
-      });
+      auto g = std::find_if(groups_.begin(), groups_.end(),
+                            [&](const Group& x) { return x.device == s.source.device() && x.dtype == type; });
       if (g == groups_.end()) g = groups_.insert(groups_.end(), Group{s.source.device(), type, {}, {}});
       g->sources.push_back(s.source);
       g->slots.push_back(i);

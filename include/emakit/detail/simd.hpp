@@ -60,7 +60,9 @@ using opmath_t = std::conditional_t<std::is_same_v<A, double>, double, float>;
 // ---- widening loads that vectorise ---------------------------------------------------------
 
 // bf16 -> fp32 is exact: the 16 bits are the top half of the float.
-EMAKIT_ALWAYS_INLINE float bf16_bits_to_float(std::uint16_t b) noexcept { return std::bit_cast<float>(std::uint32_t{b} << 16); }
+EMAKIT_ALWAYS_INLINE float bf16_bits_to_float(std::uint16_t b) noexcept {
+  return std::bit_cast<float>(std::uint32_t{b} << 16);
+}
 
 // fp16 -> fp32, exact for every input (normals, subnormals, zeros, infinities, NaN payloads),
 // without branches so that the loop around it vectorises on plain SSE2.
@@ -68,8 +70,8 @@ EMAKIT_ALWAYS_INLINE float half_bits_to_float(std::uint16_t h) noexcept {
   const std::uint32_t sign = (std::uint32_t{h} & 0x8000u) << 16;
   const std::uint32_t body = (std::uint32_t{h} & 0x7fffu) << 13;  // exponent and mantissa, float-aligned
   const std::uint32_t exponent = body & 0x0f800000u;
-  std::uint32_t bits = body + (112u << 23);                        // rebias 15 -> 127
-  bits = exponent == 0x0f800000u ? bits + (112u << 23) : bits;     // inf / NaN: exponent 255
+  std::uint32_t bits = body + (112u << 23);                     // rebias 15 -> 127
+  bits = exponent == 0x0f800000u ? bits + (112u << 23) : bits;  // inf / NaN: exponent 255
   // Zero and subnormals: 2^-14 * (1 + m/1024) - 2^-14 = m * 2^-24, computed by the FPU.
   const float subnormal = std::bit_cast<float>(body + (113u << 23)) - std::bit_cast<float>(113u << 23);
   bits = exponent == 0 ? std::bit_cast<std::uint32_t>(subnormal) : bits;
@@ -82,19 +84,25 @@ template <class S>
 struct Load {
   using raw = S;
   template <class T>
-  static T at(const raw* p, std::int64_t i) noexcept { return static_cast<T>(p[i]); }
+  static T at(const raw* p, std::int64_t i) noexcept {
+    return static_cast<T>(p[i]);
+  }
 };
 template <>
 struct Load<c10::BFloat16> {
   using raw = std::uint16_t;
   template <class T>
-  static T at(const raw* p, std::int64_t i) noexcept { return static_cast<T>(bf16_bits_to_float(p[i])); }
+  static T at(const raw* p, std::int64_t i) noexcept {
+    return static_cast<T>(bf16_bits_to_float(p[i]));
+  }
 };
 template <>
 struct Load<c10::Half> {
   using raw = std::uint16_t;
   template <class T>
-  static T at(const raw* p, std::int64_t i) noexcept { return static_cast<T>(half_bits_to_float(p[i])); }
+  static T at(const raw* p, std::int64_t i) noexcept {
+    return static_cast<T>(half_bits_to_float(p[i]));
+  }
 };
 
 // a = lerp(a, x, w) over n elements, in ATen's formula, as one pass. Inlined into each segment

@@ -3,7 +3,8 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/detail/update_kernel-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/update_kernel.hpp> instead"
+#error \
+    "emakit/detail/update_kernel-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/update_kernel.hpp> instead"
 #endif
 
 #include <emakit/detail/update_kernel.hpp>
@@ -27,7 +28,8 @@ EMAKIT_FUNC UpdateKernel& UpdateKernel::operator=(UpdateKernel&& other) noexcept
 
 EMAKIT_FUNC UpdateKernel::Census UpdateKernel::census() const noexcept {
   Census c;
-  for (const auto& l : plan_.lists) (l.kind == ListKind::lerp ? c.lerp : l.kind == ListKind::staged ? c.staged : c.copy) += 1;
+  for (const auto& l : plan_.lists)
+    (l.kind == ListKind::lerp ? c.lerp : l.kind == ListKind::staged ? c.staged : c.copy) += 1;
   return c;
 }
 

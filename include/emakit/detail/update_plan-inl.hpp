@@ -3,14 +3,16 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/detail/update_plan-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/update_plan.hpp> instead"
+#error \
+    "emakit/detail/update_plan-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/update_plan.hpp> instead"
 #endif
 
 #include <emakit/detail/update_plan.hpp>
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
-EMAKIT_FUNC UpdatePlan::UpdatePlan(std::vector<Slot>& slots, CpuPath cpu_path, bool side_stream, std::int64_t staging_bytes)
+EMAKIT_FUNC UpdatePlan::UpdatePlan(std::vector<Slot>& slots, CpuPath cpu_path, bool side_stream,
+                                   std::int64_t staging_bytes)
     : side_stream_(side_stream) {
   for (std::size_t i = 0; i < slots.size(); ++i) {
     Slot& s = slots[i];
@@ -24,8 +26,7 @@ EMAKIT_FUNC UpdatePlan::UpdatePlan(std::vector<Slot>& slots, CpuPath cpu_path, b
     if (a_dev.is_cuda()) lane_for(a_dev);
     if (s.source_device.is_cuda() && !a_dev.is_cuda()) {
       const std::size_t k = lane_for(s.source_device);
-      if (std::find(offload_lanes.begin(), offload_lanes.end(), k) == offload_lanes.end())
-        offload_lanes.push_back(k);
+      if (std::find(offload_lanes.begin(), offload_lanes.end(), k) == offload_lanes.end()) offload_lanes.push_back(k);
     }
   }
   std::vector<std::size_t> to_stage;
@@ -76,7 +77,7 @@ EMAKIT_FUNC ForeachList& UpdatePlan::list_for(ListKind kind, const Slot& s, bool
 }
 
 EMAKIT_FUNC void UpdatePlan::plan_staging(const std::vector<Slot>& slots, const std::vector<std::size_t>& to_stage,
-                  std::int64_t staging_bytes) {
+                                          std::int64_t staging_bytes) {
   std::vector<bool> done(to_stage.size(), false);
   for (std::size_t first = 0; first < to_stage.size(); ++first) {
     if (done[first]) continue;
@@ -95,7 +96,8 @@ EMAKIT_FUNC void UpdatePlan::plan_staging(const std::vector<Slot>& slots, const 
   }
 }
 
-EMAKIT_FUNC void UpdatePlan::plan_pool(const std::vector<Slot>& slots, const std::vector<std::size_t>& group, std::int64_t staging_bytes) {
+EMAKIT_FUNC void UpdatePlan::plan_pool(const std::vector<Slot>& slots, const std::vector<std::size_t>& group,
+                                       std::int64_t staging_bytes) {
   const Slot& head = slots[group.front()];
   const auto esize = static_cast<std::int64_t>(head.average.element_size());
   std::int64_t capacity = std::max<std::int64_t>(1, staging_bytes / esize);
@@ -134,8 +136,8 @@ EMAKIT_FUNC void UpdatePlan::plan_pool(const std::vector<Slot>& slots, const std
   for (const auto& p : pieces) {
     const Slot& s = slots[p.slot];
     if (p.chunk != list_chunk) {
-      lists.push_back(ForeachList{ListKind::staged, s.average.device(), s.average.scalar_type(), lane_of(s),
-                                  on_current(s), true, {}, {}, {}});
+      lists.push_back(ForeachList{
+          ListKind::staged, s.average.device(), s.average.scalar_type(), lane_of(s), on_current(s), true, {}, {}, {}});
       list = &lists.back();
       list_chunk = p.chunk;
     }

@@ -40,21 +40,21 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 // One averaged or copied tensor pair.
 struct Slot {
   std::string name;
-  at::Tensor average;   // the EMA's tensor
-  at::Tensor source;    // the model's tensor (a handle: follows Module::to())
-  bool averaged = true; // false: copied, not averaged
+  at::Tensor average;            // the EMA's tensor
+  at::Tensor source;             // the model's tensor (a handle: follows Module::to())
+  bool averaged = true;          // false: copied, not averaged
   bool follows_averages = true;  // for a copied slot: false = written by copy() only (ema-pytorch's
                                  // ignored names, which its copies still write)
-  bool buffer = false;  // a forward pass may write it in place (BatchNorm statistics): with a side
-                        // stream it is read on the current stream, before the next forward
+  bool buffer = false;           // a forward pass may write it in place (BatchNorm statistics): with a side
+                                 // stream it is read on the current stream, before the next forward
   // Bound at plan time; a change of any of these makes the next update re-plan.
   c10::Device source_device{c10::kCPU};
   c10::ScalarType source_dtype{c10::ScalarType::Undefined};
   bool source_contiguous = true;
   const void* source_memory = nullptr;   // where the data starts: the plan holds views of it, which a
   const void* average_memory = nullptr;  // set_data() of the tensor would leave on the old memory
-  std::vector<std::int64_t> shape;  // a change of shape is an error, not a re-plan
-  at::Tensor staging;   // CPU averages: defined when the source must be copied before the pass reads it
+  std::vector<std::int64_t> shape;       // a change of shape is an error, not a re-plan
+  at::Tensor staging;               // CPU averages: defined when the source must be copied before the pass reads it
   bool huge_pages_advised = false;  // advise_huge_pages() ran on the average (once per slot)
   const at::Tensor& input() const noexcept { return staging.defined() ? staging : source; }
 };
@@ -77,9 +77,9 @@ struct ForeachList {
   ListKind kind;
   c10::Device device{c10::kCPU};
   c10::ScalarType dtype = c10::ScalarType::Undefined;
-  std::size_t lane = no_lane;     // the lane whose stream runs it
-  bool current = false;           // on the current stream even with a side stream (buffers)
-  bool follows_averages = true;   // copy lists: also written by averaging updates
+  std::size_t lane = no_lane;    // the lane whose stream runs it
+  bool current = false;          // on the current stream even with a side stream (buffers)
+  bool follows_averages = true;  // copy lists: also written by averaging updates
   std::vector<at::Tensor> averages;
   std::vector<at::Tensor> inputs;
   std::vector<at::Tensor> sources;  // staged lists only
@@ -98,15 +98,15 @@ class UpdatePlan {
   UpdatePlan(std::vector<Slot>& slots, CpuPath cpu_path, bool side_stream, std::int64_t staging_bytes);
 
   // ---- what the plan holds -------------------------------------------------------------------
-  CpuPass average_pass;                      // CPU averages and the copies that follow them
-  CpuPass copy_pass;                         // every CPU slot, for copy()
-  std::vector<ForeachList> lists;            // the foreach path, in plan order
-  std::vector<std::size_t> staged;           // CPU averages read from a staging copy
-  std::vector<std::size_t> generic;          // CPU averages the pass cannot read: lerp_ / copy_
-  std::vector<std::size_t> generic_copies;   // CPU copied slots the pass cannot copy: copy_
-  std::vector<c10::Device> lanes;            // one per CUDA device the update touches
-  std::vector<std::size_t> offload_lanes;    // lanes whose device-to-host copies the CPU pass reads
-  std::int64_t pool_bytes = 0;               // bytes of the staging pools
+  CpuPass average_pass;                     // CPU averages and the copies that follow them
+  CpuPass copy_pass;                        // every CPU slot, for copy()
+  std::vector<ForeachList> lists;           // the foreach path, in plan order
+  std::vector<std::size_t> staged;          // CPU averages read from a staging copy
+  std::vector<std::size_t> generic;         // CPU averages the pass cannot read: lerp_ / copy_
+  std::vector<std::size_t> generic_copies;  // CPU copied slots the pass cannot copy: copy_
+  std::vector<c10::Device> lanes;           // one per CUDA device the update touches
+  std::vector<std::size_t> offload_lanes;   // lanes whose device-to-host copies the CPU pass reads
+  std::int64_t pool_bytes = 0;              // bytes of the staging pools
 
   // With a side stream, a buffer's work stays on the current stream (a forward pass writes it).
   bool on_current(const Slot& s) const noexcept { return side_stream_ && s.buffer; }

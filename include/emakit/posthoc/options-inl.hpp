@@ -3,7 +3,8 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/posthoc/options-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/posthoc/options.hpp> instead"
+#error \
+    "emakit/posthoc/options-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/posthoc/options.hpp> instead"
 #endif
 
 #include <emakit/posthoc/options.hpp>
@@ -53,13 +54,15 @@ EMAKIT_FUNC PostHocOptions& PostHocOptions::snapshot_dtype(c10::ScalarType value
   return *this;
 }
 
-EMAKIT_FUNC PostHocOptions& PostHocOptions::set_gammas(std::vector<double> g, const char* option, const std::vector<double>& given) {
+EMAKIT_FUNC PostHocOptions& PostHocOptions::set_gammas(std::vector<double> g, const char* option,
+                                                       const std::vector<double>& given) {
   if (g.size() < 2)
     detail::fail("PostHocOptions::{} needs at least two profiles to synthesize from, got {} ([{}])", option,
                  given.size(), fmt::join(given, ", "));
   for (std::size_t i = 0; i < g.size(); ++i)
     for (std::size_t j = i + 1; j < g.size(); ++j)
-      if (g[i] == g[j]) detail::fail("PostHocOptions::{}: the value {} appears twice; profiles must differ", option, given[i]);
+      if (g[i] == g[j])
+        detail::fail("PostHocOptions::{}: the value {} appears twice; profiles must differ", option, given[i]);
   gammas_ = std::move(g);
   return *this;
 }

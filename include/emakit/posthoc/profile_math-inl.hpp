@@ -3,7 +3,8 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/posthoc/profile_math-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/posthoc/profile_math.hpp> instead"
+#error \
+    "emakit/posthoc/profile_math-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/posthoc/profile_math.hpp> instead"
 #endif
 
 #include <emakit/posthoc/profile_math.hpp>

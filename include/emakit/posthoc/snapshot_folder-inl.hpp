@@ -3,7 +3,8 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/posthoc/snapshot_folder-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/posthoc/snapshot_folder.hpp> instead"
+#error \
+    "emakit/posthoc/snapshot_folder-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/posthoc/snapshot_folder.hpp> instead"
 #endif
 
 #include <emakit/posthoc/snapshot_folder.hpp>
@@ -20,12 +21,15 @@ EMAKIT_FUNC bool is_snapshot_file_name(const std::string& name) {
          name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-EMAKIT_FUNC SnapshotInfo read_snapshot_info(const std::filesystem::path& path) { return detail::SnapshotReader(path).info(); }
+EMAKIT_FUNC SnapshotInfo read_snapshot_info(const std::filesystem::path& path) {
+  return detail::SnapshotReader(path).info();
+}
 
 EMAKIT_FUNC StateDict load_snapshot(const std::filesystem::path& path) {
   const detail::SnapshotReader reader(path);
   StateDict out;
-  for (std::size_t i = 0; i < reader.info().tensors.size(); ++i) out.insert(reader.info().tensors[i].name, reader.read(i));
+  for (std::size_t i = 0; i < reader.info().tensors.size(); ++i)
+    out.insert(reader.info().tensors[i].name, reader.read(i));
   return out;
 }
 

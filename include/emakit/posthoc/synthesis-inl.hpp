@@ -3,7 +3,8 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/posthoc/synthesis-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/posthoc/synthesis.hpp> instead"
+#error \
+    "emakit/posthoc/synthesis-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/posthoc/synthesis.hpp> instead"
 #endif
 
 #include <emakit/posthoc/synthesis.hpp>
@@ -11,7 +12,9 @@
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 EMAKIT_FUNC void check_same_model(const SnapshotInfo& reference, const SnapshotInfo& other) {
-  const auto where = [&] { return fmt::format("snapshot '{}' is of another model than '{}'", other.path.string(), reference.path.string()); };
+  const auto where = [&] {
+    return fmt::format("snapshot '{}' is of another model than '{}'", other.path.string(), reference.path.string());
+  };
   const auto& a = reference.tensors;
   const auto& b = other.tensors;
   for (std::size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
@@ -24,8 +27,8 @@ EMAKIT_FUNC void check_same_model(const SnapshotInfo& reference, const SnapshotI
                    shape_string(a[i].sizes));
     if (a[i].averaged != b[i].averaged || a[i].dtype != b[i].dtype)
       fail_runtime("{}: tensor '{}' is {} {} there and {} {} here", where(), a[i].name,
-                   b[i].averaged ? "averaged" : "copied", c10::toString(b[i].dtype), a[i].averaged ? "averaged" : "copied",
-                   c10::toString(a[i].dtype));
+                   b[i].averaged ? "averaged" : "copied", c10::toString(b[i].dtype),
+                   a[i].averaged ? "averaged" : "copied", c10::toString(a[i].dtype));
   }
 }
 
@@ -107,9 +110,10 @@ inline std::string describe_missing(const std::vector<MissingSnapshot>& missing)
   const std::size_t shown = std::min<std::size_t>(missing.size(), 8);
   for (std::size_t i = 0; i < shown; ++i) {
     const auto& m = missing[i];
-    out += fmt::format("{}profile {} ({}) at step {} ('{}')", i == 0 ? "" : ", ", m.profile,
-                       m.sigma_rel > 0 ? fmt::format("sigma_rel {:.4f}", m.sigma_rel) : std::string("no file of it is left"),
-                       m.step, m.file_name);
+    out += fmt::format(
+        "{}profile {} ({}) at step {} ('{}')", i == 0 ? "" : ", ", m.profile,
+        m.sigma_rel > 0 ? fmt::format("sigma_rel {:.4f}", m.sigma_rel) : std::string("no file of it is left"), m.step,
+        m.file_name);
   }
   if (missing.size() > shown) out += fmt::format(" and {} more", missing.size() - shown);
   return out;
@@ -130,7 +134,8 @@ EMAKIT_FUNC SynthesisPlan plan_synthesis(std::vector<SnapshotInfo> snapshots, co
   if (snapshots.front().t > target)
     detail::fail("no snapshot at or before step {}: the earliest is at step {} ('{}')", target, snapshots.front().t,
                  snapshots.front().path.string());
-  const bool at_snapshot = std::any_of(snapshots.begin(), snapshots.end(), [&](const SnapshotInfo& s) { return s.t == target; });
+  const bool at_snapshot =
+      std::any_of(snapshots.begin(), snapshots.end(), [&](const SnapshotInfo& s) { return s.t == target; });
   if (!at_snapshot) {
     std::int64_t before = 0, after = 0;
     for (const auto& s : snapshots) {
@@ -145,7 +150,8 @@ EMAKIT_FUNC SynthesisPlan plan_synthesis(std::vector<SnapshotInfo> snapshots, co
     if (snapshots[i].t == snapshots[i - 1].t && snapshots[i].gamma == snapshots[i - 1].gamma)
       detail::fail_runtime("snapshots '{}' and '{}' have the same profile (t = {}, gamma = {}); a folder must hold one "
                            "training run",
-                           snapshots[i - 1].path.string(), snapshots[i].path.string(), snapshots[i].t, snapshots[i].gamma);
+                           snapshots[i - 1].path.string(), snapshots[i].path.string(), snapshots[i].t,
+                           snapshots[i].gamma);
     detail::check_same_model(snapshots.front(), snapshots[i]);
   }
   SynthesisPlan plan{.target = {static_cast<double>(target), options.gamma()},
@@ -168,8 +174,9 @@ EMAKIT_FUNC SynthesisPlan plan_synthesis(std::vector<SnapshotInfo> snapshots, co
                              plan.missing.size() == 1 ? "is" : "are", detail::describe_missing(plan.missing),
                              plan.missing.size() == 1 ? "it" : "them", plan.missing.size() == 1 ? "it" : "them");
 
-  const auto [longest, shortest] = std::minmax_element(
-      snapshots.begin(), snapshots.end(), [](const SnapshotInfo& a, const SnapshotInfo& b) { return a.gamma < b.gamma; });
+  const auto [longest, shortest] =
+      std::minmax_element(snapshots.begin(), snapshots.end(),
+                          [](const SnapshotInfo& a, const SnapshotInfo& b) { return a.gamma < b.gamma; });
   plan.tracked_min_sigma_rel = gamma_to_sigma_rel(shortest->gamma);  // sigma_rel falls as gamma grows
   plan.tracked_max_sigma_rel = gamma_to_sigma_rel(longest->gamma);
   const double wanted = options.sigma_rel();
@@ -189,12 +196,13 @@ EMAKIT_FUNC SynthesisPlan plan_synthesis(std::vector<SnapshotInfo> snapshots, co
     const auto& w = plan.solution.weights;
     const auto i = static_cast<std::size_t>(
         std::max_element(w.begin(), w.end(), [](double a, double b) { return std::abs(a) < std::abs(b); }) - w.begin());
-    detail::refuse_synthesis("the weights for sigma_rel {:.4g} at t = {} reach {:.4g} (snapshot '{}'), above max_weight "
-                             "{:.4g}; weights of both signs that large amplify the snapshots' rounding {:.3g}-fold (the "
-                             "sum of |weight|). Choose a target closer to the tracked profiles ({:.4g} to {:.4g}), or "
-                             "accept it (SynthesisOptions::max_weight, posthoc_tool --max-weight)",
-                             wanted, target, w[i], snapshots[i].path.string(), options.max_weight(),
-                             plan.solution.abs_sum, plan.tracked_min_sigma_rel, plan.tracked_max_sigma_rel);
+    detail::refuse_synthesis(
+        "the weights for sigma_rel {:.4g} at t = {} reach {:.4g} (snapshot '{}'), above max_weight "
+        "{:.4g}; weights of both signs that large amplify the snapshots' rounding {:.3g}-fold (the "
+        "sum of |weight|). Choose a target closer to the tracked profiles ({:.4g} to {:.4g}), or "
+        "accept it (SynthesisOptions::max_weight, posthoc_tool --max-weight)",
+        wanted, target, w[i], snapshots[i].path.string(), options.max_weight(), plan.solution.abs_sum,
+        plan.tracked_min_sigma_rel, plan.tracked_max_sigma_rel);
   }
   plan.snapshots = std::move(snapshots);
   return plan;
@@ -202,7 +210,8 @@ EMAKIT_FUNC SynthesisPlan plan_synthesis(std::vector<SnapshotInfo> snapshots, co
 
 EMAKIT_FUNC SynthesisPlan plan_synthesis(const std::filesystem::path& folder, const SynthesisOptions& options) {
   auto snapshots = list_snapshots(folder);
-  if (snapshots.empty()) detail::fail_runtime("the folder '{}' holds no snapshot files (phema-*.emkit)", folder.string());
+  if (snapshots.empty())
+    detail::fail_runtime("the folder '{}' holds no snapshot files (phema-*.emkit)", folder.string());
   return plan_synthesis(std::move(snapshots), options);
 }
 
@@ -224,15 +233,15 @@ EMAKIT_FUNC void synthesize_into(const SynthesisPlan& plan, torch::nn::Module& m
                    reference.path.string());
     if (!it->second.sizes().equals(entry.sizes))
       detail::fail("tensor '{}' has shape {} in the module but {} in snapshot '{}'", entry.name,
-                   detail::shape_string(it->second.sizes()), detail::shape_string(entry.sizes), reference.path.string());
+                   detail::shape_string(it->second.sizes()), detail::shape_string(entry.sizes),
+                   reference.path.string());
   }
   const StateDict result = synthesize(plan);
   c10::NoGradGuard no_grad;
   for (const auto& item : result) theirs.at(item.key()).copy_(item.value());
 }
 
-EMAKIT_FUNC void synthesize_to_file(const SynthesisPlan& plan, const std::filesystem::path& path,
-                                    OutputFormat format) {
+EMAKIT_FUNC void synthesize_to_file(const SynthesisPlan& plan, const std::filesystem::path& path, OutputFormat format) {
   if (format == OutputFormat::snapshot) {
     SnapshotInfo header;
     header.step = header.t = static_cast<std::int64_t>(plan.target.t);

@@ -3,7 +3,8 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/posthoc/tracker-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/posthoc/tracker.hpp> instead"
+#error \
+    "emakit/posthoc/tracker-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/posthoc/tracker.hpp> instead"
 #endif
 
 #include <emakit/posthoc/tracker.hpp>
@@ -55,7 +56,8 @@ EMAKIT_FUNC std::vector<std::filesystem::path> PostHocEma::snapshot() {
     const auto averaged = ema.names(Role::average);  // copy_only names and integer buffers are copied
     for (const auto& item : tensors) {
       const bool is_averaged = std::find(averaged.begin(), averaged.end(), item.key()) != averaged.end();
-      header.tensors.push_back(detail::snapshot_entry(item.key(), item.value(), is_averaged, options_.snapshot_dtype()));
+      header.tensors.push_back(
+          detail::snapshot_entry(item.key(), item.value(), is_averaged, options_.snapshot_dtype()));
     }
     const auto path = options_.folder() / snapshot_file_name(header.step, header.profile);
     write_snapshot(path, std::move(header), tensors);
@@ -78,7 +80,8 @@ EMAKIT_FUNC StateDict PostHocEma::state_dict() const {
   out.insert("posthoc.run_id", run);
   out.insert("posthoc.run_started", at::scalar_tensor(run_started_, at::kLong));
   for (std::size_t i = 0; i < emas_.size(); ++i)
-    for (const auto& item : emas_[i].state_dict()) out.insert(fmt::format("profile.{}.{}", i, item.key()), item.value());
+    for (const auto& item : emas_[i].state_dict())
+      out.insert(fmt::format("profile.{}.{}", i, item.key()), item.value());
   return out;
 }
 
@@ -88,8 +91,7 @@ EMAKIT_FUNC void PostHocEma::load_state_dict(const StateDict& state) {
   detail::formats::check_version(detail::formats::posthoc_state, format, "PostHocEma::load_state_dict");
   const std::int64_t profiles = in.counter("posthoc.profiles");
   if (profiles != static_cast<std::int64_t>(emas_.size()))
-    detail::fail("PostHocEma::load_state_dict: the state has {} profiles, this PostHocEma {}", profiles,
-                 emas_.size());
+    detail::fail("PostHocEma::load_state_dict: the state has {} profiles, this PostHocEma {}", profiles, emas_.size());
   const std::int64_t snapshot_every = in.counter("posthoc.snapshot_every");
   if (snapshot_every != options_.snapshot_every())
     detail::fail("PostHocEma::load_state_dict: snapshot_every is {} in the state, {} here", snapshot_every,
@@ -161,7 +163,9 @@ EMAKIT_FUNC void PostHocEma::check_folder() {
         aside = folder / fmt::format("previous-run-{}-{}", r.id.short_hex(), n);
       std::error_code ec;
       std::filesystem::create_directory(aside, ec);
-      if (ec) detail::fail_runtime("cannot create '{}' to move another run's snapshots into: {}", aside.string(), ec.message());
+      if (ec)
+        detail::fail_runtime("cannot create '{}' to move another run's snapshots into: {}", aside.string(),
+                             ec.message());
       for (const auto& s : others) {
         if (s.run != r.id) continue;
         std::filesystem::rename(s.path, aside / s.path.filename(), ec);
@@ -182,7 +186,8 @@ EMAKIT_FUNC void PostHocEma::prepare() {
     detail::fail("PostHocOptions: snapshot_every ({}) must be a multiple of update_every ({}), so that each "
                  "snapshot is taken right after an update",
                  every, dt);
-  run_started_ = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  run_started_ =
+      std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   std::error_code ec;
   std::filesystem::create_directories(options_.folder(), ec);
   if (ec) detail::fail_runtime("cannot create the snapshot folder '{}': {}", options_.folder().string(), ec.message());
@@ -197,7 +202,8 @@ EMAKIT_FUNC void PostHocEma::check_loadable(std::size_t i, const StateDict& part
     if (why.rfind("emakit: ", 0) == 0) why.remove_prefix(8);  // detail::fail's prefix, added again below
     const std::string message =
         fmt::format("emakit: PostHocEma::load_state_dict: profile {}: {} (the profiles or the model changed)", i, why);
-    if (const auto* version = dynamic_cast<const FormatVersionError*>(&e)) throw FormatVersionError(message, version->found());
+    if (const auto* version = dynamic_cast<const FormatVersionError*>(&e))
+      throw FormatVersionError(message, version->found());
     throw std::invalid_argument(message);
   }
 }

@@ -64,9 +64,9 @@ namespace detail {
 
 // Reads a dictionary and checks each tensor against the archive's checksums under `sums_key`.
 inline std::vector<std::pair<std::string, at::Tensor>> read_checked(torch::serialize::InputArchive& archive,
-                                                                   const std::string& key, Checksums& sums,
-                                                                   const std::string& prefix,
-                                                                   const std::string& where) {
+                                                                    const std::string& key, Checksums& sums,
+                                                                    const std::string& prefix,
+                                                                    const std::string& where) {
   auto items = read_checked_dict(archive, key, sums, prefix, where);
   if (!items) fail("{}: the checkpoint has no '{}'; it is not a sharded emakit checkpoint", where, key);
   return *items;
@@ -186,7 +186,8 @@ void load_sharded(Ema<D, S, ShardedStorage>& ema, const std::filesystem::path& d
     for (const auto& e : st.layout()) {
       ours.insert(e.name);
       const at::Tensor* shape = layout_of("shape", e.name);
-      if (shape == nullptr) detail::fail("{}: the checkpoint has no tensor '{}' that this EMA holds", index_where, e.name);
+      if (shape == nullptr)
+        detail::fail("{}: the checkpoint has no tensor '{}' that this EMA holds", index_where, e.name);
       if (shape->scalar_type() != at::kLong || shape->dim() != 1)
         detail::fail("{}: the shape of '{}' is damaged", index_where, e.name);
       const std::vector<std::int64_t> saved(shape->data_ptr<std::int64_t>(),

@@ -87,7 +87,9 @@ struct LocalShard {
     const std::int64_t chunk = (rows + world - 1) / world;
     return std::max<std::int64_t>(0, std::min(rows, chunk * (rank + 1)) - std::min(rows, chunk * rank));
   }
-  static std::int64_t flat_chunk_numel(std::int64_t numel, int rank, int world) { return dim0_chunk_rows(numel, rank, world); }
+  static std::int64_t flat_chunk_numel(std::int64_t numel, int rank, int world) {
+    return dim0_chunk_rows(numel, rank, world);
+  }
 
  private:
   static void check_rank(int rank, int world, const char* what) {
@@ -157,8 +159,9 @@ class ShardedStorage {
   // Declares tensor `tensor_name` already sharded: the model holds only this rank's slice.
   ShardedStorage& local_shard(std::string tensor_name, LocalShard shard) {
     for (auto d : shard.full_shape)
-      if (d < 0) detail::fail("ShardedStorage::local_shard('{}'): full_shape {} has a negative size", tensor_name,
-                              detail::shape_string(shard.full_shape));
+      if (d < 0)
+        detail::fail("ShardedStorage::local_shard('{}'): full_shape {} has a negative size", tensor_name,
+                     detail::shape_string(shard.full_shape));
     if (shard.offset < 0)
       detail::fail("ShardedStorage::local_shard('{}'): offset must be >= 0, got {}", tensor_name, shard.offset);
     local_shards_[std::move(tensor_name)] = std::move(shard);
@@ -195,7 +198,8 @@ class ShardedStorage {
       e.dtype = s.dtype;
       e.device = s.device;
       auto it = local_shards_.find(s.name);  // a tied tensor's slice may be given under any of its names
-      for (std::size_t k = 0; it == local_shards_.end() && k < s.aliases.size(); ++k) it = local_shards_.find(s.aliases[k]);
+      for (std::size_t k = 0; it == local_shards_.end() && k < s.aliases.size(); ++k)
+        it = local_shards_.find(s.aliases[k]);
       if (it != local_shards_.end()) {
         e.sliced = true;
         e.full_shape = it->second.full_shape;
@@ -265,7 +269,8 @@ class ShardedStorage {
   detail::Communicator communicator() const { return {group_, timeout_, comm_device_, rank_, world_}; }
 
   // All ranks' rows of `mine` (each the same length), by rank.
-  std::vector<std::vector<std::int64_t>> exchange(const std::vector<std::int64_t>& mine, const std::string& what) const {
+  std::vector<std::vector<std::int64_t>> exchange(const std::vector<std::int64_t>& mine,
+                                                  const std::string& what) const {
     return communicator().exchange(mine, what);
   }
 
@@ -320,8 +325,9 @@ class ShardedStorage {
         const std::int64_t length = row[2 * k + 2];
         if (length > 0) e.pieces.push_back({r, row[2 * k + 1], length});
       }
-      std::sort(e.pieces.begin(), e.pieces.end(),
-                [](const auto& a, const auto& b) { return a.offset < b.offset || (a.offset == b.offset && a.rank < b.rank); });
+      std::sort(e.pieces.begin(), e.pieces.end(), [](const auto& a, const auto& b) {
+        return a.offset < b.offset || (a.offset == b.offset && a.rank < b.rank);
+      });
       std::int64_t next = 0;
       for (const auto& p : e.pieces) {
         if (p.offset < next)
@@ -363,11 +369,14 @@ class ShardedStorage {
   std::uint64_t fingerprint_ = 0;
 };
 
-
 template <class E>
 std::int64_t ShardedStorage::check_agreement(const E& ema, const std::string& what, std::int64_t extra) const {
-  const std::vector<std::int64_t> mine{static_cast<std::int64_t>(fingerprint_), ema.calls(), ema.step(),
-                                       ema.num_updates(), ema.last_update_step(), extra};
+  const std::vector<std::int64_t> mine{static_cast<std::int64_t>(fingerprint_),
+                                       ema.calls(),
+                                       ema.step(),
+                                       ema.num_updates(),
+                                       ema.last_update_step(),
+                                       extra};
   const auto rows = exchange(mine, what);
   std::vector<std::string> layout_diff, counter_diff;
   for (std::size_t r = 1; r < rows.size(); ++r) {

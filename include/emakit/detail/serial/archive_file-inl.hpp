@@ -3,7 +3,8 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/detail/serial/archive_file-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/serial/archive_file.hpp> instead"
+#error \
+    "emakit/detail/serial/archive_file-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/serial/archive_file.hpp> instead"
 #endif
 
 #include <emakit/detail/serial/archive_file.hpp>
@@ -67,7 +68,9 @@ namespace archive_file {
 //   (a dict of one entry, or 1000k + 1) is made MARK key value SETITEMS too.
 // The pickle was scanned first (archive_scan.hpp); a pickle this does not recognize is returned
 // unchanged (LibTorch then reads it or fails, and read_pickle_dict says so).
-constexpr std::string_view ordered_dict_root{"\x80\x02" "ccollections\nOrderedDict\nq\x00)Rq\x01", 33};
+constexpr std::string_view ordered_dict_root{"\x80\x02"
+                                             "ccollections\nOrderedDict\nq\x00)Rq\x01",
+                                             33};
 constexpr std::string_view placeholder{"\0emakit:OrderedDict\0", 20};
 
 struct Edit {
@@ -128,28 +131,55 @@ inline std::optional<std::vector<Edit>> plain_root_edits(std::string_view p) {
     std::size_t arg = 0;  // bytes after the opcode
     bool push = false;
     switch (op) {
-      case 'q': arg = 1; break;                   // BINPUT
-      case 'r': arg = 4; break;                   // LONG_BINPUT
-      case 'h': arg = 1; push = true; break;      // BINGET
-      case 'j': arg = 4; push = true; break;      // LONG_BINGET
-      case 'K': arg = 1; push = true; break;      // BININT1
-      case 'M': arg = 2; push = true; break;      // BININT2
-      case 'J': arg = 4; push = true; break;      // BININT
-      case 'G': arg = 8; push = true; break;      // BINFLOAT
-      case ')': case '}': case ']': case 'N': case 0x88: case 0x89: push = true; break;
-      case 0x8a: case 'U': case 'C':              // LONG1, SHORT_BINSTRING, SHORT_BINBYTES
+      case 'q': arg = 1; break;  // BINPUT
+      case 'r': arg = 4; break;  // LONG_BINPUT
+      case 'h':
+        arg = 1;
+        push = true;
+        break;  // BINGET
+      case 'j':
+        arg = 4;
+        push = true;
+        break;  // LONG_BINGET
+      case 'K':
+        arg = 1;
+        push = true;
+        break;  // BININT1
+      case 'M':
+        arg = 2;
+        push = true;
+        break;  // BININT2
+      case 'J':
+        arg = 4;
+        push = true;
+        break;  // BININT
+      case 'G':
+        arg = 8;
+        push = true;
+        break;  // BINFLOAT
+      case ')':
+      case '}':
+      case ']':
+      case 'N':
+      case 0x88:
+      case 0x89: push = true; break;
+      case 0x8a:
+      case 'U':
+      case 'C':  // LONG1, SHORT_BINSTRING, SHORT_BINBYTES
         if (i >= p.size()) return std::nullopt;
         arg = 1 + static_cast<unsigned char>(p[i]);
         push = true;
         break;
-      case 'X': case 'T': case 'B': {             // BINUNICODE, BINSTRING, BINBYTES
+      case 'X':
+      case 'T':
+      case 'B': {  // BINUNICODE, BINSTRING, BINBYTES
         const auto len = u32(i);
         if (!len) return std::nullopt;
         arg = 4 + *len;
         push = true;
         break;
       }
-      case 'c': {                                 // GLOBAL module\nname\n
+      case 'c': {  // GLOBAL module\nname\n
         const auto first = p.find('\n', i);
         const auto second = first == std::string_view::npos ? first : p.find('\n', first + 1);
         if (second == std::string_view::npos) return std::nullopt;
@@ -158,42 +188,50 @@ inline std::optional<std::vector<Edit>> plain_root_edits(std::string_view p) {
         break;
       }
       case '(': stack.push_back({at, true}); break;  // MARK
-      case 't': case 'l': case 'd': {                // TUPLE, LIST, DICT
+      case 't':
+      case 'l':
+      case 'd': {  // TUPLE, LIST, DICT
         const auto start = pop_to_mark();
         if (!start) return std::nullopt;
         stack.push_back({*start, false});
         break;
       }
-      case 'u': case 'e':                            // SETITEMS, APPENDS: the container stays
+      case 'u':
+      case 'e':  // SETITEMS, APPENDS: the container stays
         if (!pop_to_mark() || stack.empty()) return std::nullopt;
         break;
-      case 0x85: case 0x86: case 0x87: case 'R': case 0x81: case 'Q': {  // TUPLE1-3, REDUCE, NEWOBJ, BINPERSID
+      case 0x85:
+      case 0x86:
+      case 0x87:
+      case 'R':
+      case 0x81:
+      case 'Q': {  // TUPLE1-3, REDUCE, NEWOBJ, BINPERSID
         const std::size_t k = op == 'Q' ? 1 : op == 'R' || op == 0x81 ? 2 : std::size_t{op} - 0x84;
         const auto start = pop_n(k);
         if (!start) return std::nullopt;
         stack.push_back({*start, false});
         break;
       }
-      case 'a':                                      // APPEND
+      case 'a':  // APPEND
         if (!pop_n(1) || stack.empty()) return std::nullopt;
         break;
-      case 's':                                      // SETITEM
+      case 's':                                                       // SETITEM
         if (stack.size() == 3 && !stack[1].mark && !stack[2].mark) {  // on the root: MARK k v SETITEMS
           edits.push_back({stack[1].start, 0, "("});
           edits.push_back({at, 1, "u"});
         }
         if (!pop_n(2) || stack.empty()) return std::nullopt;
         break;
-      case 'b':                                      // BUILD
+      case 'b':                                     // BUILD
         if (stack.size() == 2 && !stack[1].mark) {  // the root's _metadata: dropped
           edits.push_back({stack[1].start, at + 1 - stack[1].start, ""});
         }
         if (!pop_n(1) || stack.empty()) return std::nullopt;
         break;
-      case '.':                                      // STOP
+      case '.':  // STOP
         if (stack.size() != 1 || i != p.size() || edits.empty()) return std::nullopt;
         return edits;
-      default: return std::nullopt;                  // an opcode torch.save's pickles do not use
+      default: return std::nullopt;  // an opcode torch.save's pickles do not use
     }
     if (push) stack.push_back({at, false});
     i += arg;
@@ -222,13 +260,15 @@ inline std::optional<std::string> plain_root(std::string_view pickle) {
 
 }  // namespace archive_file
 
-EMAKIT_FUNC void read_archive(torch::serialize::InputArchive& archive, const std::filesystem::path& path, const char* what) {
+EMAKIT_FUNC void read_archive(torch::serialize::InputArchive& archive, const std::filesystem::path& path,
+                              const char* what) {
   check_checkpoint_path(path, what);
   scan_archive_file(path, what);
   try {
     archive.load_from(path.string());
   } catch (const std::exception& e) {
-    fail("{}: '{}' is not a readable checkpoint (truncated or damaged?): {}", what, path.string(), first_line(e.what()));
+    fail("{}: '{}' is not a readable checkpoint (truncated or damaged?): {}", what, path.string(),
+         first_line(e.what()));
   }
 }
 

@@ -3,7 +3,8 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/detail/serial/archive_scan-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/serial/archive_scan.hpp> instead"
+#error \
+    "emakit/detail/serial/archive_scan-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/serial/archive_scan.hpp> instead"
 #endif
 
 #include <emakit/detail/serial/archive_scan.hpp>
@@ -98,9 +99,9 @@ inline std::string shown(std::string_view s) {
 // The element size of a storage class torch.<name>, or 0 when it is not one.
 inline std::int64_t storage_itemsize(std::string_view name) {
   static const std::pair<std::string_view, std::int64_t> known[] = {
-      {"FloatStorage", 4},  {"DoubleStorage", 8},      {"HalfStorage", 2},         {"BFloat16Storage", 2},
-      {"LongStorage", 8},   {"IntStorage", 4},         {"ShortStorage", 2},        {"CharStorage", 1},
-      {"ByteStorage", 1},   {"BoolStorage", 1},        {"ComplexFloatStorage", 8}, {"ComplexDoubleStorage", 16}};
+      {"FloatStorage", 4}, {"DoubleStorage", 8}, {"HalfStorage", 2},         {"BFloat16Storage", 2},
+      {"LongStorage", 8},  {"IntStorage", 4},    {"ShortStorage", 2},        {"CharStorage", 1},
+      {"ByteStorage", 1},  {"BoolStorage", 1},   {"ComplexFloatStorage", 8}, {"ComplexDoubleStorage", 16}};
   for (const auto& [n, size] : known)
     if (n == name) return size;
   return 0;
@@ -186,7 +187,20 @@ inline std::set<std::string> check_code(std::string_view text, const std::string
 
 // What the abstract unpickler knows of a value.
 struct Value {
-  enum class Kind : std::uint8_t { none, boolean, integer, real, string, tuple, list, dict, global, object, storage, tensor };
+  enum class Kind : std::uint8_t {
+    none,
+    boolean,
+    integer,
+    real,
+    string,
+    tuple,
+    list,
+    dict,
+    global,
+    object,
+    storage,
+    tensor
+  };
   Kind kind = Kind::none;
   std::int64_t integer = 0;          // integer; storage: numel; global storage class: itemsize
   std::string text{};                // string; global: "module.name"
@@ -195,14 +209,14 @@ struct Value {
 };
 
 inline std::string_view kind_name(Value::Kind k) {
-  static constexpr std::string_view names[] = {"None", "bool",   "int",    "float",   "str",    "tuple",
-                                               "list", "dict",   "global", "object",  "storage", "tensor"};
+  static constexpr std::string_view names[] = {"None", "bool", "int",    "float",  "str",     "tuple",
+                                               "list", "dict", "global", "object", "storage", "tensor"};
   return names[static_cast<std::size_t>(k)];
 }
 
 struct PickleRules {
-  std::string record;                                    // for messages
-  const std::set<std::string>* classes = nullptr;        // declared __torch__ classes ("mod.Name")
+  std::string record;                                                // for messages
+  const std::set<std::string>* classes = nullptr;                    // declared __torch__ classes ("mod.Name")
   std::function<std::int64_t(const std::string&)> data_record_size;  // size of data/<key>, -1 if missing
 };
 
@@ -270,7 +284,8 @@ class PickleChecker {
   std::vector<std::int64_t> ints(std::size_t id, std::string_view what) const {
     if (values_[id].kind != Value::Kind::tuple)
       bad(fmt::format("{} is a {}, not a tuple of ints", what, kind_name(values_[id].kind)));
-    if (values_[id].items.size() > 64) bad(fmt::format("{} has {} entries (at most 64)", what, values_[id].items.size()));
+    if (values_[id].items.size() > 64)
+      bad(fmt::format("{} has {} entries (at most 64)", what, values_[id].items.size()));
     std::vector<std::int64_t> out;
     for (const std::size_t item : values_[id].items) {
       out.push_back(as_int(item, what));
@@ -314,8 +329,8 @@ class PickleChecker {
       overflow |= __builtin_add_overflow(last, reach, &last);
     }
     if (!empty && (overflow || last >= static_cast<std::uint64_t>(storage.integer)))
-      bad(fmt::format("the tensor (offset {}, sizes [{}], strides [{}]) reaches past its storage of {} elements", offset,
-                      fmt::join(sizes, ", "), fmt::join(strides, ", "), storage.integer));
+      bad(fmt::format("the tensor (offset {}, sizes [{}], strides [{}]) reaches past its storage of {} elements",
+                      offset, fmt::join(sizes, ", "), fmt::join(strides, ", "), storage.integer));
     return Value{.kind = Value::Kind::tensor};
   }
 
@@ -452,8 +467,8 @@ class PickleChecker {
     if (values_[top()].kind != Value::Kind::dict) bad("SETITEM on something other than a dict");
     for (std::size_t i = 0; i < items.size(); i += 2) {
       const auto k = values_[items[i]].kind;
-      if (k != Value::Kind::string && k != Value::Kind::integer && k != Value::Kind::boolean && k != Value::Kind::real &&
-          k != Value::Kind::tensor)
+      if (k != Value::Kind::string && k != Value::Kind::integer && k != Value::Kind::boolean &&
+          k != Value::Kind::real && k != Value::Kind::tensor)
         bad(fmt::format("a dict key that is a {}", kind_name(k)));
     }
   }
@@ -489,7 +504,8 @@ class PickleChecker {
     const std::size_t cls = pop();
     if (values_[cls].kind != Value::Kind::global || !values_[cls].text.starts_with("__torch__"))
       bad("NEWOBJ of something other than a declared __torch__ class");
-    if (values_[args].kind != Value::Kind::tuple || !values_[args].items.empty()) bad("NEWOBJ with constructor arguments");
+    if (values_[args].kind != Value::Kind::tuple || !values_[args].items.empty())
+      bad("NEWOBJ with constructor arguments");
     push(Value{.kind = Value::Kind::object, .text = values_[cls].text});
   }
   void build() {
@@ -665,8 +681,7 @@ void scan(const Open& open, const Refuse& refuse, Root root = Root::module) {
 
 }  // namespace archive_scan
 
-EMAKIT_FUNC void scan_archive_file(const std::filesystem::path& path, std::string_view what,
-                                   archive_scan::Root root) {
+EMAKIT_FUNC void scan_archive_file(const std::filesystem::path& path, std::string_view what, archive_scan::Root root) {
   const archive_scan::Refuse refuse{fmt::format("{}: refusing '{}': ", what, path.string())};
   archive_scan::scan([&] { return std::make_unique<caffe2::serialize::PyTorchStreamReader>(path.string()); }, refuse,
                      root);

@@ -3,7 +3,8 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/detail/serial/atomic_file-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/serial/atomic_file.hpp> instead"
+#error \
+    "emakit/detail/serial/atomic_file-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/serial/atomic_file.hpp> instead"
 #endif
 
 #include <emakit/detail/serial/atomic_file.hpp>
@@ -181,12 +182,14 @@ EMAKIT_FUNC void write_file_atomically(const std::filesystem::path& target, std:
 
 EMAKIT_FUNC void check_writable_folder(const std::filesystem::path& folder, const std::filesystem::path& target) {
   static std::atomic<std::uint64_t> counter{0};
-  const auto probe_path = folder / fmt::format(".emakit-write-probe.tmp-{}-{}", static_cast<long>(::getpid()), counter++);
+  const auto probe_path =
+      folder / fmt::format(".emakit-write-probe.tmp-{}-{}", static_cast<long>(::getpid()), counter++);
   const FileDescriptor probe(::open(probe_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600));
   if (!probe) {
     const int error = errno;
     if (target.empty())
-      fail_runtime("the folder '{}' is not writable: cannot create a file in it: {}", folder.string(), errno_text(error));
+      fail_runtime("the folder '{}' is not writable: cannot create a file in it: {}", folder.string(),
+                   errno_text(error));
     fail_runtime("cannot write '{}': cannot create a file in '{}': {}", target.string(), folder.string(),
                  errno_text(error));
   }

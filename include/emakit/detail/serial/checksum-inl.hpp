@@ -3,7 +3,8 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/detail/serial/checksum-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/serial/checksum.hpp> instead"
+#error \
+    "emakit/detail/serial/checksum-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/serial/checksum.hpp> instead"
 #endif
 
 #include <emakit/detail/serial/checksum.hpp>
@@ -41,8 +42,8 @@ EMAKIT_FUNC std::uint32_t crc32(const void* data, std::size_t n, std::uint32_t c
     std::memcpy(&lo, p, 4);
     std::memcpy(&hi, p + 4, 4);
     lo ^= c;
-    c = t[7][lo & 0xFFU] ^ t[6][(lo >> 8) & 0xFFU] ^ t[5][(lo >> 16) & 0xFFU] ^ t[4][lo >> 24] ^
-        t[3][hi & 0xFFU] ^ t[2][(hi >> 8) & 0xFFU] ^ t[1][(hi >> 16) & 0xFFU] ^ t[0][hi >> 24];
+    c = t[7][lo & 0xFFU] ^ t[6][(lo >> 8) & 0xFFU] ^ t[5][(lo >> 16) & 0xFFU] ^ t[4][lo >> 24] ^ t[3][hi & 0xFFU] ^
+        t[2][(hi >> 8) & 0xFFU] ^ t[1][(hi >> 16) & 0xFFU] ^ t[0][hi >> 24];
   }
   for (; n > 0; --n, ++p) c = t[0][(c ^ *p) & 0xFFU] ^ (c >> 8);
   return ~c;
@@ -58,7 +59,8 @@ EMAKIT_FUNC std::int64_t tensor_checksum(const at::Tensor& t) {
   return static_cast<std::int64_t>(crc);
 }
 
-EMAKIT_FUNC void Checksums::load(torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
+EMAKIT_FUNC void Checksums::load(torch::serialize::InputArchive& archive, const std::string& key,
+                                 const std::string& where) {
   auto items = read_tensor_dict(archive, key, where);
   if (!items)
     fail("{}: the checkpoint has no '{}'; it is damaged, or was written before emakit kept checksums", where, key);

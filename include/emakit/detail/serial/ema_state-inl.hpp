@@ -4,7 +4,8 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/detail/serial/ema_state-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/serial/ema_state.hpp> instead"
+#error \
+    "emakit/detail/serial/ema_state-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/serial/ema_state.hpp> instead"
 #endif
 
 #include <emakit/detail/serial/ema_state.hpp>
@@ -34,8 +35,12 @@ EMAKIT_FUNC std::string average_key(const std::string& name) { return std::strin
 
 EMAKIT_FUNC bool known_key(const std::string& key) {
   if (key == "config.options.buffers") return true;  // checked by check_config()
-  static const char* const fixed[] = {"emakit.format",        "counters.calls",           "counters.step",
-                                      "counters.num_updates", "counters.last_update_step", "counters.last_decay",
+  static const char* const fixed[] = {"emakit.format",
+                                      "counters.calls",
+                                      "counters.step",
+                                      "counters.num_updates",
+                                      "counters.last_update_step",
+                                      "counters.last_decay",
                                       "counters.non_finite_updates"};
   for (const char* k : fixed)
     if (key == k) return true;
@@ -103,8 +108,10 @@ EMAKIT_FUNC void check_config(const StateDict& state, const PolicyConfig& config
   check_policy(state, "schedule", config.schedule, config.schedule_fields);
   if (const auto theirs = StateReader(state).optional_integer("config.options.buffers")) {
     auto name = [](std::int64_t v) {
-      return v == 0 ? std::string("average") : v == 1 ? std::string("copy") : v == 2 ? std::string("ignore")
-                                                                                 : fmt::format("{} (unknown)", v);
+      return v == 0   ? std::string("average")
+             : v == 1 ? std::string("copy")
+             : v == 2 ? std::string("ignore")
+                      : fmt::format("{} (unknown)", v);
     };
     const auto ours = static_cast<std::int64_t>(options.buffers());
     if (*theirs != ours)
@@ -113,9 +120,8 @@ EMAKIT_FUNC void check_config(const StateDict& state, const PolicyConfig& config
   }
 }
 
-EMAKIT_FUNC Plan plan_load(const StateDict& state, LoadMode mode, const PolicyConfig& config,
-                           const EmaOptions& options, const std::vector<Entry>& entries,
-                           const std::vector<at::Tensor>& averages,
+EMAKIT_FUNC Plan plan_load(const StateDict& state, LoadMode mode, const PolicyConfig& config, const EmaOptions& options,
+                           const std::vector<Entry>& entries, const std::vector<at::Tensor>& averages,
                            bool (*same_value)(const at::Tensor&, const at::Tensor&)) {
   check_config(state, config, options);
   Plan plan{{}, {}, read_counters(state)};
@@ -140,8 +146,8 @@ EMAKIT_FUNC Plan plan_load(const StateDict& state, LoadMode mode, const PolicyCo
       plan.loads.emplace_back(e.slot, t);
     } else if (!same_value(*t, *chosen[e.slot].first)) {
       // A tied tensor is saved under each name; two different values cannot both be loaded.
-      report.mismatched.push_back(fmt::format("{}: differs from '{}', which is the same (tied) tensor in this EMA",
-                                              key, chosen[e.slot].second));
+      report.mismatched.push_back(fmt::format("{}: differs from '{}', which is the same (tied) tensor in this EMA", key,
+                                              chosen[e.slot].second));
     }
     ours.insert(std::move(key));
   }
@@ -161,7 +167,6 @@ EMAKIT_FUNC Plan plan_load(const StateDict& state, LoadMode mode, const PolicyCo
   return plan;
 }
 
-
 EMAKIT_FUNC Counters read_counters(const StateDict& state) {
   const StateReader in(state);
   Counters c;
@@ -170,7 +175,8 @@ EMAKIT_FUNC Counters read_counters(const StateDict& state) {
   c.num_updates = in.counter("counters.num_updates");
   c.last_update_step = in.counter("counters.last_update_step");
   // absent in states written before the non-finite guard existed
-  c.non_finite_updates = in.find("counters.non_finite_updates") != nullptr ? in.counter("counters.non_finite_updates") : 0;
+  c.non_finite_updates =
+      in.find("counters.non_finite_updates") != nullptr ? in.counter("counters.non_finite_updates") : 0;
   c.last_decay = in.number("counters.last_decay");
   if (!std::isnan(c.last_decay) && !(c.last_decay >= 0.0 && c.last_decay <= 1.0))
     fail("'counters.last_decay' must be in [0, 1], got {}", c.last_decay);
@@ -198,4 +204,3 @@ EMAKIT_FUNC void save_archive(torch::serialize::OutputArchive& archive, const St
 }
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail::ema_state
-

@@ -70,7 +70,9 @@ std::string_view policy_name() {
 
 template <class P>
 std::vector<Field> policy_fields(const P& p) {
-  if constexpr (requires { { p.fields() } -> std::same_as<std::vector<Field>>; })
+  if constexpr (requires {
+                  { p.fields() } -> std::same_as<std::vector<Field>>;
+                })
     return p.fields();
   else
     return {};
@@ -85,7 +87,9 @@ namespace ema_state {
 // hook's, interop's) names them through these.
 inline constexpr std::string_view average_prefix = "average.";
 EMAKIT_FUNC std::string average_key(const std::string& name);
-inline bool is_average_key(std::string_view key) noexcept { return key.substr(0, average_prefix.size()) == average_prefix; }
+inline bool is_average_key(std::string_view key) noexcept {
+  return key.substr(0, average_prefix.size()) == average_prefix;
+}
 // The tensor's name of an average_key(); the key itself when it is not one.
 inline std::string average_name(std::string_view key) {
   return std::string(is_average_key(key) ? key.substr(average_prefix.size()) : key);
@@ -138,9 +142,8 @@ struct Plan {
 // Checks a state against an Ema and plans its load. `entries`: every name the Ema holds;
 // `averages[slot]`: the Ema's tensor; `same_value(a, b)`: whether two state tensors loaded into
 // one slot agree.
-EMAKIT_FUNC Plan plan_load(const StateDict& state, LoadMode mode, const PolicyConfig& config,
-                           const EmaOptions& options, const std::vector<Entry>& entries,
-                           const std::vector<at::Tensor>& averages,
+EMAKIT_FUNC Plan plan_load(const StateDict& state, LoadMode mode, const PolicyConfig& config, const EmaOptions& options,
+                           const std::vector<Entry>& entries, const std::vector<at::Tensor>& averages,
                            bool (*same_value)(const at::Tensor&, const at::Tensor&));
 
 // The archive of torch::save(ema): the state dict and a CRC-32 per tensor.

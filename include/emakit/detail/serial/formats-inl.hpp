@@ -4,7 +4,8 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/detail/serial/formats-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/serial/formats.hpp> instead"
+#error \
+    "emakit/detail/serial/formats-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/serial/formats.hpp> instead"
 #endif
 
 #include <emakit/detail/serial/formats.hpp>
@@ -24,8 +25,8 @@ EMAKIT_FUNC void check_version(const Format& format, std::int64_t found, std::st
                                 ? fmt::format("version {}", format.version)
                                 : fmt::format("versions {} to {}", format.oldest, format.version);
   const char* hint = found > format.version ? "; a newer emakit wrote it: update emakit to read it"
-                     : found < 1          ? "; no emakit writes that version: the file is damaged"
-                                          : "; an older emakit wrote it, which this emakit no longer reads";
+                     : found < 1            ? "; no emakit writes that version: the file is damaged"
+                                            : "; an older emakit wrote it, which this emakit no longer reads";
   throw FormatVersionError(fmt::format("emakit: {}: {} version {}{}; this emakit ({}) reads {}{}", where, format.name,
                                        found, by, version_string, reads, hint),
                            found);

@@ -51,8 +51,8 @@ struct Format {
 inline constexpr Format ema_state{"emakit EMA state", 1, 1};
 inline constexpr Format hook{"emakit hook checkpoint", 1, 1};
 inline constexpr Format sharded{"emakit sharded EMA", 1, 1};
-inline constexpr Format snapshot{"emakit post-hoc snapshot", 2, 1};          // 2: the run identity
-inline constexpr Format posthoc_state{"emakit post-hoc EMA state", 2, 1};    // 2: the run identity
+inline constexpr Format snapshot{"emakit post-hoc snapshot", 2, 1};        // 2: the run identity
+inline constexpr Format posthoc_state{"emakit post-hoc EMA state", 2, 1};  // 2: the run identity
 
 // The check of a version read from a file of `format`: throws emakit::FormatVersionError unless
 // oldest <= found <= version, as "emakit: <where>: <format> version <found> (written by emakit

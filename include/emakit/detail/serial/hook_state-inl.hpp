@@ -3,7 +3,8 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/detail/serial/hook_state-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/serial/hook_state.hpp> instead"
+#error \
+    "emakit/detail/serial/hook_state-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/serial/hook_state.hpp> instead"
 #endif
 
 #include <emakit/detail/serial/hook_state.hpp>
@@ -101,9 +102,9 @@ EMAKIT_FUNC void read_header(torch::serialize::InputArchive& archive, torch::ser
   if (!hook.try_read("format", format) || !format.isTensor() || format.toTensor().numel() != 1)
     fail("load_checkpoint: the hook state has no format number; the checkpoint is damaged");
   c10::IValue writer;  // absent in checkpoints written before emakit recorded its version
-  formats::check_version(formats::hook, integer_value(format.toTensor(), "format", "load_checkpoint"), "load_checkpoint",
-                         hook.try_read("emakit_version", writer) && writer.isString() ? writer.toStringRef()
-                                                                                       : std::string());
+  formats::check_version(
+      formats::hook, integer_value(format.toTensor(), "format", "load_checkpoint"), "load_checkpoint",
+      hook.try_read("emakit_version", writer) && writer.isString() ? writer.toStringRef() : std::string());
 }
 
 EMAKIT_FUNC bool is_header_key(const std::string& k) { return k == "format" || k == "emakit_version"; }
@@ -113,8 +114,8 @@ EMAKIT_FUNC void write_entry(torch::serialize::OutputArchive& archive, torch::se
                              const StateDict* state, const TensorMap& replace) {
   torch::serialize::OutputArchive mine(hook.compilation_unit());
   Checksums sums;
-  const at::Tensor meta_tensor = at::tensor(std::vector<std::int64_t>{
-      meta.created ? 1 : 0, meta.pending ? 1 : 0, meta.calls, meta.step, meta.has_online ? 1 : 0});
+  const at::Tensor meta_tensor = at::tensor(std::vector<std::int64_t>{meta.created ? 1 : 0, meta.pending ? 1 : 0,
+                                                                      meta.calls, meta.step, meta.has_online ? 1 : 0});
   mine.write("meta", meta_tensor);
   sums.add("meta", meta_tensor);
   if (state != nullptr) {
@@ -140,9 +141,9 @@ EMAKIT_FUNC void write_entry(torch::serialize::OutputArchive& archive, torch::se
   hook.write(key, mine);
 }
 
-EMAKIT_FUNC std::optional<Entry> read_entry(torch::serialize::InputArchive& archive, torch::serialize::InputArchive& hook,
-                                            const std::string& key, const torch::nn::Module& model, LoadMode mode,
-                                            const std::string& where) {
+EMAKIT_FUNC std::optional<Entry> read_entry(torch::serialize::InputArchive& archive,
+                                            torch::serialize::InputArchive& hook, const std::string& key,
+                                            const torch::nn::Module& model, LoadMode mode, const std::string& where) {
   torch::serialize::InputArchive mine;
   if (!hook.try_read(key, mine)) {
     if (mode == LoadMode::lenient) {
@@ -173,7 +174,8 @@ EMAKIT_FUNC std::optional<Entry> read_entry(torch::serialize::InputArchive& arch
   bool exhaustive = false;
   if (out.meta.has_online) {
     auto online = read_checked_dict(mine, "online", sums, "online/", where);
-    if (!online) fail("{}: the hook state says it holds the online weights but has none; the checkpoint is damaged", where);
+    if (!online)
+      fail("{}: the hook state says it holds the online weights but has none; the checkpoint is damaged", where);
     for (auto& [k, t] : *online) found.emplace(k, t);
     exhaustive = true;
   } else {

@@ -67,9 +67,9 @@ namespace hook_state {
 
 // emakit_hook/K/meta.
 struct Meta {
-  bool created = false;     // the EMA was made
-  bool pending = false;     // a loaded state waits for the EMA to be made
-  std::int64_t calls = 0;   // update() calls and completed steps seen before the EMA was made
+  bool created = false;    // the EMA was made
+  bool pending = false;    // a loaded state waits for the EMA to be made
+  std::int64_t calls = 0;  // update() calls and completed steps seen before the EMA was made
   std::int64_t step = 0;
   bool has_online = false;  // K holds the EMA weights, emakit_hook/K/online the model's own
 };
@@ -100,9 +100,9 @@ struct Entry {
 
 // Reads emakit_hook/<key> and the weights; nullopt when the checkpoint has nothing for this model
 // and `mode` is lenient (warned about).
-EMAKIT_FUNC std::optional<Entry> read_entry(torch::serialize::InputArchive& archive, torch::serialize::InputArchive& hook,
-                                            const std::string& key, const torch::nn::Module& model, LoadMode mode,
-                                            const std::string& where);
+EMAKIT_FUNC std::optional<Entry> read_entry(torch::serialize::InputArchive& archive,
+                                            torch::serialize::InputArchive& hook, const std::string& key,
+                                            const torch::nn::Module& model, LoadMode mode, const std::string& where);
 
 // The weights of model `key` of a checkpoint, each checked against its checksum: what
 // load_weights() reads. `where` names the file and key in errors.

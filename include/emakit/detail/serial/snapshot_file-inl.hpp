@@ -3,7 +3,8 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/detail/serial/snapshot_file-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/serial/snapshot_file.hpp> instead"
+#error \
+    "emakit/detail/serial/snapshot_file-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/serial/snapshot_file.hpp> instead"
 #endif
 
 #include <emakit/detail/serial/snapshot_file.hpp>
@@ -48,8 +49,9 @@ EMAKIT_FUNC std::uint64_t model_fingerprint(const std::vector<SnapshotTensor>& t
     mix(&ndim, sizeof ndim);
     for (const std::int64_t size : t.sizes) mix(&size, sizeof size);
     // The dtype as the file's code (0 if it has none), so that readers outside C++ can recompute it.
-    const auto code = static_cast<std::uint8_t>(
-        std::find(detail::snapshot_dtypes.begin(), detail::snapshot_dtypes.end(), t.dtype) - detail::snapshot_dtypes.begin());
+    const auto code =
+        static_cast<std::uint8_t>(std::find(detail::snapshot_dtypes.begin(), detail::snapshot_dtypes.end(), t.dtype) -
+                                  detail::snapshot_dtypes.begin());
     const std::uint8_t role = t.averaged ? 0 : 1;
     mix(&code, sizeof code);
     mix(&role, sizeof role);
@@ -67,7 +69,9 @@ inline std::uint8_t dtype_code(c10::ScalarType type, const std::string& name) {
   fail("tensor '{}' has dtype {}, which a snapshot file cannot hold", name, c10::toString(type));
 }
 
-inline std::uint64_t align_up(std::uint64_t n) { return (n + snapshot_alignment - 1) / snapshot_alignment * snapshot_alignment; }
+inline std::uint64_t align_up(std::uint64_t n) {
+  return (n + snapshot_alignment - 1) / snapshot_alignment * snapshot_alignment;
+}
 
 // Appends little-endian values to a byte string.
 class ByteWriter {
@@ -203,7 +207,8 @@ class SnapshotWriter {
 
   void commit() {
     for (std::size_t i = 0; i < written_.size(); ++i)
-      if (!written_[i]) fail("internal: snapshot '{}': tensor '{}' was not written", info_.path.string(), info_.tensors[i].name);
+      if (!written_[i])
+        fail("internal: snapshot '{}': tensor '{}' was not written", info_.path.string(), info_.tensors[i].name);
     const std::string header = encode_snapshot_header(info_);
     file_.write_at(0, header.data(), header.size());
     file_.commit();
@@ -256,7 +261,8 @@ class SnapshotReader {
       fail_runtime("snapshot '{}' is corrupt: its header fails the CRC-32 check", p.string());
     parse_body(head.substr(16, header_size));
     if (actual_size < info_.file_size)
-      fail_runtime("snapshot '{}' is truncated: {} bytes, its header says {}", p.string(), actual_size, info_.file_size);
+      fail_runtime("snapshot '{}' is truncated: {} bytes, its header says {}", p.string(), actual_size,
+                   info_.file_size);
     if (actual_size > info_.file_size)
       fail_runtime("snapshot '{}' is corrupt: {} bytes, its header says {}", p.string(), actual_size, info_.file_size);
     if (!keep_open) fd_.reset();
@@ -316,12 +322,14 @@ class SnapshotReader {
       t.stored_dtype = dtype(r.get<std::uint8_t>(), t.name);
       t.dtype = dtype(r.get<std::uint8_t>(), t.name);
       const auto role = r.get<std::uint8_t>();
-      if (role > 1) fail_runtime("snapshot '{}' is corrupt: tensor '{}' has the role code {}", p.string(), t.name, role);
+      if (role > 1)
+        fail_runtime("snapshot '{}' is corrupt: tensor '{}' has the role code {}", p.string(), t.name, role);
       t.averaged = role == 0;
       const auto ndim = r.get<std::uint8_t>();
       for (std::uint8_t d = 0; d < ndim; ++d) {
         t.sizes.push_back(r.get<std::int64_t>());
-        if (t.sizes.back() < 0) fail_runtime("snapshot '{}' is corrupt: tensor '{}' has a negative size", p.string(), t.name);
+        if (t.sizes.back() < 0)
+          fail_runtime("snapshot '{}' is corrupt: tensor '{}' has a negative size", p.string(), t.name);
       }
       t.offset = r.get<std::uint64_t>();
       t.nbytes = r.get<std::uint64_t>();

@@ -72,7 +72,7 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 // One tensor of a snapshot file.
 struct SnapshotTensor {
-  std::string name;                                      // the model's state-dict name
+  std::string name;                                       // the model's state-dict name
   c10::ScalarType stored_dtype = c10::ScalarType::Float;  // its dtype in the file
   c10::ScalarType dtype = c10::ScalarType::Float;         // the dtype of the EMA tensor it was written from
   bool averaged = true;                                   // false: a copied tensor (integer buffer, copy_only)
@@ -104,17 +104,17 @@ struct RunId {
 struct SnapshotInfo {
   std::filesystem::path path;
   std::uint32_t format_version = 0;  // the file's (1 or 2); 0 for a header not read from a file
-  std::int64_t step = 0;          // the trainer's step when it was written
-  std::int64_t t = 0;             // the profile's time (the step of the EMA's last update)
-  double gamma = 0;               // the power-function exponent
-  double sigma_rel = 0;           // the same, as a relative width
-  std::int64_t update_every = 1;  // steps between the EMA's updates
-  std::uint32_t profile = 0;      // the profile's index in the PostHocEma that wrote it
-  std::uint32_t profiles = 0;     // how many profiles that PostHocEma tracks (0: not recorded)
-  RunId run;                      // the run that wrote it (not recorded: all zero)
-  std::int64_t run_started = 0;   // when that run started, Unix seconds (0: not recorded)
-  std::int64_t previous_step = -1;  // the step of the run's previous snapshot (0: none before; -1: not recorded)
-  std::uint64_t fingerprint = 0;  // model_fingerprint(tensors), filled in when written and when read
+  std::int64_t step = 0;             // the trainer's step when it was written
+  std::int64_t t = 0;                // the profile's time (the step of the EMA's last update)
+  double gamma = 0;                  // the power-function exponent
+  double sigma_rel = 0;              // the same, as a relative width
+  std::int64_t update_every = 1;     // steps between the EMA's updates
+  std::uint32_t profile = 0;         // the profile's index in the PostHocEma that wrote it
+  std::uint32_t profiles = 0;        // how many profiles that PostHocEma tracks (0: not recorded)
+  RunId run;                         // the run that wrote it (not recorded: all zero)
+  std::int64_t run_started = 0;      // when that run started, Unix seconds (0: not recorded)
+  std::int64_t previous_step = -1;   // the step of the run's previous snapshot (0: none before; -1: not recorded)
+  std::uint64_t fingerprint = 0;     // model_fingerprint(tensors), filled in when written and when read
   std::uint64_t file_size = 0;
   std::vector<SnapshotTensor> tensors;
 };
@@ -131,10 +131,10 @@ inline constexpr std::uint64_t snapshot_alignment = 64;
 inline constexpr std::uint32_t snapshot_max_header = 1U << 30;
 
 inline constexpr std::array<c10::ScalarType, 13> snapshot_dtypes = {
-    c10::ScalarType::Undefined, c10::ScalarType::Float,   c10::ScalarType::Double, c10::ScalarType::Half,
-    c10::ScalarType::BFloat16,  c10::ScalarType::ComplexFloat, c10::ScalarType::ComplexDouble,
-    c10::ScalarType::Long,      c10::ScalarType::Int,     c10::ScalarType::Short,  c10::ScalarType::Char,
-    c10::ScalarType::Byte,      c10::ScalarType::Bool};
+    c10::ScalarType::Undefined, c10::ScalarType::Float,        c10::ScalarType::Double,        c10::ScalarType::Half,
+    c10::ScalarType::BFloat16,  c10::ScalarType::ComplexFloat, c10::ScalarType::ComplexDouble, c10::ScalarType::Long,
+    c10::ScalarType::Int,       c10::ScalarType::Short,        c10::ScalarType::Char,          c10::ScalarType::Byte,
+    c10::ScalarType::Bool};
 
 }  // namespace detail
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

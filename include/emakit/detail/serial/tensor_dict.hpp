@@ -42,8 +42,8 @@ inline std::optional<std::vector<std::pair<std::string, at::Tensor>>> read_tenso
 }
 
 // The same items as a state dict, for StateReader. A name given twice is an error.
-inline torch::OrderedDict<std::string, at::Tensor> as_state(const std::vector<std::pair<std::string, at::Tensor>>& items,
-                                                            const std::string& where) {
+inline torch::OrderedDict<std::string, at::Tensor> as_state(
+    const std::vector<std::pair<std::string, at::Tensor>>& items, const std::string& where) {
   torch::OrderedDict<std::string, at::Tensor> state;
   for (const auto& [k, t] : items) {
     if (state.contains(k)) fail("{}: '{}' appears twice; the checkpoint is damaged", where, k);

@@ -3,7 +3,8 @@
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
-#error "emakit/detail/serial/torch_pickle-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/serial/torch_pickle.hpp> instead"
+#error \
+    "emakit/detail/serial/torch_pickle-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/serial/torch_pickle.hpp> instead"
 #endif
 
 #include <emakit/detail/serial/torch_pickle.hpp>
@@ -40,9 +41,10 @@ EMAKIT_FUNC void write_tensor_dict(const std::filesystem::path& path, const c10:
     });
     try {
       std::vector<char> pickle;
-      torch::jit::Pickler pickler([&](const char* bytes, std::size_t n) { pickle.insert(pickle.end(), bytes, bytes + n); },
-                                  /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
-                                  /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+      torch::jit::Pickler pickler(
+          [&](const char* bytes, std::size_t n) { pickle.insert(pickle.end(), bytes, bytes + n); },
+          /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+          /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
       pickler.protocol();
       pickler.pushIValue(c10::IValue(dict));
       pickler.stop();
