@@ -6,7 +6,7 @@
 // probe of the untrained encoder is the floor: random ReLU features are strong on this data, and
 // a few CPU epochs of an MLP are a demonstration of the mechanism, not a tuned SSL recipe.
 //
-//   ./scripts/demo.sh ssl                    # installs the data, builds, runs this (~2.5 min on 2 cores)
+//   ./scripts/demo.sh ssl                    # installs the data, builds, runs this (~1.5 min on 2 cores)
 //   emakit_example_ssl_byol --data build/data/fashion-mnist [--epochs 2] [--train-subset 20000]
 //
 // The routed sub-modules say so in their own forward: the projector records its output when it
