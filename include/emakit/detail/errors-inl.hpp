@@ -16,16 +16,23 @@ EMAKIT_FUNC std::string emakit::detail::shape_string(c10::IntArrayRef sizes) {
   return fmt::format("[{}]", fmt::join(sizes, ", "));
 }
 
-EMAKIT_FUNC void emakit::detail::rethrow_with_context(std::string_view suffix) {
+EMAKIT_FUNC void emakit::detail::rethrow_with_context(std::string_view suffix, std::string_view prefix) {
+  const auto with_context = [&](const std::exception& e) {
+    std::string_view message = e.what();
+    if (prefix.empty()) return fmt::format("{}{}", message, suffix);
+    constexpr std::string_view lead = "emakit: ";  // detail::fail's, kept in front of the prefix
+    if (message.substr(0, lead.size()) == lead) message.remove_prefix(lead.size());
+    return fmt::format("{}{}{}{}", lead, prefix, message, suffix);
+  };
   try {
     throw;
   } catch (const FormatVersionError& e) {
-    throw FormatVersionError(fmt::format("{}{}", e.what(), suffix), e.found());
+    throw FormatVersionError(with_context(e), e.found());
   } catch (const SynthesisRefused& e) {
-    throw SynthesisRefused(fmt::format("{}{}", e.what(), suffix));
+    throw SynthesisRefused(with_context(e));
   } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(fmt::format("{}{}", e.what(), suffix));
+    throw std::invalid_argument(with_context(e));
   } catch (const std::runtime_error& e) {
-    throw std::runtime_error(fmt::format("{}{}", e.what(), suffix));
+    throw std::runtime_error(with_context(e));
   }
 }

@@ -45,10 +45,11 @@ class FormatVersionError : public std::invalid_argument {
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
-// Re-throws the exception being handled with `suffix` appended to its message (a file's name, the
-// emakit that wrote it), keeping its type: FormatVersionError, SynthesisRefused,
-// std::invalid_argument, std::runtime_error; anything else unchanged. Call it in a catch block.
-[[noreturn]] EMAKIT_FUNC void rethrow_with_context(std::string_view suffix);
+// Re-throws the exception being handled with context added to its message, keeping its type
+// (FormatVersionError, SynthesisRefused, std::invalid_argument, std::runtime_error; anything else
+// unchanged): `suffix` after it (a file's name, the emakit that wrote it), `prefix` after its
+// "emakit: " (the part of a whole that failed). Call it in a catch block.
+[[noreturn]] EMAKIT_FUNC void rethrow_with_context(std::string_view suffix, std::string_view prefix = {});
 
 // Throws SynthesisRefused with a formatted message, prefixed by "emakit: ".
 template <class... Args>

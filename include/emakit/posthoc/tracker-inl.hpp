@@ -197,14 +197,9 @@ EMAKIT_FUNC void PostHocEma::prepare() {
 EMAKIT_FUNC void PostHocEma::check_loadable(std::size_t i, const StateDict& part) const {
   try {
     emas_[i].check_state_dict(part, LoadMode::strict);
-  } catch (const std::invalid_argument& e) {
-    std::string_view why = e.what();
-    if (why.rfind("emakit: ", 0) == 0) why.remove_prefix(8);  // detail::fail's prefix, added again below
-    const std::string message =
-        fmt::format("emakit: PostHocEma::load_state_dict: profile {}: {} (the profiles or the model changed)", i, why);
-    if (const auto* version = dynamic_cast<const FormatVersionError*>(&e))
-      throw FormatVersionError(message, version->found());
-    throw std::invalid_argument(message);
+  } catch (const std::invalid_argument&) {
+    detail::rethrow_with_context(" (the profiles or the model changed)",
+                                 fmt::format("PostHocEma::load_state_dict: profile {}: ", i));
   }
 }
 

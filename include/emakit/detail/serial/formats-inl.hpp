@@ -19,7 +19,7 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail::formats {
 
 EMAKIT_FUNC void check_version(const Format& format, std::int64_t found, std::string_view where,
                                std::string_view writer) {
-  if (found >= format.oldest && found <= format.version) return;
+  if (format.reads(found)) return;
   const std::string by = writer.empty() ? std::string() : fmt::format(" (written by emakit {})", writer);
   const std::string reads = format.oldest == format.version
                                 ? fmt::format("version {}", format.version)

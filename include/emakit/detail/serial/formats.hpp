@@ -46,6 +46,7 @@ struct Format {
   std::string_view name;
   std::int64_t version;
   std::int64_t oldest;
+  constexpr bool reads(std::int64_t found) const noexcept { return found >= oldest && found <= version; }
 };
 
 inline constexpr Format ema_state{"emakit EMA state", 1, 1};

@@ -101,10 +101,11 @@ EMAKIT_FUNC void read_header(torch::serialize::InputArchive& archive, torch::ser
   c10::IValue format;
   if (!hook.try_read("format", format) || !format.isTensor() || format.toTensor().numel() != 1)
     fail("load_checkpoint: the hook state has no format number; the checkpoint is damaged");
-  c10::IValue writer;  // absent in checkpoints written before emakit recorded its version
-  formats::check_version(
-      formats::hook, integer_value(format.toTensor(), "format", "load_checkpoint"), "load_checkpoint",
-      hook.try_read("emakit_version", writer) && writer.isString() ? writer.toStringRef() : std::string());
+  const std::int64_t found = integer_value(format.toTensor(), "format", "load_checkpoint");
+  if (formats::hook.reads(found)) return;
+  c10::IValue writer;  // for the message; absent in checkpoints written before emakit recorded its version
+  formats::check_version(formats::hook, found, "load_checkpoint",
+                         hook.try_read("emakit_version", writer) && writer.isString() ? writer.toStringRef() : "");
 }
 
 EMAKIT_FUNC bool is_header_key(const std::string& k) { return k == "format" || k == "emakit_version"; }
