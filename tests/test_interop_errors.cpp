@@ -187,3 +187,206 @@ TEST_CASE("import_state names the key the peer's file should hold, and what it h
                       Contains("no 'ema_model.fc.weight'") && Contains("it holds 'module.fc.weight' instead"));
   }
 }
+
+namespace {
+
+// EMAModel(model.parameters()).state_dict() as Python's torch.save writes it: the config as Python
+// float, int and bool, shadow_params a list (each parameter plus 0.25, in parameters() order).
+struct DiffusersFile {
+  std::vector<at::Tensor> shadow;
+  std::vector<std::pair<std::string, c10::IValue>> config{
+      {"decay", 0.9999},         {"min_decay", 0.0}, {"optimization_step", 5}, {"update_after_step", 0},
+      {"use_ema_warmup", false}, {"inv_gamma", 1.0}, {"power", 2.0 / 3.0}};
+  explicit DiffusersFile(torch::nn::Module& model) {
+    for (const auto& p : model.parameters()) shadow.push_back(p.detach() + 0.25);
+  }
+  void set(const std::string& key, c10::IValue value) {
+    for (auto& [k, v] : config)
+      if (k == key) v = std::move(value);
+  }
+  void write(const std::filesystem::path& path) const {
+    c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+    for (const auto& [key, value] : config) dict.insert(key, value);
+    c10::impl::GenericList list(c10::AnyType::get());
+    for (const auto& t : shadow) list.push_back(t);
+    dict.insert("shadow_params", list);
+    emakit::detail::write_tensor_dict(path, dict);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("diffusers: shadow_params import by position, and the export is EMAModel.state_dict()'s dict",
+          "[interop][diffusers]") {
+  TempDir dir;
+  TinyNet model;
+  auto ema = emakit::diffusers_ema_model(*model);
+  const auto file = dir.path / "ema.pt";
+  const DiffusersFile saved(*model);
+  saved.write(file);
+  CHECK(emakit::import_state(ema, emakit::Peer::diffusers, file).clean());
+  CHECK(ema.step() == 5);
+  const auto averages = ema.averages();
+  REQUIRE(averages.size() == 4);  // parameters only: fc.weight, fc.bias, bn.weight, bn.bias
+  std::size_t compared = 0;
+  for (const auto& item : averages) {
+    INFO(item.key());
+    CHECK(torch::equal(item.value(), saved.shadow[compared]));  // position i: the i-th parameter
+    ++compared;
+  }
+  CHECK(compared == saved.shadow.size());
+
+  ema.update();
+  const auto exported = dir.path / "export.pt";
+  emakit::export_state(ema, emakit::Peer::diffusers, exported);
+  const auto dict = emakit::detail::read_pickle_dict(exported, "test");
+  CHECK(dict.size() == 8);
+  CHECK(dict.at("decay").isDouble());
+  CHECK(dict.at("decay").toDouble() == 0.9999);
+  CHECK(dict.at("min_decay").isDouble());  // EMAModel.load_state_dict: isinstance(min_decay, float)
+  CHECK(dict.at("min_decay").toDouble() == 0.0);
+  CHECK(dict.at("optimization_step").isInt());
+  CHECK(dict.at("optimization_step").toInt() == 6);
+  CHECK(dict.at("update_after_step").isInt());
+  CHECK(dict.at("update_after_step").toInt() == 0);
+  CHECK(dict.at("use_ema_warmup").isBool());
+  CHECK_FALSE(dict.at("use_ema_warmup").toBool());
+  CHECK(dict.at("inv_gamma").isDouble());
+  CHECK(dict.at("power").isDouble());
+  REQUIRE(dict.at("shadow_params").isList());
+  const auto shadow = dict.at("shadow_params").toListRef();
+  REQUIRE(shadow.size() == 4);
+  std::size_t exported_compared = 0;
+  for (const auto& item : ema.averages()) {
+    CHECK(torch::equal(shadow[exported_compared].toTensor(), item.value()));
+    ++exported_compared;
+  }
+  CHECK(exported_compared == 4);
+}
+
+TEST_CASE("diffusers: a list of another length or shape, or another config, is named and loads nothing",
+          "[interop][diffusers][errors]") {
+  TempDir dir;
+  TinyNet model;
+  const auto file = dir.path / "ema.pt";
+  auto ema = emakit::diffusers_ema_model(*model, {.decay = 0.999, .min_decay = 0.05, .update_after_step = 2});
+  const auto before = snapshot(ema.averages());
+  DiffusersFile saved(*model);
+  saved.set("decay", 0.999);
+  saved.set("min_decay", 0.05);
+  saved.set("update_after_step", 2);
+  auto refused = [&](const DiffusersFile& f, emakit::LoadMode mode = emakit::LoadMode::strict) {
+    f.write(file);
+    try {
+      emakit::import_state(ema, emakit::Peer::diffusers, file, mode);
+    } catch (const std::exception& e) {
+      CHECK(same_averages(ema.averages(), before));
+      CHECK(ema.step() == 0);
+      return std::string(e.what());
+    }
+    FAIL("imported a file it should refuse");
+    return std::string();
+  };
+
+  SECTION("one tensor short") {
+    auto f = saved;
+    f.shadow.pop_back();
+    const auto m = refused(f);
+    CHECK_THAT(m,
+               Contains("import_state: '" + file.string() + "': shadow_params holds 3 tensors, this EMA averages 4"));
+    CHECK_THAT(m, Contains("matched by position to this EMA's averaged tensors, the model's parameters() order"));
+    CHECK_THAT(m, Contains("nothing was loaded"));
+    CHECK_THAT(refused(f, emakit::LoadMode::lenient), Contains("shadow_params holds 3 tensors"));  // no lenient
+  }
+
+  SECTION("the list in another order: the position, the name it matched and both shapes") {
+    auto f = saved;
+    std::swap(f.shadow[0], f.shadow[1]);  // fc.bias [4] where fc.weight [4, 3] is
+    const auto m = refused(f);
+    CHECK_THAT(m, Contains("shadow_params[0] (matched to 'fc.weight' by position) has shape [4] in the file, "
+                           "[4, 3] in this EMA"));
+    CHECK_THAT(m, !Contains("average."));
+  }
+
+  SECTION("a dtype that differs at a position") {
+    auto f = saved;
+    f.shadow[2] = f.shadow[2].to(at::kDouble);
+    CHECK_THAT(refused(f), Contains("shadow_params[2] (matched to 'bn.weight' by position) has dtype Double in the "
+                                    "file, Float in this EMA"));
+  }
+
+  SECTION("a config entry that differs names the field and both values") {
+    auto f = saved;
+    f.set("min_decay", 0.1);
+    CHECK_THAT(refused(f), Contains("config differs: min_decay is 0.1 in the file, 0.05 in this EMA "
+                                    "(RationalRamp::min_decay)"));
+    CHECK_THAT(refused(f, emakit::LoadMode::lenient), Contains("config differs: min_decay"));
+    f = saved;
+    f.set("update_after_step", 3);
+    CHECK_THAT(refused(f), Contains("config differs: update_after_step is 3 in the file, 2 in this EMA"));
+    f = saved;
+    f.set("use_ema_warmup", true);
+    CHECK_THAT(refused(f), Contains("config differs: use_ema_warmup is True in the file, False in this EMA"));
+    f = saved;
+    f.set("decay", 0.9999);
+    CHECK_THAT(refused(f), Contains("config differs: decay is 0.9999 in the file, 0.999 in this EMA "
+                                    "(RationalRamp::decay_max)"));
+  }
+
+  SECTION("a counter of another type, and a missing entry") {
+    auto f = saved;
+    f.set("optimization_step", 2.5);
+    CHECK_THAT(refused(f), Contains("'optimization_step' must be an int, got 2.5"));
+    f = saved;
+    f.config.erase(f.config.begin() + 2);  // no optimization_step
+    CHECK_THAT(refused(f), Contains("has no 'optimization_step': not a diffusers EMAModel state"));
+  }
+
+  SECTION("an EMA whose decay no EMAModel file describes") {
+    auto other = emakit::averaged_model_ema(*model, {.decay = 0.95});
+    saved.write(file);
+    CHECK_THROWS_WITH(emakit::import_state(other, emakit::Peer::diffusers, file),
+                      Contains("Peer::diffusers needs an EMA made by diffusers_ema_model"));
+    CHECK_THROWS_WITH(emakit::export_state(other, emakit::Peer::diffusers, dir.path / "other.pt"),
+                      Contains("export_state: Peer::diffusers needs an EMA made by diffusers_ema_model"));
+    CHECK_FALSE(std::filesystem::exists(dir.path / "other.pt"));
+  }
+}
+
+TEST_CASE("luxonis-train: EMACallback.state_dict() imports by name with its updates, and another file is named",
+          "[interop][luxonis][errors]") {
+  TempDir dir;
+  TinyNet model;
+  auto ema = emakit::luxonis_model_ema(*model, {.decay = 0.99, .decay_tau = 5.0});
+  const auto file = dir.path / "callback.pt";
+  const auto saved = peer_tensors(ema.averages(), "");
+  auto write = [&](const c10::IValue& updates, const char* tensors_key = "ema_state_dict") {
+    c10::impl::GenericDict inner(c10::StringType::get(), c10::TensorType::get());
+    for (const auto& [key, value] : saved) inner.insert(key, value);
+    c10::impl::GenericDict outer(c10::StringType::get(), c10::AnyType::get());
+    outer.insert(tensors_key, inner);
+    outer.insert("updates", updates);
+    emakit::detail::write_tensor_dict(file, outer);
+  };
+  const auto before = snapshot(ema.averages());
+
+  write(c10::IValue(2.5));  // updates: a float, which EMACallback would ignore
+  CHECK_THROWS_WITH(emakit::import_state(ema, emakit::Peer::luxonis_callback, file),
+                    Contains("import_state: '" + file.string() + "': 'updates' must be an int, got a Double"));
+  write(c10::IValue(std::int64_t{7}), "state_dict");
+  CHECK_THROWS_WITH(emakit::import_state(ema, emakit::Peer::luxonis_callback, file),
+                    Contains("has no 'ema_state_dict' and 'updates': not a luxonis-train EMACallback state"));
+  CHECK(same_averages(ema.averages(), before));
+  CHECK(ema.num_updates() == 0);
+
+  write(c10::IValue(std::int64_t{7}));
+  CHECK(emakit::import_state(ema, emakit::Peer::luxonis_callback, file).clean());
+  CHECK(ema.num_updates() == 7);
+  CHECK(ema.step() == 7);
+  std::size_t compared = 0;
+  for (const auto& [name, value] : saved) {
+    CHECK(torch::equal(ema.averages()[name], value));
+    ++compared;
+  }
+  CHECK(compared == ema.averages().size());
+}

@@ -13,6 +13,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <ATen/core/List.h>
+
 #include <algorithm>
 #include <iterator>
 #include <vector>
@@ -25,9 +27,12 @@ EMAKIT_FUNC const PeerText& peer_text(Peer peer) {
       {"module.", "a timm ModelEmaV3", "torch.save(ema.state_dict(), path)", "ema.module.state_dict()"},
       {"module.", "a torch AveragedModel", "torch.save(averaged_model.state_dict(), path)",
        "averaged_model.module.state_dict()"},
+      {"", "a diffusers EMAModel", "torch.save(ema.state_dict(), path)", "ema.shadow_params"},
+      {"", "a luxonis-train EMACallback", "torch.save(callback.state_dict(), path)", "callback.ema.state_dict_ema"},
   };
   static_assert(static_cast<int>(Peer::ema_pytorch) == 0 && static_cast<int>(Peer::timm_v3) == 1 &&
-                static_cast<int>(Peer::averaged_model) == 2);
+                static_cast<int>(Peer::averaged_model) == 2 && static_cast<int>(Peer::diffusers) == 3 &&
+                static_cast<int>(Peer::luxonis_callback) == 4);
   const auto i = static_cast<std::size_t>(peer);
   if (i >= std::size(table)) fail("interop: unknown Peer value {}", i);
   return table[i];
@@ -180,6 +185,156 @@ EMAKIT_FUNC void keep_current(StateDict& out, const LoadReport& found, const Sta
   };
   for (const auto& k : found.missing) keep(k);
   for (const auto& k : found.mismatched) keep(k.substr(0, k.find(": ")));
+}
+
+// ---- luxonis-train EMACallback -------------------------------------------------------------
+
+EMAKIT_FUNC c10::impl::GenericDict luxonis_tensors(const c10::impl::GenericDict& dict, const std::string& path,
+                                                   std::int64_t& updates) {
+  const std::string save = "save torch.save(callback.state_dict(), path), or checkpoint[\"callbacks\"][key] of a "
+                           "Lightning checkpoint";
+  const auto inner = dict.find("ema_state_dict");
+  const auto count = dict.find("updates");
+  if (inner == dict.end() || count == dict.end())
+    fail("import_state: '{}' has no 'ema_state_dict' and 'updates': not a luxonis-train EMACallback state; {}", path,
+         save);
+  if (!inner->value().isGenericDict())
+    fail("import_state: '{}': 'ema_state_dict' must be a dict of tensors, got a {}", path, inner->value().tagKind());
+  const c10::IValue& u = count->value();
+  if (u.isInt()) {
+    updates = u.toInt();
+  } else if (u.isTensor()) {
+    updates = integer_value(u.toTensor(), "updates", fmt::format("import_state: '{}'", path));
+  } else {
+    fail("import_state: '{}': 'updates' must be an int, got a {}", path, u.tagKind());
+  }
+  if (updates < 0) fail("import_state: '{}': updates must be >= 0, got {}", path, updates);
+  return inner->value().toGenericDict();
+}
+
+// ---- diffusers EMAModel ------------------------------------------------------------------
+
+EMAKIT_FUNC c10::impl::GenericDict diffusers_dict(const StateDict& averages, const DiffusersConfig& config,
+                                                  std::int64_t step) {
+  // Values of type Any: doubles, ints and a bool pickle as Python float, int and bool. The list
+  // is a generic one (element type Any): a list typed Tensor pickles as
+  // torch.jit._pickle.build_tensorlist, a global torch.load(weights_only=True) refuses.
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+  dict.insert("decay", config.decay);
+  dict.insert("min_decay", config.min_decay);
+  dict.insert("optimization_step", step);
+  dict.insert("update_after_step", config.update_after_step);
+  dict.insert("use_ema_warmup", config.use_ema_warmup);
+  dict.insert("inv_gamma", config.inv_gamma);
+  dict.insert("power", config.power);
+  c10::impl::GenericList shadow(c10::AnyType::get());
+  for (const auto& item : averages) shadow.push_back(item.value().detach().cpu().contiguous());
+  dict.insert("shadow_params", shadow);
+  return dict;
+}
+
+// The value of `key` in an EMAModel dict, or throws naming it.
+EMAKIT_FUNC const c10::IValue& diffusers_entry(const c10::impl::GenericDict& dict, const std::string& key,
+                                               const std::string& path) {
+  const auto it = dict.find(key);
+  if (it == dict.end())
+    fail("import_state: '{}' has no '{}': not a diffusers EMAModel state (save it with "
+         "torch.save(ema.state_dict(), path)); nothing was loaded",
+         path, key);
+  return it->value();
+}
+
+EMAKIT_FUNC std::string python_value(const c10::IValue& v) {
+  if (v.isBool()) return v.toBool() ? "True" : "False";
+  if (v.isInt()) return fmt::format("{}", v.toInt());
+  if (v.isDouble()) return fmt::format("{}", v.toDouble());
+  return fmt::format("a {}", v.tagKind());
+}
+
+EMAKIT_FUNC PeerFile read_diffusers_file(const c10::impl::GenericDict& dict, const std::string& path,
+                                         const StateDict& state, const DiffusersConfig& config) {
+  const std::string where = fmt::format("import_state: '{}'", path);
+  const auto differs = [&](const std::string& field, const std::string& file, const std::string& ours,
+                           std::string_view option) {
+    fail("{}: config differs: {} is {} in the file, {} in this EMA ({}::{}); make the EMA with the file's "
+         "EMAModel options; nothing was loaded",
+         where, field, file, ours, config.policy, option);
+  };
+  // A Python float field may hold an int (EMAModel(decay=1)); an int field must hold an int.
+  const auto number = [&](const std::string& key) {
+    const c10::IValue& v = diffusers_entry(dict, key, path);
+    if (v.isDouble()) return v.toDouble();
+    if (v.isInt()) return static_cast<double>(v.toInt());
+    fail("{}: '{}' must be a number, got {}; nothing was loaded", where, key, python_value(v));
+  };
+  const auto integer = [&](const std::string& key) {
+    const c10::IValue& v = diffusers_entry(dict, key, path);
+    if (!v.isInt()) fail("{}: '{}' must be an int, got {}; nothing was loaded", where, key, python_value(v));
+    return v.toInt();
+  };
+  const c10::IValue& warmup = diffusers_entry(dict, "use_ema_warmup", path);
+  if (!warmup.isBool())
+    fail("{}: 'use_ema_warmup' must be a bool, got {}; nothing was loaded", where, python_value(warmup));
+  if (warmup.toBool() != config.use_ema_warmup)
+    differs("use_ema_warmup", python_value(warmup), config.use_ema_warmup ? "True" : "False",
+            config.use_ema_warmup ? "warmup (made by diffusers_ema_model_warmup)"
+                                  : "(made by diffusers_ema_model, no warmup)");
+  const bool ramp = !config.use_ema_warmup;
+  if (const double v = number("decay"); v != config.decay)
+    differs("decay", fmt::format("{}", v), fmt::format("{}", config.decay), ramp ? "decay_max" : "beta");
+  if (const double v = number("min_decay"); v != config.min_decay)
+    differs("min_decay", fmt::format("{}", v), fmt::format("{}", config.min_decay), ramp ? "min_decay" : "min_value");
+  if (const std::int64_t v = integer("update_after_step"); v != config.update_after_step)
+    differs("update_after_step", fmt::format("{}", v), fmt::format("{}", config.update_after_step),
+            "update_after_step");
+  // inv_gamma and power shape the warmup only: EMAModel without it never reads them.
+  const double inv_gamma = number("inv_gamma"), power = number("power");
+  if (config.use_ema_warmup && inv_gamma != config.inv_gamma)
+    differs("inv_gamma", fmt::format("{}", inv_gamma), fmt::format("{}", config.inv_gamma), "inv_gamma");
+  if (config.use_ema_warmup && power != config.power)
+    differs("power", fmt::format("{}", power), fmt::format("{}", config.power), "power");
+
+  PeerFile f;
+  f.step = integer("optimization_step");
+  if (f.step < 0) fail("{}: optimization_step must be >= 0, got {}; nothing was loaded", where, f.step);
+  f.initted = true;  // EMAModel holds its shadow params from construction on
+
+  const c10::IValue& list = diffusers_entry(dict, "shadow_params", path);
+  if (!list.isList()) fail("{}: 'shadow_params' must be a list of tensors, got {}", where, python_value(list));
+  const auto shadow = list.toListRef();
+  std::vector<std::string> keys;  // this EMA's averages, in its order
+  for (const auto& item : state)
+    if (ema_state::is_average_key(item.key())) keys.push_back(item.key());
+  const std::string order =
+      "shadow_params is matched by position to this EMA's averaged tensors, the model's parameters() order for "
+      "diffusers_ema_model, as EMAModel(model.parameters()) holds them";
+  if (shadow.size() != keys.size())
+    fail("{}: shadow_params holds {} tensors, this EMA averages {} ({}): a state of another model, or of "
+         "EMAModel(...) given other parameters?; nothing was loaded",
+         where, shadow.size(), keys.size(), order);
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    const std::string name = ema_state::average_name(keys[i]);
+    if (!shadow[i].isTensor())
+      fail("{}: shadow_params[{}] (matched to '{}') is {}, not a tensor; nothing was loaded", where, i, name,
+           python_value(shadow[i]));
+    const at::Tensor& t = shadow[i].toTensor();
+    const at::Tensor& ours = *state.find(keys[i]);
+    if (!t.sizes().equals(ours.sizes()))
+      fail("{}: shadow_params[{}] (matched to '{}' by position) has shape {} in the file, {} in this EMA ({}); "
+           "nothing was loaded",
+           where, i, name, shape_string(t.sizes()), shape_string(ours.sizes()), order);
+    if (t.scalar_type() != ours.scalar_type())
+      fail("{}: shadow_params[{}] (matched to '{}' by position) has dtype {} in the file, {} in this EMA "
+           "(EMAModel.to(dtype=...)?"
+           "); nothing was loaded",
+           where, i, name, c10::toString(t.scalar_type()), c10::toString(ours.scalar_type()));
+  }
+  for (const auto& item : state) {
+    if (ema_state::is_average_key(item.key())) continue;
+    if (item.key().rfind("counters.", 0) != 0) f.state.insert(item.key(), item.value());
+  }
+  for (std::size_t i = 0; i < keys.size(); ++i) f.state.insert(keys[i], shadow[i].toTensor());
+  return f;
 }
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail::interop

@@ -43,6 +43,25 @@ _common.run(out, "fixed_decay", make=lambda m: ModelEma(m, decay=0.7, use_dynami
             peer_state=ema_state, counters=lambda e: {"updates": e.updates}, steps=12)
 
 
+# Moving a callback's state to C++ (interop.hpp, Peer::luxonis_callback): an EMACallback whose
+# ModelEma is driven step by step; state_0015.pt is torch.save(callback.state_dict()) after step 15,
+# as a user saves it (EMACallback.state_dict(): {"ema_state_dict": a dict, "updates": an int}), and
+# state_0030.pt the same after the last step: what emakit's export must match, key for key.
+def callback_with_ema(model, kept):
+    callback = EMACallback(decay=0.99, decay_tau=5.0)
+    callback._ema = ModelEma(model, decay=0.99, decay_tau=5.0)  # what its on_fit_start makes
+    kept.append(callback)
+    return callback
+
+
+callbacks = []
+_common.run(out, "callback_state", make=lambda m: callback_with_ema(m, callbacks),
+            update=lambda c, m, step: c.ema.update(m), peer_state=lambda c: dict(c.ema.state_dict_ema),
+            counters=lambda c: {"updates": c.ema.updates}, steps=30, saved_state=lambda c: c.state_dict(),
+            saved_state_step=15)
+torch.save(callbacks[0].state_dict(), os.path.join(out, "callback_state", "state_0030.pt"))
+
+
 # ---- EMACallback in a Lightning fit ----------------------------------------------------------
 
 class LitNet(pl.LightningModule):

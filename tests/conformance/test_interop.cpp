@@ -8,6 +8,10 @@
 #include <emakit/interop.hpp>
 
 #include <caffe2/serialize/inline_container.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
 
 #include "../../examples/subprocess.hpp"
 #include "replay.hpp"
@@ -299,4 +303,203 @@ TEST_CASE("torch.save(state_dict()), an OrderedDict, reads as the dict it holds,
   CHECK(torch::equal(other.averages()["lin.weight"], before));
   CHECK(other.num_updates() == 0);
   fs::remove_all(folder);
+}
+
+namespace {
+
+// _common.Net's tensors under the same names, registered in the same order, so that
+// named_parameters() lists them as Python's model.parameters() does: the order diffusers'
+// shadow_params list follows.
+struct DiffusersNetImpl : torch::nn::Module {
+  DiffusersNetImpl() {
+    lin = register_module("lin", torch::nn::Linear(8, 6));
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 3, 3)));
+    bn = register_module("bn", torch::nn::BatchNorm2d(3));
+    emb = register_module("emb", torch::nn::Embedding(10, 4));
+    mask = register_buffer("mask", torch::ones({6}));
+  }
+  torch::nn::Linear lin{nullptr};
+  torch::nn::Conv2d conv{nullptr};
+  torch::nn::BatchNorm2d bn{nullptr};
+  torch::nn::Embedding emb{nullptr};
+  at::Tensor mask;
+};
+TORCH_MODULE(DiffusersNet);
+
+// _diffusers_roundtrip.py's steps: N in Python, then M in emakit, then P in Python again.
+constexpr std::int64_t kN = 10, kM = 8, kP = 7;
+// Per update, diffusers computes s - (1 - d)(s - p) in float32 (three roundings) and emakit its
+// lerp (kLerp); the two results of one update differ by at most kLerp + 1 ulps of the operands'
+// magnitude. Both runs go from the same state at step N through M updates whose results may
+// differ by that, then P updates by EMAModel on both sides, from states that differ: an update
+// shrinks a difference by d <= 1 and its own roundings (on different inputs) add at most 1 ulp.
+// So after M + P updates the runs differ by at most (kLerp + 1) * (M + P) ulps at the largest
+// magnitude the tensor had over the run.
+constexpr double kRoundTrip = (kLerp + 1) * static_cast<double>(kM + kP);
+
+int diffusers_script(const char* mode, const char* scenario, const fs::path& folder) {
+  const std::string python = EMAKIT_CONFORMANCE_PYTHON;
+  REQUIRE(!python.empty());
+  return emakit_subprocess::run(
+      {python, fmt::format("{}/_diffusers_roundtrip.py", EMAKIT_CONFORMANCE_SCRIPTS), mode, scenario, folder.string()});
+}
+
+// A diffusers EMAModel saves after N steps; emakit imports it, goes on M steps and exports; the
+// real EMAModel.load_state_dict loads that and goes on P steps: every parameter within kRoundTrip
+// ulps of the run that never left Python, optimization_step equal. `make(net)` makes the EMA.
+template <class Make>
+void diffusers_round_trip(const char* scenario, bool frozen_embedding, Make make) {
+  if (!have_python()) EMAKIT_SKIP("no Python (EMAKIT_PYTHON is empty): the diffusers round trip runs diffusers");
+  const fs::path folder = recipe_folder(fmt::format("diffusers_{}", scenario).c_str());
+  REQUIRE(diffusers_script("save", scenario, folder) == 0);
+  const Dict trajectory = load_dict(folder / "trajectory.pt");
+  const auto at_step = [&](std::int64_t step) { return fmt::format("s{}.", step); };
+
+  DiffusersNet net;
+  if (frozen_embedding) net->emb->weight.set_requires_grad(false);  // as the script's model
+  load_into(*net, trajectory, at_step(kN));
+  auto ema = make(*net);
+
+  // The EMA holds the parameters in Python's parameters() order (order.<name> = position).
+  std::int64_t position = 0;
+  for (const auto& item : ema.averages()) {
+    INFO(item.key());
+    CHECK(trajectory.at("order." + item.key()).template item<std::int64_t>() == position);
+    ++position;
+  }
+  std::int64_t parameters = 0;
+  for (const auto& [key, _] : trajectory) parameters += key.rfind("order.", 0) == 0 ? 1 : 0;
+  REQUIRE(position == parameters);
+  REQUIRE(parameters == 7);  // lin, conv, bn: weight and bias; emb.weight
+
+  // The import is a copy of shadow_params, position i to the i-th parameter.
+  CHECK(emakit::import_state(ema, emakit::Peer::diffusers, folder / "state.pt").clean());
+  CHECK(ema.step() == kN);
+  const auto saved = emakit::detail::read_pickle_dict(folder / "state.pt", "test");
+  const auto shadow = saved.at("shadow_params").toListRef();
+  REQUIRE(static_cast<std::int64_t>(shadow.size()) == parameters);
+  std::size_t copied = 0;
+  for (const auto& item : ema.averages()) {
+    INFO(item.key());
+    CHECK(torch::equal(item.value(), shadow[copied].toTensor()));
+    ++copied;
+  }
+  CHECK(static_cast<std::int64_t>(copied) == parameters);
+
+  for (std::int64_t step = kN + 1; step <= kN + kM; ++step) {
+    load_into(*net, trajectory, at_step(step));
+    ema.update();
+  }
+  CHECK(ema.step() == kN + kM);
+  emakit::export_state(ema, emakit::Peer::diffusers, folder / "export.pt");
+  REQUIRE(diffusers_script("load", scenario, folder) == 0);
+
+  const Dict reference = load_dict(folder / "reference.pt");
+  const Dict continued = load_dict(folder / "continued.pt");
+  CHECK(continued.at("optimization_step").item<std::int64_t>() == kN + kM + kP);
+  CHECK(reference.at("optimization_step").item<std::int64_t>() == kN + kM + kP);
+  std::int64_t compared = 0;
+  double worst = 0;
+  for (const auto& [key, expected] : reference) {
+    if (key.rfind("peer.", 0) != 0) continue;
+    INFO(key);
+    const std::string name = key.substr(5);
+    at::Tensor magnitude = emakit_test::operand_magnitude(expected, continued.at(key));
+    for (std::int64_t step = kN; step <= kN + kM + kP; ++step)
+      magnitude = torch::maximum(magnitude, trajectory.at(at_step(step) + name).to(at::kDouble).abs());
+    const double ulps = ulp_distance(continued.at(key), expected, magnitude);
+    CHECK(ulps <= kRoundTrip);
+    worst = std::max(worst, ulps);
+    // An averaged parameter is no copy of the model's last state (a frozen one is, on both sides).
+    const bool is_frozen = frozen_embedding && name == "emb.weight";
+    CHECK(torch::equal(expected, trajectory.at(at_step(kN + kM + kP) + name)) == is_frozen);
+    ++compared;
+  }
+  CHECK(compared == parameters);
+  std::size_t entries = 0;
+  for (const auto& [key, _] : continued) entries += key.rfind("peer.", 0) == 0 ? 1 : 0;
+  CHECK(entries == static_cast<std::size_t>(parameters));
+  std::cout << "diffusers round trip (" << scenario << "): " << compared << " parameters compared, max " << worst
+            << " ulps (bound " << kRoundTrip << ")" << std::endl;
+  fs::remove_all(folder);
+}
+
+}  // namespace
+
+TEST_CASE("diffusers EMAModel: saved in Python, continued in C++, loaded back by EMAModel, equals a Python-only run",
+          "[conformance][interop][diffusers]") {
+  diffusers_round_trip("ramp", /*frozen_embedding=*/true, [](torch::nn::Module& net) {
+    return emakit::diffusers_ema_model(net, {.decay = 0.99, .min_decay = 0.05, .update_after_step = 3});
+  });
+}
+
+TEST_CASE("diffusers EMAModel with use_ema_warmup: saved in Python, continued in C++, loaded back by EMAModel",
+          "[conformance][interop][diffusers]") {
+  diffusers_round_trip("warmup", /*frozen_embedding=*/false, [](torch::nn::Module& net) {
+    return emakit::diffusers_ema_model_warmup(net, {.decay = 0.995,
+                                                    .min_decay = 0.0,
+                                                    .update_after_step = 2,
+                                                    .use_ema_warmup = true,
+                                                    .inv_gamma = 1.5,
+                                                    .power = 0.75});
+  });
+}
+
+// luxonis_peer.py's callback_state: an EMACallback's ModelEma driven 30 steps; state_0015.pt is
+// torch.save(callback.state_dict()) after step 15 ({"ema_state_dict": dict, "updates": int}),
+// state_0030.pt the same after step 30. Recorded in the seed venv (the fixture replays in CI).
+TEST_CASE("luxonis-train EMACallback: a state saved in Python continues in C++, the export is the callback's own file",
+          "[conformance][interop][luxonis]") {
+  const auto dir = scenario_dir("luxonis_peer", "callback_state");
+  if (!dir) return;
+  auto sources = sources_from(*dir);
+  auto ema = emakit::luxonis_model_ema(sources, {.decay = 0.99, .decay_tau = 5.0});
+  CHECK(emakit::import_state(ema, emakit::Peer::luxonis_callback, step_file(*dir, "state", 15)).clean());
+  CHECK(ema.num_updates() == load_dict(step_file(*dir, "step", 15)).at("counter.updates").item<std::int64_t>());
+  CHECK(ema.num_updates() == 15);
+  const auto luxonis_counters = [](const auto& e, const Dict& rec) {
+    CHECK(e.num_updates() == rec.at("counter.updates").template item<std::int64_t>());
+  };
+  require_counts(replay(*dir, sources, ema, false, luxonis_counters, kLerp, false, 16), *dir, 16);
+
+  // The export holds what the callback's own file holds at step 30: the same two entries, updates
+  // a Python int of the same value, the same names in ema_state_dict with the same dtypes and
+  // shapes; integer tensors bitwise, floating ones within one update's bound (the replay's last
+  // update started from the peer's state of step 29).
+  const auto path = temp_path("luxonis_export");
+  emakit::export_state(ema, emakit::Peer::luxonis_callback, path);
+  const auto ours = emakit::detail::read_pickle_dict(path, "test");
+  const auto theirs = emakit::detail::read_pickle_dict(step_file(*dir, "state", 30), "test");
+  REQUIRE(ours.size() == 2);
+  REQUIRE(theirs.size() == 2);
+  REQUIRE(theirs.at("updates").isInt());
+  CHECK(ours.at("updates").isInt());
+  CHECK(ours.at("updates").toInt() == theirs.at("updates").toInt());
+  CHECK(ours.at("updates").toInt() == 30);
+  const auto our_tensors = ours.at("ema_state_dict").toGenericDict();
+  const auto their_tensors = theirs.at("ema_state_dict").toGenericDict();
+  CHECK(our_tensors.size() == their_tensors.size());
+  const Dict before = load_dict(step_file(*dir, "step", 29));
+  const Dict last = load_dict(step_file(*dir, "step", 30));
+  std::size_t compared = 0;
+  for (const auto& item : their_tensors) {
+    const std::string name = item.key().toStringRef();
+    INFO(name);
+    const at::Tensor& expected = item.value().toTensor();
+    REQUIRE(our_tensors.contains(name));
+    const at::Tensor got = our_tensors.at(name).toTensor();
+    CHECK(got.scalar_type() == expected.scalar_type());
+    REQUIRE(got.sizes() == expected.sizes());
+    CHECK(torch::equal(expected, last.at("peer." + name)));  // the file is the peer's state at step 30
+    if (!expected.is_floating_point()) {
+      CHECK(torch::equal(got, expected));
+    } else {
+      const at::Tensor magnitude = torch::maximum(emakit_test::operand_magnitude(before.at("peer." + name), expected),
+                                                  last.at("source." + name).to(at::kDouble).abs());
+      CHECK(ulp_distance(got, expected, magnitude) <= kLerp);
+    }
+    ++compared;
+  }
+  CHECK(compared == static_cast<std::size_t>(model_tensors(*dir)));
+  fs::remove(path);
 }
