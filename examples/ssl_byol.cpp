@@ -1,6 +1,8 @@
 // Self-supervised learning with an EMA teacher (BYOL-style) on Fashion-MNIST, without labels:
 // the student sees one augmented view, the EMA teacher another, and the teacher's projection
-// reaches the student's predictor through emakit::TeacherStudent. After training, a linear probe
+// reaches the student's predictor through emakit::TeacherStudent. The teacher's momentum follows
+// BYOL's cosine schedule (emakit::CosineMomentum: --decay at the first step, rising to 1 at the last,
+// as lightly's cosine_schedule + update_momentum do). After training, a linear probe
 // (a logistic regression on frozen features, with labels) measures what the encoder learned. The
 // same run with a teacher that is a copy of the student (decay 0) shows what the EMA adds, and the
 // probe of the untrained encoder is the floor: random ReLU features are strong on this data, and
@@ -11,8 +13,10 @@
 //
 // The routed sub-modules say so in their own forward: the projector records its output when it
 // runs as the teacher, the predictor asks for it when it runs as the student.
-#include <emakit/aliases.hpp>
+#include <emakit/decay.hpp>
+#include <emakit/ema.hpp>
 #include <emakit/format.hpp>
+#include <emakit/storage.hpp>
 #include <emakit/teacher.hpp>
 
 #include <ATen/Parallel.h>
@@ -158,7 +162,8 @@ int main(int argc, char** argv) {
   app.add_option("--epochs", epochs, "passes over the training images")->check(CLI::Range(1, 1000));
   app.add_option("--batch-size", batch_size, "images per step")->check(CLI::Range(2, 65536));
   app.add_option("--lr", lr, "Adam's learning rate")->check(CLI::PositiveNumber);
-  app.add_option("--decay", decay, "the teacher's EMA decay")->check(CLI::Range(0.0, 0.999999));
+  app.add_option("--decay", decay, "the teacher's momentum at the first step (it rises to 1 along a half cosine)")
+      ->check(CLI::Range(0.0, 0.999999));
   app.add_option("--seed", seed, "seed of the initialisation, the views and the order");
   app.add_option("--threads", threads, "LibTorch threads (0: its default)")->check(CLI::NonNegativeNumber);
   app.add_option("--train-subset", train_subset, "use only the first N training images (0: all)")
@@ -202,15 +207,19 @@ int main(int argc, char** argv) {
   };
   std::vector<Outcome> outcomes;
   double probe_before = 0;
+  const std::int64_t total_steps = epochs * (train_x.size(0) / batch_size);
+  using CosineTeacher = emakit::Ema<emakit::CosineMomentum, emakit::StepSchedule, emakit::ModuleStorage<ByolNetImpl>>;
   for (const double d : {decay, 0.0}) {
     torch::manual_seed(seed);
     ByolNet model;
     if (d == decay) probe_before = probe(*model);
-    emakit::TeacherStudent wrapper(*model, emakit::ModuleEma<ByolNetImpl>(*model, emakit::Fixed(d)),
+    // d > 0: momentum d at the first step, 1 at the last (BYOL); d = 0: 0 throughout (the copy).
+    emakit::TeacherStudent wrapper(*model,
+                                   CosineTeacher(*model, emakit::CosineMomentum(d, d > 0 ? 1.0 : 0.0, total_steps)),
                                    emakit::TeacherRoutes::map({{"predictor", "projector"}}));
     torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(lr));
-    fmt::print("BYOL on {} unlabelled images, {} epochs, batch {}, teacher decay {}\n", train_x.size(0), epochs,
-               batch_size, d);
+    fmt::print("BYOL on {} unlabelled images, {} epochs, batch {}, teacher momentum {} -> {} (cosine, {} steps)\n",
+               train_x.size(0), epochs, batch_size, d, d > 0 ? 1.0 : 0.0, total_steps);
     torch::manual_seed(seed + 1);
     const auto start = std::chrono::steady_clock::now();
     const std::int64_t n = train_x.size(0);
@@ -248,7 +257,7 @@ int main(int argc, char** argv) {
   fmt::print("  {:<40} {:>7.2f}%\n", "encoder at initialisation (no training)", 100.0 * probe_before);
   for (const auto& o : outcomes)
     fmt::print("  {:<40} {:>7.2f}% {:>7.2f}%   (final BYOL loss {:.4f})\n",
-               o.decay > 0 ? fmt::format("BYOL, EMA teacher (decay {})", o.decay)
+               o.decay > 0 ? fmt::format("BYOL, EMA teacher (momentum {} -> 1)", o.decay)
                            : std::string("BYOL, teacher = student (no EMA)"),
                100.0 * o.student, 100.0 * o.teacher, o.loss);
   return 0;

@@ -18,10 +18,10 @@ EMAKIT_VENV="${EMAKIT_VENV:-$HOME/.cache/emakit/venv}"
 EMAKIT_JOBS="${EMAKIT_JOBS:-2}"
 EMAKIT_BUILD_TYPE="${EMAKIT_BUILD_TYPE:-Release}"
 EMAKIT_REQUIREMENTS="$EMAKIT_ROOT/scripts/requirements.txt"
-# The seed packages (luxonis-train, nvalchemi-toolkit) pin a torch that cannot share the first
-# venv: a second venv, made only when asked (EMAKIT_SEED_PACKAGES=1 ./scripts/test.sh,
-# ./scripts/seed_fixtures.sh). Cold: about 3 minutes and 6.9 GB (a CUDA torch wheel and ~240
-# packages); the default run replays the fixtures they recorded instead.
+# The seed packages (luxonis-train, nvalchemi-toolkit, lightning, lightly) pin a torch that
+# cannot share the first venv: a second venv, made only when asked (EMAKIT_SEED_PACKAGES=1
+# ./scripts/test.sh, ./scripts/seed_fixtures.sh). Cold: about 3 minutes and 6.9 GB (a CUDA torch
+# wheel and ~240 packages); the default run replays the fixtures they recorded instead.
 EMAKIT_SEED_VENV="${EMAKIT_SEED_VENV:-$HOME/.cache/emakit/seed-venv}"
 EMAKIT_SEED_REQUIREMENTS="$EMAKIT_ROOT/scripts/requirements-seed.txt"
 

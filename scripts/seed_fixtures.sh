@@ -10,7 +10,8 @@
 # (EMAKIT_SEED_PACKAGES=1 ./scripts/test.sh) diffs its live output with the committed fixture
 # and fails on drift (cmake/emakit_run_conformance_script.cmake).
 #
-#   ./scripts/seed_fixtures.sh                 every seed generator (luxonis_peer, nvalchemi_peer)
+#   ./scripts/seed_fixtures.sh                 every seed generator (luxonis_peer, nvalchemi_peer,
+#                                              lightning_peer, lightly_peer)
 #   ./scripts/seed_fixtures.sh luxonis_peer    one
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
@@ -18,7 +19,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$EMAKIT_ROOT"
 
 stems=("$@")
-((${#stems[@]} > 0)) || stems=(luxonis_peer nvalchemi_peer)
+((${#stems[@]} > 0)) || stems=(luxonis_peer nvalchemi_peer lightning_peer lightly_peer)
 emakit_seed_venv_ensure || emakit_die "the seed venv is unavailable: $EMAKIT_PYTHON_STATUS"
 python="$EMAKIT_SEED_VENV/bin/python"
 fixtures=tests/conformance/fixtures

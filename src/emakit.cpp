@@ -34,6 +34,7 @@
 #include <emakit/posthoc/snapshot_folder-inl.hpp>
 #include <emakit/posthoc/synthesis-inl.hpp>
 #include <emakit/posthoc/tracker-inl.hpp>
+#include <emakit/presets-inl.hpp>
 #include <emakit/storage-inl.hpp>
 #include <emakit/teacher-inl.hpp>
 

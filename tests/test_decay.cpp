@@ -93,6 +93,70 @@ TEST_CASE("Uniform gives an equal-weight mean, with the lerp weight 1/n exactly"
   CHECK(uniform.decay(at_update(4)) == 0.75);
 }
 
+namespace {
+// |a - b| in ulps of double at b's magnitude: the reference values below are printed to 16-17
+// significant digits (one rounding of the exact value), so a value computed the same way is
+// within 1 ulp of them, and a different formula (a K' off by one, 9 for 10) is ~1e9 ulps away.
+double double_ulps(double a, double b) {
+  const double u = std::nextafter(std::abs(b), INFINITY) - std::abs(b);
+  return std::abs(a - b) / u;
+}
+}  // namespace
+
+TEST_CASE("RationalRamp reproduces the reference values of the TensorFlow / diffusers ramp", "[decay]") {
+  const emakit::RationalRamp ramp(0.9999);
+  CHECK(ramp.decay(at_step(1)) == 0.0);  // t = 0: the first step copies
+  CHECK(double_ulps(ramp.decay(at_step(2)), 0.18181818181818182) <= 1);
+  CHECK(double_ulps(ramp.decay(at_step(11)), 0.55) <= 1);
+  CHECK(double_ulps(ramp.decay(at_step(101)), 0.9181818181818182) <= 1);
+  CHECK(ramp.decay(at_step(1000000)) == 0.9999);  // capped at decay
+  // It counts steps, not updates, and waits update_after_step more steps.
+  const auto later = emakit::RationalRamp(0.9999).update_after_step(5);
+  CHECK(later.decay(at_step(6)) == 0.0);
+  CHECK(double_ulps(later.decay({7, 1, 1}), 0.18181818181818182) <= 1);
+  // min_decay floors it, also at t = 1 (diffusers clamps after the ramp); still 0 while t <= 0.
+  const auto floored = emakit::RationalRamp(0.9).min_decay(0.5);
+  CHECK(floored.decay(at_step(1)) == 0.0);
+  CHECK(floored.decay(at_step(2)) == 0.5);
+  CHECK(floored.decay(at_step(11)) == 0.55);
+  CHECK(floored.decay(at_step(5000)) == 0.9);
+  CHECK(floored == emakit::RationalRamp(0.9).min_decay(0.5));
+  CHECK_FALSE(floored == emakit::RationalRamp(0.9));
+  const auto fields = later.fields();
+  REQUIRE(fields.size() == 3);
+  CHECK((fields[2].name == "update_after_step" && fields[2].value == 5 && fields[2].is_integer));
+}
+
+TEST_CASE("CosineMomentum reproduces lightly's and DINO's cosine schedules", "[decay]") {
+  // k = step - 1: lightly's cosine_schedule(k, 100, 0.996, 1.0) and DINO's cosine_scheduler.
+  const emakit::CosineMomentum lightly(0.996, 1.0, 100);
+  CHECK(lightly.endpoint() == emakit::CosineEnd::at_last_step);
+  CHECK(lightly.decay(at_step(1)) == 0.996);  // k = 0: start
+  CHECK(double_ulps(lightly.decay(at_step(2)), 0.9960010069152336) <= 1);
+  CHECK(double_ulps(lightly.decay(at_step(51)), 0.9980317319276696) <= 1);
+  CHECK(lightly.decay(at_step(100)) == 1.0);  // k = 99 = K - 1: the end
+  CHECK(lightly.decay(at_step(500)) == 1.0);  // and after
+  const auto dino = emakit::CosineMomentum(0.996, 1.0, 100).endpoint(emakit::CosineEnd::after_last_step);
+  CHECK(double_ulps(dino.decay(at_step(2)), 0.9960009868792685) <= 1);
+  CHECK(double_ulps(dino.decay(at_step(51)), 0.998) <= 1);
+  CHECK(dino.decay(at_step(100)) < 1.0);  // k = 99 < K: not yet the end
+  CHECK(dino.decay(at_step(101)) == 1.0);
+  // It rises monotonically from start to end.
+  double previous = 0.0;
+  for (std::int64_t s = 1; s <= 120; ++s) {
+    const double d = lightly.decay(at_step(s));
+    CHECK(d >= previous);
+    previous = d;
+  }
+  CHECK_FALSE(lightly == dino);
+  const auto fields = dino.fields();
+  REQUIRE(fields.size() == 4);
+  CHECK((fields[2].name == "total_steps" && fields[2].value == 100 && fields[2].is_integer));
+  CHECK((fields[3].name == "endpoint" && fields[3].value == 1));
+  // start > end is possible through the constructor in either order of checks.
+  CHECK(emakit::CosineMomentum(0.9, 0.99, 10).end() == 0.99);
+}
+
 TEST_CASE("Decay options out of range are rejected with the value", "[decay][errors]") {
   CHECK_THROWS_AS(emakit::Fixed(1.0), std::invalid_argument);
   CHECK_THROWS_WITH(emakit::Fixed(1.0), Contains("Fixed::beta must be in [0, 1), got 1"));
@@ -111,6 +175,18 @@ TEST_CASE("Decay options out of range are rejected with the value", "[decay][err
   CHECK_THROWS_WITH(emakit::PowerFunction::from_sigma_rel(0.3), Contains("sigma_rel") && Contains("0.3"));
   CHECK_THROWS_WITH(emakit::PowerFunction::from_sigma_rel(0.0), Contains("sigma_rel") && Contains("(0, 0.2887)"));
   CHECK_THROWS_WITH(emakit::sigma_rel_to_gamma(-0.1), Contains("-0.1"));
+  CHECK_THROWS_WITH(emakit::RationalRamp(1.0), Contains("RationalRamp::decay must be in [0, 1), got 1"));
+  CHECK_THROWS_WITH(emakit::RationalRamp(0.9).min_decay(0.95),
+                    Contains("RationalRamp::min_decay must be in [0, decay = 0.9], got 0.95"));
+  CHECK_THROWS_WITH(emakit::RationalRamp().update_after_step(-1), Contains("update_after_step") && Contains("-1"));
+  CHECK_THROWS_WITH(emakit::CosineMomentum(0.996, 1.5), Contains("CosineMomentum::end must be in") && Contains("1.5"));
+  CHECK_THROWS_WITH(emakit::CosineMomentum(0.999, 0.99),
+                    Contains("CosineMomentum::start must be in [0, end = 0.99], got 0.999"));
+  CHECK_THROWS_WITH(
+      emakit::CosineMomentum(0.996, 1.0, 1),
+      Contains("CosineMomentum::total_steps must be >= 2 with CosineEnd::at_last_step") && Contains("got 1"));
+  CHECK_THROWS_WITH(emakit::CosineMomentum(0.996, 1.0, 0), Contains("CosineMomentum::total_steps must be > 0, got 0"));
+  CHECK(emakit::CosineMomentum().endpoint(emakit::CosineEnd::after_last_step).total_steps(1).decay(at_step(2)) == 1.0);
 }
 
 namespace {
@@ -128,6 +204,10 @@ static_assert(emakit::DecayPolicy<emakit::ExponentialRamp>);
 static_assert(emakit::DecayPolicy<emakit::InversePowerWarmup>);
 static_assert(emakit::DecayPolicy<emakit::PowerFunction>);
 static_assert(emakit::DecayPolicy<emakit::Uniform>);
+static_assert(emakit::DecayPolicy<emakit::RationalRamp>);
+static_assert(emakit::DecayPolicy<emakit::CosineMomentum>);
+static_assert(emakit::DescribedPolicy<emakit::RationalRamp>);
+static_assert(emakit::DescribedPolicy<emakit::CosineMomentum>);
 static_assert(emakit::DecayPolicy<HalvingEveryStep>);
 static_assert(!emakit::DecayPolicy<NotADecay>);
 static_assert(!emakit::DecayPolicy<int>);

@@ -86,7 +86,7 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
   // numbers the checks expect are read from the table's Python column. An edit to the table, to
   // this code or to a preset fails here.
   const auto rows = migration_table();
-  REQUIRE(rows.size() == 9);
+  REQUIRE(rows.size() == 12);
   std::vector<std::string> code(rows.size());
   const std::int64_t step = 1;
   const bool will_skip = true;
@@ -177,6 +177,37 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
     const auto lightning = python_kwargs(rows[8].python[1]);
     REQUIRE(lightning.count("accumulate_grad_batches") == 1);
     CHECK(ema.schedule().accumulate() == whole(lightning.at("accumulate_grad_batches")));
+  }
+  {
+    TinyNet model;
+    EMAKIT_ROW(code[9], auto ema = emakit::diffusers_ema_model(
+                            *model, {.decay = 0.9999, .min_decay = 0.0, .update_after_step = 0});
+               ema.update();)
+    CHECK(ema.decay_policy() == emakit::RationalRamp(py(9, "decay"))
+                                    .min_decay(py(9, "min_decay"))
+                                    .update_after_step(whole(py(9, "update_after_step"))));
+    CHECK(ema.options().buffers() == emakit::BufferMode::ignore);  // EMAModel takes parameters()
+    CHECK(ema.options().frozen_parameters() == emakit::BufferMode::copy);
+    CHECK(ema.step() == 1);
+  }
+  {
+    TinyNet model;
+    EMAKIT_ROW(code[10], auto ema = emakit::lightning_ema_weight_averaging(
+                             *model, {.decay = 0.999, .update_every_n_steps = 2, .update_starting_at_step = 100});
+               ema.update();)
+    CHECK(ema.decay_policy() == emakit::Fixed(py(10, "decay")));
+    CHECK(ema.schedule().update_every() == whole(py(10, "update_every_n_steps")));
+    CHECK(ema.schedule().start_step() == whole(py(10, "update_starting_at_step")) + 1);  // 0-based index -> step
+    CHECK(ema.num_updates() == 0);
+  }
+  {
+    TinyNet model;
+    EMAKIT_ROW(code[11], auto teacher =
+                             emakit::cosine_momentum_teacher(*model, {.start = 0.996, .end = 1.0, .total_steps = 1000});
+               teacher.update();)
+    CHECK(teacher.decay_policy() ==
+          emakit::CosineMomentum(py(11, "start_value"), py(11, "end_value"), whole(py(11, "max_steps"))));
+    CHECK(teacher.decay() == py(11, "start_value"));  // lightly's step 0
   }
   for (std::size_t i = 0; i < rows.size(); ++i) {
     INFO("row " << i << " of the table: " << rows[i].cpp);
@@ -291,3 +322,89 @@ TEST_CASE("Renamed API: the old names are deprecated aliases of the new ones", "
 #if defined(__GNUC__)
 #pragma GCC diagnostic pop
 #endif
+
+TEST_CASE("diffusers preset: the TensorFlow ramp, parameters only, frozen parameters copied", "[presets]") {
+  TinyNet model;
+  model->fc->bias.set_requires_grad(false);  // frozen: diffusers copies it at every step()
+  emakit_test::fill_floats(*model, 1.0);
+  auto ema = emakit::diffusers_ema_model(*model, {.decay = 0.9, .min_decay = 0.1});
+  CHECK(ema.names(emakit::Role::average) == std::vector<std::string>{"fc.weight", "bn.weight", "bn.bias"});
+  CHECK(ema.names(emakit::Role::copy) == std::vector<std::string>{"fc.bias"});
+  CHECK(ema.frozen_parameters() == std::vector<std::string>{"fc.bias"});
+  CHECK_THROWS_WITH(ema.average("bn.running_mean"), Contains("no tensor"));  // buffers are not held
+  CHECK_THAT(fmt::format("{}", ema), Contains("3 averaged + 1 copied (1 frozen parameter copied)"));
+  // A plain reference of diffusers' step(): d = clamp((1 + t) / (10 + t), min_decay, decay).
+  double ref = 1.0;
+  for (int step = 1; step <= 30; ++step) {
+    emakit_test::fill_floats(*model, 1.0 + step);
+    const double t = step - 1;
+    const double d = t <= 0 ? 0.0 : std::max(0.1, std::min(0.9, (1 + t) / (10 + t)));
+    ref = d * ref + (1 - d) * (1.0 + step);
+    ema.update();
+    CHECK(emakit_test::reported_decay_is(ema.decay(), d));
+    // float32 lerp vs the double reference: within 4 float ulps at this magnitude per update,
+    // accumulated over <= 30 updates (the average never leaves [1, 31]): 1e-4 relative is ~100x that.
+    CHECK(std::abs(ema.average("fc.weight")[0][0].item<double>() - ref) <= 1e-4 * ref);
+    CHECK(ema.average("fc.bias")[0].item<double>() == 1.0 + step);  // copied, bitwise
+  }
+  // The warmup preset, and the option that belongs to it refused by the other one.
+  CHECK_THROWS_WITH(emakit::diffusers_ema_model(*model, {.use_ema_warmup = true}),
+                    Contains("use_ema_warmup is true") && Contains("diffusers_ema_model_warmup"));
+  auto warm = emakit::diffusers_ema_model_warmup(*model, {.decay = 0.999, .use_ema_warmup = true, .power = 0.75});
+  CHECK(warm.decay_policy() ==
+        emakit::InversePowerWarmup(0.999).power(0.75).inv_gamma(1.0).min_value(0.0).update_after_step(0));
+  CHECK(warm.frozen_parameters() == std::vector<std::string>{"fc.bias"});
+  // Frozen parameters can also be left out, and the default averages them (every other peer).
+  auto left_out = emakit::FixedEma(*model, emakit::Fixed(0.5), {},
+                                   emakit::EmaOptions().frozen_parameters(emakit::BufferMode::ignore));
+  CHECK_THROWS_WITH(left_out.average("fc.bias"), Contains("no tensor"));
+  CHECK_THAT(fmt::format("{}", left_out), Contains("(1 frozen parameter left out)"));
+  CHECK(emakit::FixedEma(*model).names(emakit::Role::average).size() == 7);  // fc.bias averaged; 3 float buffers
+  CHECK(emakit::FixedEma(*model).frozen_parameters().empty());
+}
+
+TEST_CASE("Lightning preset updates on the steps EMAWeightAveraging.should_update picks, the first one copies",
+          "[presets]") {
+  // A plain reference of the callback: after optimizer step i (0-based), update when
+  // i >= update_starting_at_step (None: 0) and i % update_every_n_steps == 0; the first copies.
+  for (const std::int64_t every : {1, 2, 3, 7}) {
+    for (const std::optional<std::int64_t> start : {std::optional<std::int64_t>{}, std::optional<std::int64_t>{0},
+                                                    std::optional<std::int64_t>{4}, std::optional<std::int64_t>{9}}) {
+      TinyNet model;
+      auto ema = emakit::lightning_ema_weight_averaging(
+          *model, {.decay = 0.5, .update_every_n_steps = every, .update_starting_at_step = start});
+      bool first = true;
+      int updates = 0;
+      for (std::int64_t i = 0; i < 40; ++i) {
+        const bool due = i >= start.value_or(0) && i % every == 0;
+        const auto expected = !due ? Action::skipped : first ? Action::copied : Action::averaged;
+        INFO("every " << every << ", start " << start.value_or(-1) << ", step index " << i);
+        CHECK(ema.update().action == expected);
+        if (due) first = false, ++updates;
+      }
+      CHECK(ema.num_updates() == updates);
+    }
+  }
+  TinyNet model;
+  CHECK(emakit::lightning_ema_weight_averaging(*model).average("bn.running_mean").defined());  // use_buffers=True
+  CHECK_THROWS_WITH(emakit::lightning_ema_weight_averaging(*model, {.update_every_n_steps = 0}),
+                    Contains("update_every_n_steps must be > 0, got 0"));
+  CHECK_THROWS_WITH(emakit::lightning_ema_weight_averaging(*model, {.update_starting_at_step = -2}),
+                    Contains("update_starting_at_step") && Contains("-2"));
+}
+
+TEST_CASE("Cosine teacher preset: parameters only, every update averages with the cosine momentum", "[presets]") {
+  TinyNet model;
+  emakit_test::fill_floats(*model, 0.0);
+  auto teacher = emakit::cosine_momentum_teacher(*model, {.start = 0.9, .end = 1.0, .total_steps = 5});
+  CHECK(teacher.names(emakit::Role::average).size() == 4);  // fc and bn parameters; no buffers
+  CHECK_THROWS_WITH(teacher.average("bn.running_var"), Contains("no tensor"));
+  const emakit::CosineMomentum m(0.9, 1.0, 5);
+  for (std::int64_t step = 1; step <= 6; ++step) {
+    emakit_test::fill_floats(*model, static_cast<double>(step));
+    const auto result = teacher.update();
+    CHECK(result.action == Action::averaged);  // the teacher starts as the student: no copy
+    CHECK(emakit_test::reported_decay_is(teacher.decay(), m.decay({step, step, 1})));
+  }
+  CHECK(teacher.decay() == 1.0);  // k = 5 > K' = 4: the end value, the teacher stops moving
+}

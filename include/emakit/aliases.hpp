@@ -7,6 +7,8 @@
 // | RampEma          | ExponentialRamp    | every step          | FlatStorage      |
 // | PowerEma         | PowerFunction      | every step          | FlatStorage      |
 // | SwaAverage       | Uniform            | every step          | FlatStorage      |
+// | RationalRampEma  | RationalRamp       | every step          | FlatStorage      |
+// | CosineEma        | CosineMomentum     | every step          | FlatStorage      |
 // | ModuleEma<M>     | Fixed(0.9999)      | every step          | ModuleStorage<M> |
 // | ModuleWarmupEma<M> | InversePowerWarmup | every step        | ModuleStorage<M> |
 //
@@ -27,12 +29,14 @@ using WarmupEma = Ema<InversePowerWarmup, StepSchedule, FlatStorage>;
 using RampEma = Ema<ExponentialRamp, StepSchedule, FlatStorage>;
 using PowerEma = Ema<PowerFunction, StepSchedule, FlatStorage>;
 using SwaAverage = Ema<Uniform, StepSchedule, FlatStorage>;
+using RationalRampEma = Ema<RationalRamp, StepSchedule, FlatStorage>;
+using CosineEma = Ema<CosineMomentum, StepSchedule, FlatStorage>;
 
-// The decay policies of the five flat aliases above, the one list of them: in compiled mode
+// The decay policies of the seven flat aliases above, the one list of them: in compiled mode
 // (detail/config.hpp) these come instantiated from the library (src/aliases.cpp), with their
 // emakit::save, emakit::load (checkpoint.hpp) and emakit::describe (format.hpp).
 #define EMAKIT_FOR_EACH_FLAT_ALIAS_DECAY(X) \
-  X(Fixed) X(InversePowerWarmup) X(ExponentialRamp) X(PowerFunction) X(Uniform)
+  X(Fixed) X(InversePowerWarmup) X(ExponentialRamp) X(PowerFunction) X(Uniform) X(RationalRamp) X(CosineMomentum)
 
 #if EMAKIT_EXTERN_ALIASES
 #define EMAKIT_EXTERN_EMA(Decay) extern template class Ema<Decay, StepSchedule, FlatStorage>;

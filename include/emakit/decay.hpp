@@ -8,6 +8,10 @@
 // |                    |   min_value, beta), e = step - update_after_step - 1  | timm ModelEmaV3 warmup     |
 // | PowerFunction      | (1 - dt / step)^(gamma + 1); the first update copies   | Karras et al. post-hoc EMA |
 // | Uniform            | 1 - 1 / update (an equal-weight mean of every update)  | SWA, AveragedModel default |
+// | RationalRamp       | 0 if t <= 0, else max(min_decay, min(decay,           | TensorFlow's num_updates,  |
+// |                    |   (1 + t) / (10 + t))), t = step - update_after_step - 1 | diffusers EMAModel       |
+// | CosineMomentum     | end - (end - start) (cos(pi k / K') + 1) / 2, k = step - 1 | SSL teachers: BYOL,    |
+// |                    |   K' = total_steps - 1 (lightly) or total_steps (DINO) | DINO, MoCo v3, I-JEPA      |
 //
 // Every policy validates its options when they are set and throws std::invalid_argument that
 // names the option and the bad value. Policies compare with ==, print with fmt (format.hpp) and
@@ -255,6 +259,137 @@ class Uniform {
   }
   std::vector<Field> fields() const { return {}; }
   bool operator==(const Uniform&) const = default;
+};
+
+// ---- the TensorFlow / diffusers ramp ------------------------------------------------------
+
+// TensorFlow's ExponentialMovingAverage with num_updates, and diffusers' EMAModel without
+// use_ema_warmup: with t = step - update_after_step - 1, d = 0 while t <= 0, then the rational
+// ramp (1 + t) / (10 + t), capped at `decay` and floored at `min_decay`. d reaches 0.9 at t = 81,
+// 0.99 at t = 891; computed in double, as diffusers' Python floats are.
+class RationalRamp {
+ public:
+  static constexpr std::string_view name = "RationalRamp";
+
+  RationalRamp() = default;
+  explicit RationalRamp(double decay) { this->decay_max(decay); }
+
+  double decay_max() const noexcept { return decay_; }
+  RationalRamp& decay_max(double value) {
+    detail::check_unit_interval(value, "RationalRamp::decay");
+    if (value < min_decay_) detail::fail("RationalRamp::decay must be >= min_decay ({}), got {}", min_decay_, value);
+    decay_ = value;
+    return *this;
+  }
+  double min_decay() const noexcept { return min_decay_; }
+  RationalRamp& min_decay(double value) {
+    if (!(value >= 0.0 && value <= decay_))
+      detail::fail("RationalRamp::min_decay must be in [0, decay = {}], got {}", decay_, value);
+    min_decay_ = value;
+    return *this;
+  }
+  std::int64_t update_after_step() const noexcept { return update_after_step_; }
+  RationalRamp& update_after_step(std::int64_t value) {
+    detail::check_non_negative_int(value, "RationalRamp::update_after_step");
+    update_after_step_ = value;
+    return *this;
+  }
+
+  double decay(const DecayInput& in) const noexcept {
+    const auto t = static_cast<double>(in.step - update_after_step_ - 1);
+    if (t <= 0.0) return 0.0;
+    return std::max(min_decay_, std::min(decay_, (1.0 + t) / (10.0 + t)));
+  }
+  std::vector<Field> fields() const {
+    return {{"decay", decay_},
+            {"min_decay", min_decay_},
+            {"update_after_step", static_cast<double>(update_after_step_), true}};
+  }
+  bool operator==(const RationalRamp&) const = default;
+
+ private:
+  double decay_ = 0.9999;
+  double min_decay_ = 0.0;
+  std::int64_t update_after_step_ = 0;
+};
+
+// ---- the cosine momentum of self-supervised teachers ---------------------------------------
+
+// Where a cosine momentum schedule reaches its end value. lightly's cosine_schedule(step,
+// max_steps, ...) reaches it at the last step (K' = total_steps - 1); DINO's cosine_scheduler,
+// an array of total_steps values, one step after the last (K' = total_steps).
+enum class CosineEnd : std::uint8_t { at_last_step = 0, after_last_step = 1 };
+
+// The teacher momentum of BYOL, DINO, MoCo v3, iBOT and I-JEPA: with k = step - 1 (the first
+// update has k = 0), d = end - (end - start) (cos(pi k / K') + 1) / 2, rising from `start` to
+// `end` over K' steps and staying at `end` after. The average starts as the model (the teacher is
+// a copy of the student) and every update averages with this d.
+class CosineMomentum {
+ public:
+  static constexpr std::string_view name = "CosineMomentum";
+
+  CosineMomentum() = default;
+  explicit CosineMomentum(double start, double end = 1.0, std::int64_t total_steps = 1000) {
+    start_ = 0.0;  // so that end() checks only its own range; start() then checks start <= end
+    this->end(end);
+    this->start(start);
+    this->total_steps(total_steps);
+  }
+
+  double start() const noexcept { return start_; }
+  CosineMomentum& start(double value) {
+    if (!(value >= 0.0 && value <= end_))
+      detail::fail("CosineMomentum::start must be in [0, end = {}], got {}", end_, value);
+    start_ = value;
+    return *this;
+  }
+  double end() const noexcept { return end_; }
+  CosineMomentum& end(double value) {
+    if (!(value >= start_ && value <= 1.0))
+      detail::fail("CosineMomentum::end must be in [start = {}, 1], got {}", start_, value);
+    end_ = value;
+    return *this;
+  }
+  std::int64_t total_steps() const noexcept { return total_steps_; }
+  CosineMomentum& total_steps(std::int64_t value) {
+    detail::check_positive_int(value, "CosineMomentum::total_steps");
+    if (endpoint_ == CosineEnd::at_last_step && value < 2)
+      detail::fail("CosineMomentum::total_steps must be >= 2 with CosineEnd::at_last_step (K' = total_steps - 1 "
+                   "must be positive), got {}",
+                   value);
+    total_steps_ = value;
+    return *this;
+  }
+  CosineEnd endpoint() const noexcept { return endpoint_; }
+  CosineMomentum& endpoint(CosineEnd value) {
+    if (value != CosineEnd::at_last_step && value != CosineEnd::after_last_step)
+      detail::fail("CosineMomentum::endpoint must be at_last_step or after_last_step, got {}", static_cast<int>(value));
+    if (value == CosineEnd::at_last_step && total_steps_ < 2)
+      detail::fail("CosineMomentum::endpoint at_last_step needs total_steps >= 2, got {}", total_steps_);
+    endpoint_ = value;
+    return *this;
+  }
+
+  double decay(const DecayInput& in) const noexcept {
+    const std::int64_t span = endpoint_ == CosineEnd::at_last_step ? total_steps_ - 1 : total_steps_;
+    const std::int64_t k = std::max<std::int64_t>(in.step - 1, 0);
+    if (k >= span) return end_;
+    constexpr double pi = 3.141592653589793;
+    return end_ - (end_ - start_) * (std::cos(pi * static_cast<double>(k) / static_cast<double>(span)) + 1.0) / 2.0;
+  }
+  std::vector<Field> fields() const {
+    return {{"start", start_},
+            {"end", end_},
+            {"total_steps", static_cast<double>(total_steps_), true},
+            {"endpoint", static_cast<double>(endpoint_), true}};
+  }
+  bool operator==(const CosineMomentum&) const = default;
+
+ private:
+  double start_ = 0.996;
+  double end_ = 1.0;
+  std::int64_t total_steps_ = 1000;
+  CosineEnd endpoint_ = CosineEnd::at_last_step;
 };
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

@@ -363,10 +363,15 @@ EMAKIT_FUNC void EmaCore::bind(const torch::nn::Module* model, std::vector<Sourc
          dev->str());
 
   std::vector<Role> roles(n);
+  frozen_.clear();
   for (std::size_t i = 0; i < n; ++i) {
     const auto dtype = tensors[i].tensor.scalar_type();
     const bool floating = c10::isFloatingType(dtype) || c10::isComplexType(dtype);
-    roles[i] = options_.role(tensors[i].name, tensors[i].is_buffer, floating);
+    const bool frozen = !tensors[i].is_buffer && !tensors[i].tensor.requires_grad();
+    roles[i] = options_.role(tensors[i].name, tensors[i].is_buffer, floating, frozen);
+    if (frozen && options_.frozen_parameters() != BufferMode::average &&
+        roles[i] != options_.role(tensors[i].name, false, floating, false))
+      frozen_.push_back(tensors[i].name);
   }
   const std::vector<std::size_t> first = identity_groups(tensors, roles);
   std::vector<std::vector<std::size_t>> members(n);  // by first index: every name of that tensor

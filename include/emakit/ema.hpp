@@ -169,6 +169,8 @@ class EmaCore {
   EMAKIT_FUNC StateDict averages() const;
   EMAKIT_FUNC const at::Tensor& average(const std::string& name) const;
   EMAKIT_FUNC std::vector<std::string> names(Role role) const;
+  // The parameters that EmaOptions::frozen_parameters copied or left out (requires_grad false at bind).
+  const std::vector<std::string>& frozen_parameters() const noexcept { return frozen_; }
   // Into the model: every name the EMA holds is written (a model that does not tie what the bound
   // model ties gets the tensor under each name). From the model: the first name of each tensor.
   // The model's tensors are handles: writing into them through a const Module is what
@@ -240,6 +242,7 @@ class EmaCore {
 
   EmaOptions options_;
   UpdateKernel kernel_;
+  std::vector<std::string> frozen_;        // names frozen_parameters() applied to, at bind
   std::vector<ema_state::Entry> entries_;  // every name the EMA holds, in the model's order (tied: several per slot)
   std::vector<at::Tensor> sources_;        // the model's tensors, one per slot (handles)
   std::weak_ptr<const torch::nn::Module> model_;  // the bound module, when it is owned by a shared_ptr
@@ -354,6 +357,10 @@ class Ema {
 
   // Names of the tensors the EMA holds in a role (Role::ignore: none, it holds no such tensor).
   std::vector<std::string> names(Role role) const { return core_.names(role); }
+
+  // The parameters that did not require grad at bind and that EmaOptions::frozen_parameters()
+  // therefore copies or leaves out (empty with the default, which averages them).
+  const std::vector<std::string>& frozen_parameters() const { return core_.frozen_parameters(); }
 
   // ---- moving weights between the EMA and a model ------------------------------------------
 

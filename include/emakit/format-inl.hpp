@@ -35,10 +35,15 @@ EMAKIT_FUNC std::string describe_step_schedule(const StepSchedule& p) {
 }
 
 EMAKIT_FUNC std::string describe_ema(const EmaSummary& e) {
+  // Frozen parameters are named only when an option changed what happens to them.
+  std::string frozen;
+  if (e.frozen_mode != BufferMode::average)
+    frozen = fmt::format(" ({} frozen parameter{} {})", e.frozen, e.frozen == 1 ? "" : "s",
+                         e.frozen_mode == BufferMode::copy ? "copied" : "left out");
   return fmt::format(
-      "Ema(decay={}, schedule={}, storage={}, tensors={} averaged + {} copied, calls={}, step={}, updates={}, "
+      "Ema(decay={}, schedule={}, storage={}, tensors={} averaged + {} copied{}, calls={}, step={}, updates={}, "
       "decay_now={})",
-      e.decay, e.schedule, e.storage, e.averaged, e.copied, e.calls, e.step, e.updates, e.decay_now);
+      e.decay, e.schedule, e.storage, e.averaged, e.copied, frozen, e.calls, e.step, e.updates, e.decay_now);
 }
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

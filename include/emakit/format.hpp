@@ -58,6 +58,8 @@ EMAKIT_FUNC std::string describe_step_schedule(const StepSchedule& s);
 struct EmaSummary {
   std::string decay, schedule, storage;
   std::size_t averaged = 0, copied = 0;
+  std::size_t frozen = 0;  // parameters EmaOptions::frozen_parameters() applied to
+  BufferMode frozen_mode = BufferMode::average;
   std::int64_t calls = 0, step = 0, updates = 0;
   double decay_now = 0;
 };
@@ -82,7 +84,9 @@ template <DecayPolicy D, SchedulePolicy S, StoragePolicy St>
 std::string describe(const Ema<D, S, St>& ema) {
   return detail::describe_ema({detail::describe_policy(ema.decay_policy()), detail::describe_policy(ema.schedule()),
                                detail::describe_policy(ema.storage()), ema.names(Role::average).size(),
-                               ema.names(Role::copy).size(), ema.calls(), ema.step(), ema.num_updates(), ema.decay()});
+                               ema.names(Role::copy).size(), ema.frozen_parameters().size(),
+                               ema.options().frozen_parameters(), ema.calls(), ema.step(), ema.num_updates(),
+                               ema.decay()});
 }
 
 // Compiled mode (detail/config.hpp): the flat aliases' descriptions come from the library.

@@ -10,6 +10,8 @@
 //     InversePowerWarmup  d = 1 - (1 + e / inv_gamma)^-power, clamped  ema-pytorch, diffusers, timm V3
 //     PowerFunction       d = (1 - dt / t)^(gamma + 1)               Karras et al. post-hoc EMA
 //     Uniform             d = 1 - 1 / n                              SWA, AveragedModel default
+//     RationalRamp        d = min(decay, (1 + t) / (10 + t)), floored  TensorFlow, diffusers EMAModel
+//     CosineMomentum      d from start to end along a half cosine     SSL teachers (BYOL, DINO, ...)
 //
 //   Schedule policies (schedule.hpp): when an update averages, copies or does nothing
 //     StepSchedule        start step (two warmup conventions), update_every, accumulation window, veto
@@ -25,7 +27,8 @@
 //   State (state.hpp): StateDict, LoadMode, LoadReport, SourceTensor; what state_dict(),
 //     load_state_dict() and the checkpoints exchange
 //
-//   Aliases (aliases.hpp): FixedEma, WarmupEma, RampEma, PowerEma, SwaAverage, ModuleEma<M>, ...
+//   Aliases (aliases.hpp): FixedEma, WarmupEma, RampEma, PowerEma, SwaAverage, RationalRampEma,
+//     CosineEma, ModuleEma<M>, ...
 #pragma once
 
 #include <emakit/detail/config.hpp>
@@ -40,6 +43,8 @@ class ExponentialRamp;
 class InversePowerWarmup;
 class PowerFunction;
 class Uniform;
+class RationalRamp;
+class CosineMomentum;
 
 // Schedule policies.
 class StepSchedule;

@@ -9,7 +9,8 @@
 //       .copy_only({"pos_embedding"})        // copied at every update, never averaged
 //       .ignore({"head.weight"})             // left out of the EMA
 //       .ignore_prefixes({"teacher."})       // every name starting with one of these is left out
-//       .buffers(emakit::BufferMode::copy);  // buffers: averaged (default), copied or left out
+//       .buffers(emakit::BufferMode::copy)   // buffers: averaged (default), copied or left out
+//       .frozen_parameters(emakit::BufferMode::copy);  // requires_grad == false: copied (diffusers)
 //
 // Non-floating tensors (e.g. BatchNorm's num_batches_tracked) are always copied, never averaged.
 // A name or prefix that matches nothing in the model is an error: a typo would otherwise
@@ -156,13 +157,28 @@ class EmaOptions {
     return *this;
   }
 
-  // The role of a tensor named `name`; `floating` says whether its dtype can be averaged.
-  Role role(const std::string& name, bool is_buffer, bool floating) const {
+  // Parameters that do not require grad when the EMA is bound (a frozen backbone, a fixed
+  // embedding): averaged like the others (default, as every peer but diffusers), copied at every
+  // update (diffusers' EMAModel) or left out. Decided once, at bind, from the module; the names it
+  // applied to are Ema::frozen_parameters(), and describe() counts them.
+  BufferMode frozen_parameters() const noexcept { return frozen_; }
+  EmaOptions& frozen_parameters(BufferMode value) {
+    if (static_cast<int>(value) > 2)
+      detail::fail("EmaOptions::frozen_parameters must be average, copy or ignore, got {}", static_cast<int>(value));
+    frozen_ = value;
+    return *this;
+  }
+
+  // The role of a tensor named `name`; `floating` says whether its dtype can be averaged, `frozen`
+  // whether it is a parameter that does not require grad.
+  Role role(const std::string& name, bool is_buffer, bool floating, bool frozen = false) const {
     if (contains(ignore_, name) || starts_with_any(name))
       return ignored_follow_copies_ && floating ? Role::ignore_except_copies : Role::ignore;
     if (is_buffer && buffers_ == BufferMode::ignore) return Role::ignore;
+    if (frozen && !is_buffer && frozen_ == BufferMode::ignore) return Role::ignore;
     if (!floating) return non_floating_ == BufferMode::ignore ? Role::ignore : Role::copy;
     if (contains(copy_only_, name) || (is_buffer && buffers_ == BufferMode::copy)) return Role::copy;
+    if (frozen && !is_buffer && frozen_ == BufferMode::copy) return Role::copy;
     return Role::average;
   }
 
@@ -210,6 +226,7 @@ class EmaOptions {
   std::vector<std::string> ignore_;
   std::vector<std::string> ignore_prefixes_;
   BufferMode buffers_ = BufferMode::average;
+  BufferMode frozen_ = BufferMode::average;
   bool side_stream_ = false;
   std::int64_t staging_bytes_ = std::int64_t{64} << 20;
   bool skip_non_finite_ = false;

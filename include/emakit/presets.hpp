@@ -1,19 +1,23 @@
 // Presets: one factory per Python peer, with the peer's defaults, so a run moves from Python to
 // C++ without changing its numbers. Each returns an ordinary emakit::Ema.
 //
-// | Python                                                   | emakit                                        |
-// |----------------------------------------------------------|-----------------------------------------------|
-// | ema_pytorch.EMA(model, beta=..., ...)                     | emakit::ema_pytorch(*model, {.beta = ...})     |
-// | timm ModelEmaV3(model, decay=..., use_warmup=...)          | emakit::timm_model_ema_v3(*model, {...})      |
-// |   ema.update(model, step=step)                            |   ema.update({.step = step})                  |
+// | Python                                                    | emakit                                          |
+// |-----------------------------------------------------------|-------------------------------------------------|
+// | ema_pytorch.EMA(model, beta=..., ...)                      | emakit::ema_pytorch(*model, {.beta = ...})      |
+// | timm ModelEmaV3(model, decay=..., use_warmup=...)          | emakit::timm_model_ema_v3(*model, {...})        |
+// |   ema.update(model, step=step)                             |   ema.update({.step = step})                    |
 // | AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(d)) | emakit::averaged_model_ema(*model, {.decay = d}) |
-// | AveragedModel(model) (SWA)                                | emakit::averaged_model_swa(*model, {...})     |
-// | nvalchemi EMAHook(decay=..., start_step=..., ...)          | emakit::nvalchemi_ema(*model, {...})          |
-// |   hook(ctx, AFTER_OPTIMIZER_STEP, will_skip=s)             |   ema.update({.vetoed = s})                   |
-// |   (as a hook, lazily made)                                 | hook.add(*model, emakit::nvalchemi_ema_recipe({...}))
-// | | luxonis-train ModelEma(model, decay=..., decay_tau=...)    | emakit::luxonis_model_ema(*model, {...})      | |
-// luxonis-train EMACallback(decay=..., decay_tau=...)        | hook.add(*model,
-// emakit::luxonis_ema_callback_recipe({...})) |
+// | AveragedModel(model) (SWA)                                 | emakit::averaged_model_swa(*model, {...})       |
+// | nvalchemi EMAHook(decay=..., start_step=..., ...)          | emakit::nvalchemi_ema(*model, {...})            |
+// |   hook(ctx, AFTER_OPTIMIZER_STEP, will_skip=s)             |   ema.update({.vetoed = s})                     |
+// |   (as a hook, lazily made)                                 |   hook.add(*model,
+// emakit::nvalchemi_ema_recipe({...})) | | luxonis-train ModelEma(model, decay=..., decay_tau=...)    |
+// emakit::luxonis_model_ema(*model, {...})        | | luxonis-train EMACallback(decay=..., decay_tau=...)        |
+// hook.add(*model, emakit::luxonis_ema_callback_recipe({...})) | | diffusers EMAModel(model.parameters(), decay=...) |
+// emakit::diffusers_ema_model(*model, {...})      | | diffusers EMAModel(..., use_ema_warmup=True)               |
+// emakit::diffusers_ema_model_warmup(*model, {...}) | | Lightning EMAWeightAveraging(decay=..., ...)               |
+// emakit::lightning_ema_weight_averaging(*model, {...}) | | lightly update_momentum(student, teacher,
+// cosine_schedule(k, K, m0, 1)) | emakit::cosine_momentum_teacher(*student, {...}) |
 //
 // Every preset keeps the average in the model's dtype, as its peer does; emakit's own default
 // (an fp32 average of a bf16/fp16 model) differs on purpose. Set `.dtype` to get it back.
@@ -267,4 +271,140 @@ inline Recipe<ExponentialRamp> luxonis_ema_callback_recipe(const LuxonisEmaCallb
                                  EmaOptions().keep_model_dtype(true));
 }
 
+// ---- diffusers EMAModel -------------------------------------------------------------------
+
+// EMAModel(model.parameters(), decay=..., min_decay=..., update_after_step=..., use_ema_warmup=...,
+// inv_gamma=..., power=...): the shadow parameters start as clones of the model's, every step()
+// (optimization_step += 1) computes d from the TensorFlow ramp (RationalRamp) or, with
+// use_ema_warmup, the inverse-power warmup, both clamped to [min_decay, decay]; parameters that
+// require grad are averaged, the others copied. Buffers are not held (diffusers takes
+// parameters()). Differences: diffusers decides frozen or not at every step, emakit once, when the
+// EMA is made (Ema::frozen_parameters() names them); diffusers subtracts (1 - d)(s - p) where
+// emakit lerps, equal within a rounding.
+struct DiffusersEmaModelOptions {
+  double decay = 0.9999;
+  double min_decay = 0.0;
+  std::int64_t update_after_step = 0;
+  bool use_ema_warmup = false;  // true: use diffusers_ema_model_warmup()
+  double inv_gamma = 1.0;
+  double power = 2.0 / 3.0;
+};
+
+namespace detail {
+// Refuses options the preset cannot honour: use_ema_warmup with diffusers_ema_model() (whose type
+// is the TensorFlow ramp's), and diffusers' own ranges, each named.
+EMAKIT_FUNC void check_diffusers_options(const DiffusersEmaModelOptions& o, bool warmup);
+}  // namespace detail
+inline EmaOptions diffusers_options() {
+  return EmaOptions().keep_model_dtype(true).buffers(BufferMode::ignore).frozen_parameters(BufferMode::copy);
+}
+inline RationalRamp diffusers_decay(const DiffusersEmaModelOptions& o) {
+  detail::check_diffusers_options(o, false);
+  return RationalRamp(o.decay).min_decay(o.min_decay).update_after_step(o.update_after_step);
+}
+inline InversePowerWarmup diffusers_warmup_decay(const DiffusersEmaModelOptions& o) {
+  detail::check_diffusers_options(o, true);
+  return InversePowerWarmup(o.decay)
+      .min_value(o.min_decay)
+      .inv_gamma(o.inv_gamma)
+      .power(o.power)
+      .update_after_step(o.update_after_step);
+}
+
+// use_ema_warmup=False (diffusers' default): d from the TensorFlow ramp.
+template <StoragePolicy Storage = FlatStorage>
+Ema<RationalRamp, StepSchedule, Storage> diffusers_ema_model(const torch::nn::Module& model,
+                                                             const DiffusersEmaModelOptions& o = {},
+                                                             Storage storage = {}) {
+  return Ema<RationalRamp, StepSchedule, Storage>(model, diffusers_decay(o), StepSchedule(), diffusers_options(),
+                                                  std::move(storage));
+}
+inline Ema<RationalRamp> diffusers_ema_model(std::vector<SourceTensor> tensors,
+                                             const DiffusersEmaModelOptions& o = {}) {
+  return Ema<RationalRamp>(std::move(tensors), diffusers_decay(o), StepSchedule(), diffusers_options());
+}
+// use_ema_warmup=True: d from the inverse-power warmup (inv_gamma, power).
+template <StoragePolicy Storage = FlatStorage>
+Ema<InversePowerWarmup, StepSchedule, Storage> diffusers_ema_model_warmup(const torch::nn::Module& model,
+                                                                          const DiffusersEmaModelOptions& o = {},
+                                                                          Storage storage = {}) {
+  return Ema<InversePowerWarmup, StepSchedule, Storage>(model, diffusers_warmup_decay(o), StepSchedule(),
+                                                        diffusers_options(), std::move(storage));
+}
+inline Ema<InversePowerWarmup> diffusers_ema_model_warmup(std::vector<SourceTensor> tensors,
+                                                          const DiffusersEmaModelOptions& o = {}) {
+  return Ema<InversePowerWarmup>(std::move(tensors), diffusers_warmup_decay(o), StepSchedule(), diffusers_options());
+}
+
+// ---- Lightning EMAWeightAveraging ------------------------------------------------------------
+
+// EMAWeightAveraging(decay=0.999, use_buffers=True, update_every_n_steps=1,
+// update_starting_at_step=None): an AveragedModel updated after optimizer steps whose 0-based
+// index i = global_step - 1 has i >= update_starting_at_step and i % update_every_n_steps == 0;
+// its first update copies, later ones average. Call update() once per optimizer step (Lightning's
+// global_step: with accumulate_grad_batches = N, once per N batches). update_starting_at_epoch
+// (an extra update at the end of each epoch from that epoch on) has no step equivalent: call
+// update() yourself at those epoch ends. Averaging and swapping into the model for validation, as
+// the callback does, is emakit::EmaHook with lightning_ema_weight_averaging_recipe().
+struct LightningEmaWeightAveragingOptions {
+  double decay = 0.999;
+  bool use_buffers = true;
+  std::int64_t update_every_n_steps = 1;
+  std::optional<std::int64_t> update_starting_at_step = std::nullopt;
+};
+
+EMAKIT_FUNC StepSchedule lightning_ema_schedule(const LightningEmaWeightAveragingOptions& o);
+
+template <StoragePolicy Storage = FlatStorage>
+Ema<Fixed, StepSchedule, Storage> lightning_ema_weight_averaging(const torch::nn::Module& model,
+                                                                 const LightningEmaWeightAveragingOptions& o = {},
+                                                                 Storage storage = {}) {
+  return Ema<Fixed, StepSchedule, Storage>(model, Fixed(o.decay), lightning_ema_schedule(o),
+                                           averaged_model_options(o.use_buffers), std::move(storage));
+}
+inline Ema<Fixed> lightning_ema_weight_averaging(std::vector<SourceTensor> tensors,
+                                                 const LightningEmaWeightAveragingOptions& o = {}) {
+  return Ema<Fixed>(std::move(tensors), Fixed(o.decay), lightning_ema_schedule(o),
+                    averaged_model_options(o.use_buffers));
+}
+inline Recipe<Fixed> lightning_ema_weight_averaging_recipe(const LightningEmaWeightAveragingOptions& o = {}) {
+  return Recipe<Fixed>(Fixed(o.decay), lightning_ema_schedule(o), averaged_model_options(o.use_buffers));
+}
+
+// ---- self-supervised teachers ----------------------------------------------------------------
+
+// The momentum teacher of BYOL / DINO / MoCo v3 / iBOT / I-JEPA: teacher = m teacher + (1 - m)
+// student after every optimizer step, m following CosineMomentum from `start` to `end` over
+// `total_steps`. lightly: momentum = cosine_schedule(k, total_steps, start, end) then
+// update_momentum(student, teacher, momentum), k from 0 (the default endpoint); DINO's
+// cosine_scheduler: CosineEnd::after_last_step. Parameters only (both take parameters()), kept in
+// the model's dtype; the average starts as the student (the teacher is its deepcopy).
+struct CosineTeacherOptions {
+  double start = 0.996;
+  double end = 1.0;
+  std::int64_t total_steps = 1000;
+  CosineEnd endpoint = CosineEnd::at_last_step;
+};
+
+inline CosineMomentum cosine_teacher_decay(const CosineTeacherOptions& o) {
+  return CosineMomentum(o.start, o.end, 2).endpoint(o.endpoint).total_steps(o.total_steps);
+}
+inline EmaOptions cosine_teacher_options() { return EmaOptions().keep_model_dtype(true).buffers(BufferMode::ignore); }
+
+template <StoragePolicy Storage = FlatStorage>
+Ema<CosineMomentum, StepSchedule, Storage> cosine_momentum_teacher(const torch::nn::Module& model,
+                                                                   const CosineTeacherOptions& o = {},
+                                                                   Storage storage = {}) {
+  return Ema<CosineMomentum, StepSchedule, Storage>(model, cosine_teacher_decay(o), StepSchedule(),
+                                                    cosine_teacher_options(), std::move(storage));
+}
+inline Ema<CosineMomentum> cosine_momentum_teacher(std::vector<SourceTensor> tensors,
+                                                   const CosineTeacherOptions& o = {}) {
+  return Ema<CosineMomentum>(std::move(tensors), cosine_teacher_decay(o), StepSchedule(), cosine_teacher_options());
+}
+
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
+
+#if !defined(EMAKIT_COMPILED)
+#include <emakit/presets-inl.hpp>
+#endif

@@ -239,6 +239,29 @@ struct Replay : Tally {                       // counts: all comparisons; max_ul
   std::set<std::string> integer_differences;  // integer tensors the peer averages and emakit copies
 };
 
+// Clones of emakit's averages before an update.
+inline std::map<std::string, at::Tensor> clone_all(const emakit::StateDict& held) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : held) out.emplace(item.key(), item.value().clone());
+  return out;
+}
+
+// The operands of the update of `name` at a step (check_tensor), for a replay loop of its own: the
+// state before (the peer's previous one, which emakit started from; before the peer's first
+// recorded state, emakit's own, `ours_before`) and the source.
+inline std::vector<Operand> update_operands(const std::string& name, const Dict& rec, const Dict& previous,
+                                            const std::map<std::string, at::Tensor>& ours_before) {
+  std::vector<Operand> out;
+  const auto ours = ours_before.find(name);
+  if (ours != ours_before.end()) {
+    const auto peer = previous.find("peer." + name);
+    out.push_back({peer != previous.end() ? peer->second : ours->second, ours->second});
+  }
+  const auto source = rec.find("source." + name);
+  if (source != rec.end()) out.push_back({source->second, source->second});
+  return out;
+}
+
 // Resets emakit's average `name` to the peer's state before this update (see the top).
 inline void start_from(const emakit::StateDict& held, const Dict& previous) {
   torch::NoGradGuard no_grad;

@@ -61,22 +61,6 @@ TORCH_MODULE(Net);
 
 constexpr double kLerp = 1.5, kLuxonis = kLerp;  // see the top of the file
 
-// The operands of the update of `name` at a step (replay.hpp's check_tensor): the state before
-// (the peer's previous one, which emakit started from; before the peer's first recorded state,
-// emakit's own) and the source.
-std::vector<Operand> update_operands(const std::string& name, const Dict& rec, const Dict& previous,
-                                     const std::map<std::string, at::Tensor>& ours_before) {
-  std::vector<Operand> out;
-  const auto ours = ours_before.find(name);
-  if (ours != ours_before.end()) {
-    const auto peer = previous.find("peer." + name);
-    out.push_back({peer != previous.end() ? peer->second : ours->second, ours->second});
-  }
-  const auto source = rec.find("source." + name);
-  if (source != rec.end()) out.push_back({source->second, source->second});
-  return out;
-}
-
 // Each rec[prefix + name] against ours_of(name) (check_tensor, with operands_of(name)): integers
 // exact (except the names in `integer_differences_allowed`, which must then equal
 // `copied_from[name]`), floats a copy of an operand or within `max_ulps`.
@@ -122,13 +106,6 @@ auto source_operands(const Dict& rec) {
     if (source != rec.end()) out.push_back({source->second, source->second});
     return out;
   };
-}
-
-// Clones of emakit's averages before an update.
-std::map<std::string, at::Tensor> clone_all(const emakit::StateDict& held) {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& item : held) out.emplace(item.key(), item.value().clone());
-  return out;
 }
 
 auto in_state(const emakit::StateDict& d) {

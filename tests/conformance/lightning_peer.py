@@ -1,0 +1,172 @@
+"""Conformance data from Lightning's EMAWeightAveraging callback in a real Lightning fit (the file
+format is _common.py's, one record per optimizer step).
+
+Runs in the seed venv (scripts/requirements-seed.txt). Without it, ctest replays the recorded
+fixture (tests/conformance/fixtures/).
+
+lightning 2.6.6 (lightning/pytorch/callbacks/weight_averaging.py, read in the installed package):
+EMAWeightAveraging is a WeightAveraging whose AveragedModel (made at setup("fit"): a deepcopy of
+the LightningModule) gets avg_fn = torch.optim.swa_utils.get_ema_avg_fn(decay), the per-tensor
+function decay * ema + (1 - decay) * x (not _foreach_lerp_), copied into each averaged tensor.
+on_train_batch_end: step_idx = trainer.global_step - 1; when global_step advanced since the last
+update and should_update(step_idx) (step_idx >= update_starting_at_step, if given, and step_idx %
+update_every_n_steps == 0) it calls update_parameters: the first one copies (n_averaged == 0),
+later ones apply avg_fn; with use_buffers (the callback's default: True) every buffer too,
+integer ones included: decay * n + (1 - decay) * m is a float32 tensor, and copy_ into the long
+num_batches_tracked truncates it; with use_buffers=False the buffers are copied from the model at
+every update. on_train_end copies the average into the model.
+
+Each fit runs a LightningModule with _common.Net's tensors (CPU, SGD), the callback first in
+trainer.callbacks and a recorder after it (on_train_batch_end runs in that order). After each
+optimizer step (a batch where trainer.global_step advanced; with accumulate_grad_batches = 2,
+every second batch) the recorder writes step_KKKK.pt, K = global_step:
+  source.<name>   the module's state after the optimizer step (the EMA update does not change it)
+  peer.<name>     the callback's _average_model.module state after the callback's on_train_batch_end
+  called          1 (the callback is called at every optimizer step; it decides itself)
+  counter.n_averaged, counter.global_step, counter.batch_idx, counter.epoch,
+  counter.latest_update_step (the callback's _latest_update_step)
+and end.pt (end.<name>: the module's state after the fit: the average, copied).
+At the last epoch's end the recorder saves a real checkpoint (trainer.save_checkpoint) and writes
+checkpoint.pt with its tensors (state_dict.<name>: the average; current_model_state.<name>: the
+module's weights; averaging_state.<name>: n_averaged; callback.latest_update_step) and
+checkpoint_structure.txt: the checkpoint's keys, the state_dict's, averaging_state's and the
+callbacks entry (for the interop with Lightning checkpoints).
+"""
+import os
+import sys
+
+import _common
+import torch
+
+# Not importable outside the seed venv: the ImportError ends the run with exit status 1, a
+# failure. ctest runs this only with EMAKIT_SEED_PYTHON.
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import EMAWeightAveraging
+
+out = sys.argv[1]
+
+_common.write_versions(out, ["lightning", "torch"])
+
+
+class LitNet(pl.LightningModule):
+    """_common.Net's tensors under the same names; a training step that moves all of them."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        net = _common.Net()
+        self.lin, self.conv, self.bn, self.emb = net.lin, net.conv, net.bn, net.emb
+        self.register_buffer("mask", net.mask.clone())
+        self.flips = torch.Generator().manual_seed(seed + 7)
+
+    def training_step(self, batch, batch_idx):
+        x, img, tok = batch
+        with torch.no_grad():
+            self.mask.copy_((torch.rand(6, generator=self.flips) > 0.5).float())
+        return (self.lin(x) * self.mask).pow(2).mean() + self.bn(self.conv(img)).pow(2).mean() + \
+            self.emb(tok).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.2)
+
+
+def dataset(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 2, 5, 5, generator=g),
+                                          torch.randint(0, 10, (n,), generator=g))
+
+
+def state(module):
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def text_lines(name, keys):
+    return [f"{name}: {', '.join(sorted(keys))}"]
+
+
+class Recorder(pl.Callback):
+    def __init__(self, folder, ema_callback, max_epochs):
+        self.folder, self.ema, self.max_epochs = folder, ema_callback, max_epochs
+        self.last_step = 0
+
+    def save(self, name, record):
+        torch.save(record, os.path.join(self.folder, name))
+
+    def on_fit_start(self, trainer, module):
+        self.save("step_0000.pt", {"source." + k: v for k, v in state(module).items()} | {"called": torch.tensor(0)})
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == self.last_step:  # no optimizer step in this batch (accumulation)
+            return
+        assert trainer.global_step == self.last_step + 1
+        self.last_step = trainer.global_step
+        avg = self.ema._average_model
+        record = {"source." + k: v for k, v in state(module).items()}
+        record.update({"peer." + k: v for k, v in state(avg.module).items()})
+        record.update({"called": torch.tensor(1), "counter.n_averaged": avg.n_averaged.detach().clone(),
+                       "counter.global_step": torch.tensor(trainer.global_step),
+                       "counter.batch_idx": torch.tensor(batch_idx),
+                       "counter.epoch": torch.tensor(trainer.current_epoch),
+                       "counter.latest_update_step": torch.tensor(self.ema._latest_update_step)})
+        self.save("step_%04d.pt" % trainer.global_step, record)
+
+    def on_train_epoch_end(self, trainer, module):
+        if trainer.current_epoch != self.max_epochs - 1:
+            return
+        path = os.path.join(self.folder, "last.ckpt")
+        trainer.save_checkpoint(path)
+        ckpt = torch.load(path, weights_only=False)
+        os.remove(path)
+        callbacks = ckpt["callbacks"]
+        record = {"state_dict." + k: v for k, v in ckpt["state_dict"].items()}
+        record.update({"current_model_state." + k: v for k, v in ckpt["current_model_state"].items()})
+        record.update({"averaging_state." + k: v for k, v in ckpt["averaging_state"].items()})
+        (entry,) = [v for k, v in callbacks.items() if k.startswith("EMAWeightAveraging")]
+        record["callback.latest_update_step"] = torch.tensor(entry["latest_update_step"])
+        record["global_step"] = torch.tensor(ckpt["global_step"])
+        self.save("checkpoint.pt", record)
+        lines = text_lines("checkpoint", ckpt.keys())
+        lines += text_lines("state_dict", ckpt["state_dict"].keys())
+        lines += text_lines("current_model_state", ckpt["current_model_state"].keys())
+        lines += text_lines("averaging_state", ckpt["averaging_state"].keys())
+        lines += [f"callbacks: {k} -> {sorted(v)}" for k, v in sorted(callbacks.items())]
+        with open(os.path.join(self.folder, "checkpoint_structure.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+    def on_train_end(self, trainer, module):  # after the callback copied the average into the module
+        self.save("end.pt", {"end." + k: v for k, v in state(module).items()})
+
+
+def fit(scenario, batches_per_epoch, epochs, accumulate=1, seed=0, **options):
+    folder = os.path.join(out, scenario)
+    os.makedirs(folder, exist_ok=True)
+    module = LitNet(seed)
+    buffers = {name for name, _ in module.named_buffers()}
+    ema = EMAWeightAveraging(**options)
+    recorder = Recorder(folder, ema, epochs)
+    loader = torch.utils.data.DataLoader(dataset(2 * batches_per_epoch, seed + 1), batch_size=2, shuffle=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, accumulate_grad_batches=accumulate,
+                         callbacks=[ema, recorder], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0)
+    trainer.fit(module, loader)
+    assert recorder.last_step == trainer.global_step
+    meta = {"steps": torch.tensor(trainer.global_step), "seed": torch.tensor(seed), "epochs": torch.tensor(epochs),
+            "accumulate": torch.tensor(accumulate), "batches_per_epoch": torch.tensor(batches_per_epoch)}
+    meta.update({"buffer." + name: torch.tensor(1) for name in buffers})
+    torch.save(meta, os.path.join(folder, "meta.pt"))
+    print("wrote", folder, trainer.global_step, "optimizer steps")
+
+
+# update_every_n_steps = 3 from step_idx 4 (the first update, at step_idx 6, copies), buffers
+# copied from the model at each update (use_buffers=False).
+fit("every3_from4", batches_per_epoch=8, epochs=2, decay=0.9, update_every_n_steps=3, update_starting_at_step=4,
+    use_buffers=False)
+# The defaults: decay 0.999, every step from the first (a copy), use_buffers=True (BatchNorm's
+# running stats averaged, num_batches_tracked averaged in float32 and truncated).
+fit("defaults", batches_per_epoch=5, epochs=2)
+# accumulate_grad_batches = 2 (global_step counts optimizer steps: one per two batches), every
+# second step from step_idx 1, use_buffers=True with a decay at which the truncated integer
+# average moves.
+fit("accumulate2_buffers", batches_per_epoch=6, epochs=3, accumulate=2, decay=0.8, update_every_n_steps=2,
+    update_starting_at_step=1)
