@@ -15,7 +15,8 @@ reads plain dicts, not OrderedDicts):
 and, for scenarios that test moving a run to C++, OUT/S/state_KKKK.pt: the peer's own
 state_dict() after step K, saved as a user would (a plain dict).
 
-and OUT/S/meta.pt with steps and buffer.<name> = 1 for buffers.
+and OUT/S/meta.pt with steps, buffer.<name> = 1 for buffers and tied.<name> = 1 for each name of a
+tied tensor (a scenario run on TiedNet: head.weight IS emb.weight).
 
 A generator imports its package at the top, unguarded: a package that cannot be imported ends
 the run with the ImportError and exit status 1, and ctest reports the generator (and the replays
@@ -41,6 +42,18 @@ class Net(nn.Module):
         self.register_buffer("mask", torch.ones(6))
 
 
+class TiedNet(Net):
+    """Net with a tied weight: head.weight IS emb.weight (one Parameter, one storage, under two
+    names, as a language model ties its output projection to its input embedding). parameters()
+    and named_parameters() list it once (as emb.weight); state_dict() lists it under both names,
+    as two views of one storage. A peer that walks state_dict() averages it twice per update."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+
 def optimizer_step(model, generator):
     """A noisy 'optimizer step': parameters move, BatchNorm updates its buffers, mask flips."""
     with torch.no_grad():
@@ -56,18 +69,20 @@ def state(model):
 
 
 def run(out, scenario, make, update, peer_state, counters, steps, skip_steps=(), writes_model=False, seed=0,
-        saved_state=None, saved_state_step=None, vetoed_steps=()):
+        saved_state=None, saved_state_step=None, vetoed_steps=(), model=Net):
     """Drives one scenario and writes its files.
 
     make(model) -> ema; update(ema, model, step) calls the peer; peer_state(ema) -> dict name ->
     tensor; counters(ema) -> dict name -> int or float. saved_state(ema) -> the dict a user
     would torch.save to move the run to C++, written as state_KKKK.pt after step
-    saved_state_step."""
+    saved_state_step. model: the module class (Net, or TiedNet for a tied weight); the meta records
+    tied.<name> = 1 for each name of a tensor that is also the model's tensor under another name."""
     folder = os.path.join(out, scenario)
     os.makedirs(folder, exist_ok=True)
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed + 1)
-    model = Net()
+    model = model()
+    tied = tied_names(model)
     buffers = {name for name, _ in model.named_buffers()}
     ema = make(model)
     first = {"source." + k: v for k, v in state(model).items()}
@@ -90,8 +105,17 @@ def run(out, scenario, make, update, peer_state, counters, steps, skip_steps=(),
             torch.save(saved_state(ema), os.path.join(folder, "state_%04d.pt" % step))
     meta = {"steps": torch.tensor(steps), "seed": torch.tensor(seed)}
     meta.update({"buffer." + name: torch.tensor(1) for name in buffers})
+    meta.update({"tied." + name: torch.tensor(1) for name in tied})
     torch.save(meta, os.path.join(folder, "meta.pt"))
     print("wrote", folder, steps, "steps")
+
+
+def tied_names(model):
+    """The names of state_dict() entries that share their storage with another entry."""
+    by_storage = {}
+    for name, t in model.state_dict().items():
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(name)
+    return sorted(n for names in by_storage.values() if len(names) > 1 for n in names)
 
 
 def write_versions(out, packages):

@@ -43,4 +43,10 @@ _common.run(out, "switch_copy",
             make=lambda m: EMA(m, beta=0.9, update_after_step=2, update_every=2, include_online_model=False,
                                update_model_with_ema_every=3, update_model_with_ema_beta=0.0),
             steps=25, writes_model=True, **common)
+# A tied weight (head.weight IS emb.weight): the EMA walks named_parameters(), which lists the
+# tied Parameter once (as emb.weight), so it averages it once per update.
+_common.run(out, "tied",
+            make=lambda m: EMA(m, beta=0.9, update_after_step=2, update_every=1, power=3 / 4,
+                               include_online_model=False),
+            steps=20, model=_common.TiedNet, **common)
 print("ema-pytorch", getattr(ema_pytorch, "__version__", "?"))

@@ -41,6 +41,11 @@ _common.run(out, "dynamic_decay", make=lambda m: ModelEma(m, decay=0.99, decay_t
             peer_state=ema_state, counters=lambda e: {"updates": e.updates}, steps=30)
 _common.run(out, "fixed_decay", make=lambda m: ModelEma(m, decay=0.7, use_dynamic_decay=False), update=update,
             peer_state=ema_state, counters=lambda e: {"updates": e.updates}, steps=12)
+# A tied weight (head.weight IS emb.weight). ModelEma deep-copies model.state_dict() (the copy keeps
+# the two names on one storage) and lerps each entry of it: the tied tensor twice per update, the
+# second lerp starting from the first one's result (decay d moves it like d**2).
+_common.run(out, "tied_dynamic_decay", make=lambda m: ModelEma(m, decay=0.9, decay_tau=3.0), update=update,
+            peer_state=ema_state, counters=lambda e: {"updates": e.updates}, steps=20, model=_common.TiedNet)
 
 
 # Moving a callback's state to C++ (interop.hpp, Peer::luxonis_callback): an EMACallback whose

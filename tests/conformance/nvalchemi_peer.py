@@ -71,6 +71,9 @@ scenario("vetoed_start_every",
 # The defaults' use_buffers=True (AveragedModel averages every buffer, integers in integer
 # arithmetic), the averaged model built at SETUP.
 scenario("buffers_at_setup", lambda: EMAHook(decay=0.8, start_step=2), vetoes={5}, setup=True)
+# A tied weight (head.weight IS emb.weight): the hook's AveragedModel walks parameters() (and
+# buffers()), which list the tied Parameter once: averaged once per update.
+scenario("tied", lambda: EMAHook(decay=0.9, start_step=2, use_buffers=False), vetoes=set(), model=_common.TiedNet)
 
 # Resume: the run saves hook.state_dict() after batch 8; a fresh hook with the same config loads
 # it before its averaged model exists (pending state) and drives batches 9..20, with

@@ -31,3 +31,13 @@ _common.run(out, "no_warmup_exclude_buffers",
 _common.run(out, "no_step",
             make=lambda m: ModelEmaV3(m, decay=0.9),
             update=lambda ema, model, step: ema.update(model), peer_state=state, counters=no_counters, steps=30)
+# A tied weight (head.weight IS emb.weight). apply_update_ walks state_dict().values(), where the
+# tied tensor is listed under both names: it is lerped twice per update (the second lerp starts
+# from the first one's result, so decay d moves it like d**2). With exclude_buffers, the walk is
+# parameters(), which lists it once.
+_common.run(out, "tied",
+            make=lambda m: ModelEmaV3(m, decay=0.9, update_after_step=2),
+            update=with_step, peer_state=state, counters=no_counters, steps=20, model=_common.TiedNet)
+_common.run(out, "tied_exclude_buffers",
+            make=lambda m: ModelEmaV3(m, decay=0.9, update_after_step=2, exclude_buffers=True),
+            update=with_step, peer_state=state, counters=no_counters, steps=20, model=_common.TiedNet)
