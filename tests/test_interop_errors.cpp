@@ -390,3 +390,90 @@ TEST_CASE("luxonis-train: EMACallback.state_dict() imports by name with its upda
   }
   CHECK(compared == ema.averages().size());
 }
+
+TEST_CASE("lightning: a checkpoint without averaging_state, of another shape or other counters loads nothing",
+          "[interop][lightning][errors]") {
+  TempDir dir;
+  TinyNet model;
+  // update_every_n_steps = 2 from the first step: updates at steps 1, 3, 5 of 6.
+  auto ema = emakit::lightning_ema_weight_averaging(*model, {.decay = 0.9, .update_every_n_steps = 2});
+  const auto file = dir.path / "last.ckpt";
+  const auto saved = peer_tensors(ema.averages(), "");
+  // What trainer.save_checkpoint writes with EMAWeightAveraging, less Lightning's own entries.
+  auto write = [&](bool averaging, std::int64_t n_averaged, std::int64_t latest, const std::string& reshaped = "") {
+    c10::impl::GenericDict state(c10::StringType::get(), c10::TensorType::get());
+    for (const auto& [key, value] : saved) state.insert(key, key == reshaped ? value.reshape({-1, 1}) : value);
+    c10::impl::GenericDict ckpt(c10::StringType::get(), c10::AnyType::get());
+    ckpt.insert("state_dict", state);
+    ckpt.insert("global_step", std::int64_t{6});
+    ckpt.insert("epoch", std::int64_t{0});
+    if (averaging) {
+      c10::impl::GenericDict avg(c10::StringType::get(), c10::TensorType::get());
+      avg.insert("n_averaged", at::scalar_tensor(n_averaged, at::kLong));
+      ckpt.insert("averaging_state", avg);
+    }
+    c10::impl::GenericDict fields(c10::StringType::get(), c10::AnyType::get());
+    fields.insert("latest_update_step", latest);
+    c10::impl::GenericDict callbacks(c10::StringType::get(), c10::AnyType::get());
+    callbacks.insert("EMAWeightAveraging", fields);
+    ckpt.insert("callbacks", callbacks);
+    emakit::detail::write_tensor_dict(file, ckpt);
+  };
+  const auto before = snapshot(ema.averages());
+  const auto unchanged = [&] {
+    CHECK(same_averages(ema.averages(), before));
+    CHECK(ema.num_updates() == 0);
+    CHECK(ema.step() == 0);
+  };
+
+  write(false, 3, 5);  // saved without the callback: state_dict is the model's weights
+  CHECK_THROWS_WITH(emakit::import_state(ema, emakit::Peer::lightning, file),
+                    Contains("import_state: '" + file.string() +
+                             "' has no 'averaging_state': not written with Lightning's EMAWeightAveraging callback") &&
+                        Contains("nothing was loaded"));
+  unchanged();
+  const std::string first = saved.front().first;
+  write(true, 3, 5, first);
+  CHECK_THROWS_WITH(emakit::import_state(ema, emakit::Peer::lightning, file),
+                    Contains("is not a Lightning EMAWeightAveraging checkpoint state of this EMA's model") &&
+                        Contains(first) && Contains("nothing was loaded"));
+  unchanged();
+  write(true, 6, 6);  // every step: made with update_every_n_steps = 1
+  CHECK_THROWS_WITH(emakit::import_state(ema, emakit::Peer::lightning, file),
+                    Contains("n_averaged is 6 in the file, but this EMA's schedule makes 3 updates in global_step 6 "
+                             "steps: made with other EMAWeightAveraging options"));
+  unchanged();
+  write(true, 3, 6);
+  CHECK_THROWS_WITH(
+      emakit::import_state(ema, emakit::Peer::lightning, file),
+      Contains("latest_update_step is 6 in the file, but this EMA's schedule last updates at step 5 of 6"));
+  unchanged();
+
+  write(true, 3, 5);
+  CHECK(emakit::import_state(ema, emakit::Peer::lightning, file).clean());
+  CHECK(ema.step() == 6);
+  CHECK(ema.num_updates() == 3);
+  CHECK(ema.last_update_step() == 5);
+  std::size_t compared = 0;
+  for (const auto& [name, value] : saved) {
+    CHECK(torch::equal(ema.averages()[name], value));
+    ++compared;
+  }
+  CHECK(compared == ema.averages().size());
+  CHECK(compared > 0);
+
+  // The export: the four entries, in the types the callback and Lightning write them.
+  const auto exported = dir.path / "ema.ckpt";
+  emakit::export_state(ema, emakit::Peer::lightning, exported);
+  const auto read = emakit::detail::read_pickle_dict(exported, "test");
+  REQUIRE(read.size() == 4);
+  CHECK(read.at("global_step").toInt() == 6);
+  CHECK(read.at("averaging_state").toGenericDict().at("n_averaged").toTensor().scalar_type() == at::kLong);
+  CHECK(read.at("averaging_state").toGenericDict().at("n_averaged").toTensor().item<std::int64_t>() == 3);
+  CHECK(
+      read.at("callbacks").toGenericDict().at("EMAWeightAveraging").toGenericDict().at("latest_update_step").toInt() ==
+      5);
+  const auto tensors = read.at("state_dict").toGenericDict();
+  CHECK(tensors.size() == saved.size());
+  for (const auto& [name, value] : saved) CHECK(torch::equal(tensors.at(name).toTensor(), value));
+}

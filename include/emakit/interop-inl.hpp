@@ -29,10 +29,12 @@ EMAKIT_FUNC const PeerText& peer_text(Peer peer) {
        "averaged_model.module.state_dict()"},
       {"", "a diffusers EMAModel", "torch.save(ema.state_dict(), path)", "ema.shadow_params"},
       {"", "a luxonis-train EMACallback", "torch.save(callback.state_dict(), path)", "callback.ema.state_dict_ema"},
+      {"", "a Lightning EMAWeightAveraging checkpoint", "trainer.save_checkpoint(path)",
+       "the model's own state_dict()"},
   };
   static_assert(static_cast<int>(Peer::ema_pytorch) == 0 && static_cast<int>(Peer::timm_v3) == 1 &&
                 static_cast<int>(Peer::averaged_model) == 2 && static_cast<int>(Peer::diffusers) == 3 &&
-                static_cast<int>(Peer::luxonis_callback) == 4);
+                static_cast<int>(Peer::luxonis_callback) == 4 && static_cast<int>(Peer::lightning) == 5);
   const auto i = static_cast<std::size_t>(peer);
   if (i >= std::size(table)) fail("interop: unknown Peer value {}", i);
   return table[i];
@@ -210,6 +212,90 @@ EMAKIT_FUNC c10::impl::GenericDict luxonis_tensors(const c10::impl::GenericDict&
   }
   if (updates < 0) fail("import_state: '{}': updates must be >= 0, got {}", path, updates);
   return inner->value().toGenericDict();
+}
+
+// ---- Lightning EMAWeightAveraging ----------------------------------------------------------
+
+EMAKIT_FUNC c10::impl::GenericDict lightning_tensors(const c10::impl::GenericDict& dict, const std::string& path,
+                                                     LightningCounters& counters) {
+  const std::string where = fmt::format("import_state: '{}'", path);
+  const auto value = [&](const char* key) -> const c10::IValue& {
+    const auto it = dict.find(key);
+    if (it == dict.end())
+      fail("{} has no '{}': not a Lightning checkpoint (save it with trainer.save_checkpoint(path) while the "
+           "EMAWeightAveraging callback runs); nothing was loaded",
+           where, key);
+    return it->value();
+  };
+  const c10::IValue& state = value("state_dict");
+  if (!state.isGenericDict())
+    fail("{}: 'state_dict' must be a dict of tensors, got a {}; nothing was loaded", where, state.tagKind());
+  if (dict.find("averaging_state") == dict.end())
+    fail("{} has no 'averaging_state': not written with Lightning's EMAWeightAveraging callback (whose "
+         "on_save_checkpoint puts the averages in state_dict and n_averaged in averaging_state), so its state_dict is "
+         "the model's own weights, not an average; nothing was loaded",
+         where);
+  const c10::IValue& averaging = value("averaging_state");
+  if (!averaging.isGenericDict())
+    fail("{}: 'averaging_state' must be a dict, got a {}; nothing was loaded", where, averaging.tagKind());
+  const at::Tensor* n = entry(averaging.toGenericDict(), "n_averaged");
+  if (n == nullptr)
+    fail("{}: 'averaging_state' has no tensor 'n_averaged' (the AveragedModel's update count); nothing was loaded",
+         where);
+  counters.n_averaged = integer_value(*n, "n_averaged", where);
+  if (counters.n_averaged < 0)
+    fail("{}: n_averaged must be >= 0, got {}; nothing was loaded", where, counters.n_averaged);
+  const c10::IValue& step = value("global_step");
+  if (!step.isInt()) fail("{}: 'global_step' must be an int, got a {}; nothing was loaded", where, step.tagKind());
+  counters.global_step = step.toInt();
+  if (counters.global_step < 0)
+    fail("{}: global_step must be >= 0, got {}; nothing was loaded", where, counters.global_step);
+  // The callback's own entry (its state_key: the class name); absent when the checkpoint was saved
+  // without callback states, then not checked.
+  if (const auto callbacks = dict.find("callbacks"); callbacks != dict.end() && callbacks->value().isGenericDict()) {
+    const auto all = callbacks->value().toGenericDict();
+    if (const auto own = all.find("EMAWeightAveraging"); own != all.end() && own->value().isGenericDict()) {
+      const auto fields = own->value().toGenericDict();
+      const auto latest = fields.find("latest_update_step");
+      if (latest == fields.end() || !latest->value().isInt())
+        fail("{}: callbacks['EMAWeightAveraging'] has no int 'latest_update_step'; nothing was loaded", where);
+      counters.latest_update_step = latest->value().toInt();
+    }
+  }
+  return state.toGenericDict();
+}
+
+EMAKIT_FUNC void check_lightning_counters(const LightningCounters& file, std::int64_t updates, std::int64_t last,
+                                          const std::string& path) {
+  const std::string options =
+      "made with other EMAWeightAveraging options (update_every_n_steps, update_starting_at_step) than this EMA's, or "
+      "by a callback that also updated at epoch ends (update_starting_at_epoch)?";
+  if (file.n_averaged != updates)
+    fail("import_state: '{}': n_averaged is {} in the file, but this EMA's schedule makes {} updates in global_step "
+         "{} steps: {}; nothing was loaded",
+         path, file.n_averaged, updates, file.global_step, options);
+  if (file.latest_update_step >= 0 && file.latest_update_step != last)
+    fail("import_state: '{}': callbacks['EMAWeightAveraging'] latest_update_step is {} in the file, but this EMA's "
+         "schedule last updates at step {} of {}: {}; nothing was loaded",
+         path, file.latest_update_step, last, file.global_step, options);
+}
+
+EMAKIT_FUNC c10::impl::GenericDict lightning_dict(const StateDict& averages, std::int64_t global_step,
+                                                  std::int64_t n_averaged, std::int64_t latest_update_step) {
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+  c10::impl::GenericDict state(c10::StringType::get(), c10::TensorType::get());
+  for (const auto& item : averages) state.insert(item.key(), item.value().detach().cpu().contiguous());
+  dict.insert("state_dict", state);
+  c10::impl::GenericDict averaging(c10::StringType::get(), c10::TensorType::get());
+  averaging.insert("n_averaged", at::scalar_tensor(n_averaged, at::kLong));  // AveragedModel's long buffer
+  dict.insert("averaging_state", averaging);
+  c10::impl::GenericDict fields(c10::StringType::get(), c10::AnyType::get());
+  fields.insert("latest_update_step", latest_update_step);  // a Python int, as the callback's state_dict()
+  c10::impl::GenericDict callbacks(c10::StringType::get(), c10::AnyType::get());
+  callbacks.insert("EMAWeightAveraging", fields);
+  dict.insert("callbacks", callbacks);
+  dict.insert("global_step", global_step);
+  return dict;
 }
 
 // ---- diffusers EMAModel ------------------------------------------------------------------

@@ -24,6 +24,10 @@
 // |                 | position (see below)       | config: decay, min_decay,                 |
 // |                 |                            | update_after_step, use_ema_warmup,        |
 // |                 |                            | inv_gamma, power                          |
+// | lightning       | state_dict: a dict of      | global_step (= step), averaging_state's   |
+// |                 | <name> (the averages: a    | n_averaged (= num_updates), callbacks'    |
+// |                 | checkpoint written with    | EMAWeightAveraging latest_update_step     |
+// |                 | EMAWeightAveraging)        | (= last_update_step)                      |
 //
 // The Python files carry no config (diffusers' aside): the EMA you import into must be made with
 // the peer's options (the presets in presets.hpp). Tensors the Python peer holds and emakit does
@@ -48,6 +52,36 @@
 //
 //   emakit::export_state(ema, emakit::Peer::diffusers, "ema.pt");
 //   # Python: ema.load_state_dict(torch.load("ema.pt"))
+//
+// lightning: the checkpoint trainer.save_checkpoint(path) writes while Lightning's
+// EMAWeightAveraging callback runs (lightning 2.6). The callback's on_save_checkpoint moves the
+// model's weights to current_model_state, puts its AveragedModel's averages in state_dict (names
+// without module.) and its n_averaged in averaging_state; callbacks["EMAWeightAveraging"] holds
+// {"latest_update_step": int} and global_step the optimizer steps. import_state reads state_dict
+// into an EMA made by lightning_ema_weight_averaging with the callback's options: global_step
+// becomes the step, n_averaged the update count, and the update count the EMA's schedule gives
+// over global_step steps must equal n_averaged (and its last update step latest_update_step),
+// else the options differ (or the callback also updated at epoch ends, update_starting_at_epoch)
+// and nothing is loaded. A checkpoint without averaging_state (saved without the callback: its
+// state_dict is the model's weights, not an average) is refused naming the key. Everything else
+// (current_model_state, optimizer_states, loops, ...) is ignored, but the whole file still passes
+// the archive scan (plain data only): a LightningModule that called save_hyperparameters() adds
+// hyper_parameters, pickled as Lightning's AttributeDict class, which the scan refuses (it runs
+// no Python class and allows none by name: a global is code the loader would call). For such a
+// checkpoint, save the keys import_state reads as a plain dict in Python first:
+//   ckpt = torch.load("last.ckpt", weights_only=False)
+//   torch.save({k: ckpt[k] for k in ("state_dict", "averaging_state", "callbacks", "global_step")}, "ema.ckpt")
+// The export writes those four keys, with the same types (n_averaged a long tensor,
+// latest_update_step and global_step Python ints). It is not a checkpoint Trainer.fit(ckpt_path=)
+// resumes from: the callback restores its average only from a checkpoint that also holds
+// current_model_state (else it warns and starts its average from state_dict with n_averaged 0,
+// so its next update copies the model), and the Trainer needs Lightning's own entries
+// (optimizer_states, loops, epoch: it restores global_step from loops, not from global_step).
+// Merge the export into a checkpoint of the run, whose current_model_state is the model's weights:
+//   ckpt = torch.load("last.ckpt", weights_only=False); ema = torch.load("ema.ckpt")
+//   ckpt["state_dict"], ckpt["averaging_state"] = ema["state_dict"], ema["averaging_state"]
+//   ckpt["callbacks"]["EMAWeightAveraging"] = ema["callbacks"]["EMAWeightAveraging"]
+//   torch.save(ckpt, "resume.ckpt")
 #pragma once
 
 #include <emakit/detail/config.hpp>
@@ -68,7 +102,7 @@
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
-enum class Peer : std::uint8_t { ema_pytorch, timm_v3, averaged_model, diffusers, luxonis_callback };
+enum class Peer : std::uint8_t { ema_pytorch, timm_v3, averaged_model, diffusers, luxonis_callback, lightning };
 
 namespace detail::interop {
 
@@ -109,6 +143,30 @@ EMAKIT_FUNC LoadReport peer_report(const LoadReport& found, const PeerFile& file
 EMAKIT_FUNC void keep_current(StateDict& out, const LoadReport& found, const StateDict& state);
 
 EMAKIT_FUNC const at::Tensor* entry(const c10::impl::GenericDict& dict, const std::string& key);
+
+// The counters of a Lightning checkpoint written with EMAWeightAveraging.
+struct LightningCounters {
+  std::int64_t global_step = -1;
+  std::int64_t n_averaged = -1;
+  std::int64_t latest_update_step = -1;  // -1: the file holds no callback entry
+};
+
+// A Lightning checkpoint: returns its state_dict (the averages) and sets `counters`; throws naming
+// the file and the key when state_dict, averaging_state (a checkpoint saved without
+// EMAWeightAveraging), its n_averaged or global_step is absent or of another type.
+EMAKIT_FUNC c10::impl::GenericDict lightning_tensors(const c10::impl::GenericDict& dict, const std::string& path,
+                                                     LightningCounters& counters);
+
+// The entries of a Lightning checkpoint EMAWeightAveraging's on_load_checkpoint reads from the
+// callback's side: state_dict, averaging_state {n_averaged}, callbacks {EMAWeightAveraging:
+// {latest_update_step}}, and global_step.
+EMAKIT_FUNC c10::impl::GenericDict lightning_dict(const StateDict& averages, std::int64_t global_step,
+                                                  std::int64_t n_averaged, std::int64_t latest_update_step);
+
+// Throws (nothing loaded) when the file's n_averaged or latest_update_step differ from the
+// `updates` and `last` update step this EMA's schedule gives over global_step steps.
+EMAKIT_FUNC void check_lightning_counters(const LightningCounters& file, std::int64_t updates, std::int64_t last,
+                                          const std::string& path);
 
 // The config a diffusers EMAModel writes in its state_dict(), as this EMA's decay holds it.
 struct DiffusersConfig {
@@ -165,6 +223,11 @@ void export_state(const E& ema, Peer peer, const std::filesystem::path& path) {
     detail::write_tensor_dict(path, detail::interop::diffusers_dict(ema.averages(), config, ema.step()));
     return;
   }
+  if (peer == Peer::lightning) {
+    detail::write_tensor_dict(
+        path, detail::interop::lightning_dict(ema.averages(), ema.step(), ema.num_updates(), ema.last_update_step()));
+    return;
+  }
   if (peer == Peer::luxonis_callback) {  // what EMACallback.state_dict() returns
     c10::impl::GenericDict outer(c10::StringType::get(), c10::AnyType::get());
     c10::impl::GenericDict inner(c10::StringType::get(), c10::TensorType::get());
@@ -199,14 +262,20 @@ LoadReport import_state(E& ema, Peer peer, const std::filesystem::path& file, Lo
   const std::string path = file.string();    // for messages
   const StateDict state = ema.state_dict();  // this EMA's own config, counters and keys
   std::int64_t luxonis_updates = -1;
-  const auto dict =
-      peer == Peer::luxonis_callback ? detail::interop::luxonis_tensors(file_dict, path, luxonis_updates) : file_dict;
+  detail::interop::LightningCounters lightning;
+  const auto dict = peer == Peer::luxonis_callback ? detail::interop::luxonis_tensors(file_dict, path, luxonis_updates)
+                    : peer == Peer::lightning      ? detail::interop::lightning_tensors(file_dict, path, lightning)
+                                                   : file_dict;
   detail::interop::PeerFile peer_file =
       peer == Peer::diffusers ? detail::interop::read_diffusers_file(
                                     dict, path, state, detail::interop::diffusers_config(ema, "import_state"))
                               : detail::interop::read_peer_file(dict, peer, path, state);
   std::int64_t step = ema.step(), updates = ema.num_updates(), last = ema.last_update_step();
-  if (peer == Peer::ema_pytorch || peer == Peer::diffusers) {
+  if (peer == Peer::lightning) {
+    peer_file.step = lightning.global_step;
+    peer_file.initted = true;
+  }
+  if (peer == Peer::ema_pytorch || peer == Peer::diffusers || peer == Peer::lightning) {
     step = peer_file.step;
     updates = 0;
     last = 0;
@@ -222,6 +291,7 @@ LoadReport import_state(E& ema, Peer peer, const std::filesystem::path& file, Lo
         }
       }
     }
+    if (peer == Peer::lightning) detail::interop::check_lightning_counters(lightning, updates, last, path);
   } else if (peer == Peer::averaged_model || peer == Peer::luxonis_callback) {
     updates = peer == Peer::averaged_model ? peer_file.n_averaged : luxonis_updates;
     step = last = updates;  // ModelEma: one update per call, its decay from `updates`

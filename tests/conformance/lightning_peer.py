@@ -30,7 +30,10 @@ At the last epoch's end the recorder saves a real checkpoint (trainer.save_check
 checkpoint.pt with its tensors (state_dict.<name>: the average; current_model_state.<name>: the
 module's weights; averaging_state.<name>: n_averaged; callback.latest_update_step) and
 checkpoint_structure.txt: the checkpoint's keys, the state_dict's, averaging_state's and the
-callbacks entry (for the interop with Lightning checkpoints).
+callbacks entry (for the interop with Lightning checkpoints). The every3_from4 scenario keeps the
+checkpoints themselves, for emakit's import_state(ema, Peer::lightning, ...) on real Lightning
+files: epoch0.ckpt (saved at the first epoch's end, global_step 8, to continue from) and last.ckpt
+(global_step 16, the last optimizer step: what an export after the continued steps must match).
 """
 import os
 import sys
@@ -85,8 +88,9 @@ def text_lines(name, keys):
 
 
 class Recorder(pl.Callback):
-    def __init__(self, folder, ema_callback, max_epochs):
+    def __init__(self, folder, ema_callback, max_epochs, keep_checkpoint):
         self.folder, self.ema, self.max_epochs = folder, ema_callback, max_epochs
+        self.keep_checkpoint = keep_checkpoint
         self.last_step = 0
 
     def save(self, name, record):
@@ -111,12 +115,15 @@ class Recorder(pl.Callback):
         self.save("step_%04d.pt" % trainer.global_step, record)
 
     def on_train_epoch_end(self, trainer, module):
+        if self.keep_checkpoint and trainer.current_epoch == 0 and self.max_epochs > 1:
+            trainer.save_checkpoint(os.path.join(self.folder, "epoch0.ckpt"))
         if trainer.current_epoch != self.max_epochs - 1:
             return
         path = os.path.join(self.folder, "last.ckpt")
         trainer.save_checkpoint(path)
         ckpt = torch.load(path, weights_only=False)
-        os.remove(path)
+        if not self.keep_checkpoint:
+            os.remove(path)
         callbacks = ckpt["callbacks"]
         record = {"state_dict." + k: v for k, v in ckpt["state_dict"].items()}
         record.update({"current_model_state." + k: v for k, v in ckpt["current_model_state"].items()})
@@ -137,13 +144,13 @@ class Recorder(pl.Callback):
         self.save("end.pt", {"end." + k: v for k, v in state(module).items()})
 
 
-def fit(scenario, batches_per_epoch, epochs, accumulate=1, seed=0, **options):
+def fit(scenario, batches_per_epoch, epochs, accumulate=1, seed=0, keep_checkpoint=False, **options):
     folder = os.path.join(out, scenario)
     os.makedirs(folder, exist_ok=True)
     module = LitNet(seed)
     buffers = {name for name, _ in module.named_buffers()}
     ema = EMAWeightAveraging(**options)
-    recorder = Recorder(folder, ema, epochs)
+    recorder = Recorder(folder, ema, epochs, keep_checkpoint)
     loader = torch.utils.data.DataLoader(dataset(2 * batches_per_epoch, seed + 1), batch_size=2, shuffle=False)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, accumulate_grad_batches=accumulate,
                          callbacks=[ema, recorder], logger=False, enable_checkpointing=False,
@@ -161,7 +168,7 @@ def fit(scenario, batches_per_epoch, epochs, accumulate=1, seed=0, **options):
 # update_every_n_steps = 3 from step_idx 4 (the first update, at step_idx 6, copies), buffers
 # copied from the model at each update (use_buffers=False).
 fit("every3_from4", batches_per_epoch=8, epochs=2, decay=0.9, update_every_n_steps=3, update_starting_at_step=4,
-    use_buffers=False)
+    use_buffers=False, keep_checkpoint=True)
 # The defaults: decay 0.999, every step from the first (a copy), use_buffers=True (BatchNorm's
 # running stats averaged, num_batches_tracked averaged in float32 and truncated).
 fit("defaults", batches_per_epoch=5, epochs=2)

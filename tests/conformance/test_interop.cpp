@@ -238,9 +238,10 @@ TEST_CASE("docs/coming-from-python.md: the AveragedModel recipes run as the page
 // its _metadata, items in batches of 1000 (SETITEMS) and a last batch of one (SETITEM). LibTorch's
 // unpickler (1.13 and 2.x alike) failed on each with "isGenericDict() INTERNAL ASSERT FAILED ...
 // please report a bug to PyTorch"; read_pickle_dict reads each as the dict it holds, the same
-// entries as dict(...) of it (which LibTorch reads itself). An OrderedDict inside a dict is
-// refused, naming the fix, and loads nothing.
-TEST_CASE("torch.save(state_dict()), an OrderedDict, reads as the dict it holds, and one inside a dict is refused",
+// entries as dict(...) of it (which LibTorch reads itself). An OrderedDict inside a dict (a
+// Lightning checkpoint's current_model_state) reads as the dict it holds too; imported as an
+// ema-pytorch state it is refused (no step, initted at the root) and loads nothing.
+TEST_CASE("torch.save(state_dict()), an OrderedDict, reads as the dict it holds, at the root or inside a dict",
           "[conformance][interop][ema-pytorch]") {
   const auto dir = scenario_dir("ema_pytorch_peer", "defaults_with_skips");
   if (!dir) return;
@@ -295,11 +296,28 @@ TEST_CASE("torch.save(state_dict()), an OrderedDict, reads as the dict it holds,
   auto other = emakit::ema_pytorch(other_sources);
   const auto before = other.averages()["lin.weight"].clone();
   const std::string nested = file("nested.pt");
-  CHECK_THROWS_WITH(emakit::import_state(other, emakit::Peer::ema_pytorch, nested),
-                    Catch::Matchers::Equals(fmt::format(
-                        "emakit: import_state: '{}' holds an OrderedDict inside its dict, which LibTorch cannot "
-                        "read; save a plain dict: torch.save(dict(ema.state_dict()), path)",
-                        nested)));
+  const auto outer = emakit::detail::read_pickle_dict(nested, "test");
+  REQUIRE(outer.size() == 1);
+  REQUIRE(outer.at("ema").isGenericDict());
+  const auto inner = outer.at("ema").toGenericDict();
+  const auto root = emakit::detail::read_pickle_dict(file("ordered.pt"), "test");
+  REQUIRE(inner.size() == root.size());
+  std::size_t nested_compared = 0;
+  auto r = root.begin();
+  for (const auto& item : inner) {
+    INFO(item.key().toStringRef());
+    CHECK(item.key().toStringRef() == r->key().toStringRef());
+    if (item.value().isTensor()) {
+      CHECK(torch::equal(item.value().toTensor(), r->value().toTensor()));
+      ++nested_compared;
+    }
+    ++r;
+  }
+  CHECK(nested_compared == root.size());  // ema-pytorch's state_dict(): tensors only
+  CHECK_THROWS_WITH(
+      emakit::import_state(other, emakit::Peer::ema_pytorch, nested),
+      Catch::Matchers::StartsWith(
+          fmt::format("emakit: import_state: '{}' has no 'step' and 'initted': not an ema-pytorch EMA state", nested)));
   CHECK(torch::equal(other.averages()["lin.weight"], before));
   CHECK(other.num_updates() == 0);
   fs::remove_all(folder);
@@ -501,5 +519,153 @@ TEST_CASE("luxonis-train EMACallback: a state saved in Python continues in C++, 
     ++compared;
   }
   CHECK(compared == static_cast<std::size_t>(model_tensors(*dir)));
+  fs::remove(path);
+}
+
+// lightning_peer.py's every3_from4 (EMAWeightAveraging(decay=0.9, update_every_n_steps=3,
+// update_starting_at_step=4, use_buffers=False), 16 optimizer steps, updates at 7, 10, 13, 16)
+// keeps the real checkpoints trainer.save_checkpoint wrote: epoch0.ckpt at global_step 8 and
+// last.ckpt at 16, each with Lightning's own entries (loops, optimizer_states, and
+// current_model_state: an OrderedDict inside the dict). Recorded in the seed venv.
+TEST_CASE("lightning EMAWeightAveraging: a real checkpoint imports, continues in C++, and exports its entries",
+          "[conformance][interop][lightning]") {
+  const auto dir = scenario_dir("lightning_peer", "every3_from4");
+  if (!dir) return;
+  const emakit::LightningEmaWeightAveragingOptions options{
+      .decay = 0.9, .use_buffers = false, .update_every_n_steps = 3, .update_starting_at_step = 4};
+  // test_lightning_lightly.cpp's bound for the callback's avg_fn against emakit's update, at d = 0.9.
+  const double avg_fn_ulps = 2.0 + 7.0 * (1.0 - options.decay);
+  const fs::path last_ckpt = *dir / "last.ckpt";
+
+  // The last checkpoint: its state_dict is the average the callback held at step 16, bitwise.
+  {
+    auto sources = sources_from(*dir);
+    auto ema = emakit::lightning_ema_weight_averaging(sources, options);
+    CHECK(emakit::import_state(ema, emakit::Peer::lightning, last_ckpt).clean());
+    CHECK(ema.step() == 16);
+    CHECK(ema.num_updates() == 4);
+    CHECK(ema.last_update_step() == 16);
+    const Dict recorded = load_dict(*dir / "checkpoint.pt");
+    const Dict step16 = load_dict(step_file(*dir, "step", 16));
+    CHECK(recorded.at("averaging_state.n_averaged").item<std::int64_t>() == 4);
+    std::size_t compared = 0;
+    for (const auto& item : ema.averages()) {
+      INFO(item.key());
+      CHECK(torch::equal(item.value(), recorded.at("state_dict." + item.key())));
+      CHECK(torch::equal(item.value(), step16.at("peer." + item.key())));
+      ++compared;
+    }
+    CHECK(compared == static_cast<std::size_t>(model_tensors(*dir)));
+
+    // Other options than the callback's: its n_averaged is not what they make in 16 steps.
+    auto other_sources = sources_from(*dir);
+    auto other = emakit::lightning_ema_weight_averaging(other_sources, {.decay = 0.9, .use_buffers = false});
+    CHECK_THROWS_WITH(emakit::import_state(other, emakit::Peer::lightning, last_ckpt),
+                      Catch::Matchers::Contains("n_averaged is 4 in the file, but this EMA's schedule makes 16 updates "
+                                                "in global_step 16 steps"));
+    CHECK(other.num_updates() == 0);
+  }
+
+  // epoch0.ckpt (global_step 8, one update: the copy at 7), then steps 9..16 replayed in C++.
+  auto sources = sources_from(*dir);
+  auto ema = emakit::lightning_ema_weight_averaging(sources, options);
+  CHECK(emakit::import_state(ema, emakit::Peer::lightning, *dir / "epoch0.ckpt").clean());
+  CHECK(ema.step() == 8);
+  CHECK(ema.num_updates() == 1);
+  CHECK(ema.last_update_step() == 7);
+  const Dict step8 = load_dict(step_file(*dir, "step", 8));
+  std::size_t imported = 0;
+  for (const auto& item : ema.averages()) {
+    INFO(item.key());
+    CHECK(torch::equal(item.value(), step8.at("peer." + item.key())));
+    ++imported;
+  }
+  CHECK(imported == static_cast<std::size_t>(model_tensors(*dir)));
+  const auto lightning_counters = [](const auto& e, const Dict& rec) {
+    CHECK(e.num_updates() == rec.at("counter.n_averaged").template item<std::int64_t>());
+    CHECK(e.step() == rec.at("counter.global_step").template item<std::int64_t>());
+    CHECK(e.last_update_step() == rec.at("counter.latest_update_step").template item<std::int64_t>());
+  };
+  require_counts(replay(*dir, sources, ema, false, lightning_counters, avg_fn_ulps, false, 9), *dir, 9);
+
+  // The export holds the entries of last.ckpt the callback's on_load_checkpoint reads: the same
+  // types, keys, dtypes and shapes; integer tensors bitwise, floating ones within one update's
+  // bound (the replay's last update started from the peer's state of step 15).
+  const auto path = temp_path("lightning_export");
+  emakit::export_state(ema, emakit::Peer::lightning, path);
+  const auto ours = emakit::detail::read_pickle_dict(path, "test");
+  const auto theirs = emakit::detail::read_pickle_dict(last_ckpt, "test");
+  REQUIRE(ours.size() == 4);
+  for (const char* key : {"state_dict", "averaging_state", "callbacks", "global_step"}) {
+    INFO(key);
+    REQUIRE(theirs.contains(key));
+    REQUIRE(ours.contains(key));
+    CHECK(ours.at(key).tagKind() == theirs.at(key).tagKind());
+  }
+  CHECK(theirs.contains("current_model_state"));  // what the export leaves to the run's own checkpoint
+  CHECK(theirs.contains("optimizer_states"));
+  CHECK(ours.at("global_step").toInt() == theirs.at("global_step").toInt());
+  CHECK(ours.at("global_step").toInt() == 16);
+  const auto callback = [](const c10::impl::GenericDict& d) {
+    const auto c = d.at("callbacks").toGenericDict();
+    REQUIRE(c.contains("EMAWeightAveraging"));
+    const auto fields = c.at("EMAWeightAveraging").toGenericDict();
+    REQUIRE(fields.size() == 1);
+    REQUIRE(fields.at("latest_update_step").isInt());
+    return fields.at("latest_update_step").toInt();
+  };
+  CHECK(callback(ours) == callback(theirs));
+  CHECK(callback(ours) == 16);
+  const auto our_avg = ours.at("averaging_state").toGenericDict();
+  const auto their_avg = theirs.at("averaging_state").toGenericDict();
+  REQUIRE(our_avg.size() == 1);
+  REQUIRE(their_avg.size() == 1);
+  const at::Tensor n_ours = our_avg.at("n_averaged").toTensor(), n_theirs = their_avg.at("n_averaged").toTensor();
+  CHECK(n_ours.scalar_type() == n_theirs.scalar_type());
+  CHECK(n_ours.sizes() == n_theirs.sizes());
+  CHECK(torch::equal(n_ours, n_theirs));
+  CHECK(n_ours.item<std::int64_t>() == 4);
+
+  const auto our_tensors = ours.at("state_dict").toGenericDict();
+  const auto their_tensors = theirs.at("state_dict").toGenericDict();
+  CHECK(our_tensors.size() == their_tensors.size());
+  const Dict before = load_dict(step_file(*dir, "step", 15));
+  const Dict last = load_dict(step_file(*dir, "step", 16));
+  std::size_t compared = 0, floating = 0;
+  for (const auto& item : their_tensors) {
+    const std::string name = item.key().toStringRef();
+    INFO(name);
+    const at::Tensor& expected = item.value().toTensor();
+    REQUIRE(our_tensors.contains(name));
+    const at::Tensor got = our_tensors.at(name).toTensor();
+    CHECK(got.scalar_type() == expected.scalar_type());
+    REQUIRE(got.sizes() == expected.sizes());
+    CHECK(torch::equal(expected, last.at("peer." + name)));  // the checkpoint is the peer's state at step 16
+    if (!expected.is_floating_point()) {
+      CHECK(torch::equal(got, expected));
+    } else {
+      const at::Tensor magnitude = torch::maximum(emakit_test::operand_magnitude(before.at("peer." + name), expected),
+                                                  last.at("source." + name).to(at::kDouble).abs());
+      CHECK(ulp_distance(got, expected, magnitude) <= avg_fn_ulps);
+      ++floating;
+    }
+    ++compared;
+  }
+  CHECK(compared == static_cast<std::size_t>(model_tensors(*dir)));
+  CHECK(floating > 0);
+
+  // The export imports back: the same averages, bitwise, and counters.
+  auto back_sources = sources_from(*dir);
+  auto back = emakit::lightning_ema_weight_averaging(back_sources, options);
+  CHECK(emakit::import_state(back, emakit::Peer::lightning, path).clean());
+  CHECK(back.step() == 16);
+  CHECK(back.num_updates() == 4);
+  CHECK(back.last_update_step() == 16);
+  std::size_t round_trip = 0;
+  for (const auto& item : back.averages()) {
+    CHECK(torch::equal(item.value(), ema.averages()[item.key()]));
+    ++round_trip;
+  }
+  CHECK(round_trip == compared);
   fs::remove(path);
 }

@@ -27,6 +27,7 @@
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <optional>
 #include <span>
 #include <sstream>
@@ -66,12 +67,30 @@ namespace archive_file {
 //   unpickling), the items with each root-level SETITEM made MARK key value SETITEMS, and no
 //   _metadata (its BUILD and the dict before it are dropped). A plain dict's root-level SETITEM
 //   (a dict of one entry, or 1000k + 1) is made MARK key value SETITEMS too.
+// An OrderedDict inside the dict (a Lightning checkpoint's current_model_state: a model's
+// state_dict()) is made a plain dict too, with opcodes LibTorch reads (it has no POP): the
+// OrderedDict() that receives items (SETITEM(S)) or its _metadata (BUILD) becomes EMPTY_DICT,
+// MARK, BINUNICODE nested_placeholder, <the global> EMPTY_TUPLE REDUCE (None), SETITEMS (the global
+// stays memoized), and its BUILD becomes MARK nested_placeholder <the _metadata> SETITEMS; the
+// placeholder key is removed from every dict after unpickling. OrderedDict() with neither, a
+// tensor's empty backward hooks, stays as it is. Every SETITEM, at any depth, becomes MARK key
+// value SETITEMS, and every APPEND MARK value APPENDS.
 // The pickle was scanned first (archive_scan.hpp); a pickle this does not recognize is returned
 // unchanged (LibTorch then reads it or fails, and read_pickle_dict says so).
 constexpr std::string_view ordered_dict_root{"\x80\x02"
                                              "ccollections\nOrderedDict\nq\x00)Rq\x01",
                                              33};
 constexpr std::string_view placeholder{"\0emakit:OrderedDict\0", 20};
+constexpr std::string_view nested_placeholder{"\0emakit:NestedOrderedDict\0", 26};
+
+// MARK, BINUNICODE nested_placeholder.
+inline std::string mark_nested_placeholder() {
+  std::string out("(X", 2);
+  const auto n = static_cast<std::uint32_t>(nested_placeholder.size());
+  for (int byte = 0; byte < 4; ++byte) out += static_cast<char>((n >> (8 * byte)) & 0xFF);  // little-endian
+  out += nested_placeholder;
+  return out;
+}
 
 struct Edit {
   std::size_t at;       // offset in the original pickle
@@ -98,11 +117,29 @@ inline std::optional<std::vector<Edit>> plain_root_edits(std::string_view p) {
     return std::nullopt;
   }
   // The stack: each entry the offset where the code of its value begins; marks are flagged.
+  enum class Kind : std::uint8_t { other, ordered_global, empty_tuple, ordered_dict };
   struct Entry {
     std::size_t start;
     bool mark;
+    Kind kind = Kind::other;
+    std::size_t made = 0;  // ordered_dict: the offset after its REDUCE
+    bool plain = false;    // ordered_dict: already given POP, EMPTY_DICT
   };
   std::vector<Entry> stack{{0, false}};  // the root
+  std::map<std::size_t, Kind> memo;      // memo slots that hold the OrderedDict global
+  // A nested OrderedDict (not the root, which the first edit handles) made a plain dict.
+  auto make_plain = [&](Entry& e) {
+    if (e.kind != Kind::ordered_dict || e.plain) return;
+    edits.push_back({e.start, 0, "}" + mark_nested_placeholder()});
+    edits.push_back({e.made, 0, "u"});
+    e.plain = true;
+  };
+  // The container SETITEMS/APPENDS fills: the entry under the topmost mark.
+  auto below_mark = [&]() -> Entry* {
+    for (std::size_t k = stack.size(); k-- > 1;)
+      if (stack[k].mark) return &stack[k - 1];
+    return nullptr;
+  };
   auto pop_to_mark = [&]() -> std::optional<std::size_t> {
     while (!stack.empty() && !stack.back().mark) stack.pop_back();
     if (stack.empty()) return std::nullopt;
@@ -130,17 +167,27 @@ inline std::optional<std::vector<Edit>> plain_root_edits(std::string_view p) {
     const auto op = static_cast<unsigned char>(p[i++]);
     std::size_t arg = 0;  // bytes after the opcode
     bool push = false;
+    Kind kind = Kind::other;  // of the value pushed
     switch (op) {
-      case 'q': arg = 1; break;  // BINPUT
-      case 'r': arg = 4; break;  // LONG_BINPUT
-      case 'h':
-        arg = 1;
+      case 'q':    // BINPUT
+      case 'r': {  // LONG_BINPUT
+        arg = op == 'q' ? 1 : 4;
+        const auto slot =
+            op == 'q' ? std::optional<std::size_t>(i < p.size() ? static_cast<unsigned char>(p[i]) : 0) : u32(i);
+        if (!slot || stack.empty()) return std::nullopt;
+        memo[*slot] = stack.back().kind == Kind::ordered_global ? Kind::ordered_global : Kind::other;
+        break;
+      }
+      case 'h':    // BINGET
+      case 'j': {  // LONG_BINGET
+        arg = op == 'h' ? 1 : 4;
         push = true;
-        break;  // BINGET
-      case 'j':
-        arg = 4;
-        push = true;
-        break;  // LONG_BINGET
+        const auto slot =
+            op == 'h' ? std::optional<std::size_t>(i < p.size() ? static_cast<unsigned char>(p[i]) : 0) : u32(i);
+        if (!slot) return std::nullopt;
+        if (const auto it = memo.find(*slot); it != memo.end()) kind = it->second;
+        break;
+      }
       case 'K':
         arg = 1;
         push = true;
@@ -158,6 +205,9 @@ inline std::optional<std::vector<Edit>> plain_root_edits(std::string_view p) {
         push = true;
         break;  // BINFLOAT
       case ')':
+        push = true;
+        kind = Kind::empty_tuple;
+        break;
       case '}':
       case ']':
       case 'N':
@@ -185,6 +235,7 @@ inline std::optional<std::vector<Edit>> plain_root_edits(std::string_view p) {
         if (second == std::string_view::npos) return std::nullopt;
         arg = second + 1 - i;
         push = true;
+        if (p.substr(i, arg) == "collections\nOrderedDict\n") kind = Kind::ordered_global;
         break;
       }
       case '(': stack.push_back({at, true}); break;  // MARK
@@ -198,6 +249,7 @@ inline std::optional<std::vector<Edit>> plain_root_edits(std::string_view p) {
       }
       case 'u':
       case 'e':  // SETITEMS, APPENDS: the container stays
+        if (Entry* target = below_mark(); op == 'u' && target != nullptr) make_plain(*target);
         if (!pop_to_mark() || stack.empty()) return std::nullopt;
         break;
       case 0x85:
@@ -207,24 +259,38 @@ inline std::optional<std::vector<Edit>> plain_root_edits(std::string_view p) {
       case 0x81:
       case 'Q': {  // TUPLE1-3, REDUCE, NEWOBJ, BINPERSID
         const std::size_t k = op == 'Q' ? 1 : op == 'R' || op == 0x81 ? 2 : std::size_t{op} - 0x84;
+        const bool ordered = op == 'R' && stack.size() >= 3 && stack[stack.size() - 2].kind == Kind::ordered_global &&
+                             stack.back().kind == Kind::empty_tuple;
         const auto start = pop_n(k);
         if (!start) return std::nullopt;
-        stack.push_back({*start, false});
+        stack.push_back({*start, false, ordered ? Kind::ordered_dict : Kind::other, i});
         break;
       }
-      case 'a':  // APPEND
+      case 'a':  // APPEND: MARK value APPENDS
+        if (stack.size() >= 3 && !stack.back().mark) {
+          edits.push_back({stack.back().start, 0, "("});
+          edits.push_back({at, 1, "e"});
+        }
         if (!pop_n(1) || stack.empty()) return std::nullopt;
         break;
-      case 's':                                                       // SETITEM
-        if (stack.size() == 3 && !stack[1].mark && !stack[2].mark) {  // on the root: MARK k v SETITEMS
-          edits.push_back({stack[1].start, 0, "("});
+      case 's':  // SETITEM, on the root or inside: MARK k v SETITEMS
+        if (stack.size() >= 3 && !stack[stack.size() - 1].mark && !stack[stack.size() - 2].mark) {
+          edits.push_back({stack[stack.size() - 2].start, 0, "("});
           edits.push_back({at, 1, "u"});
         }
+        if (stack.size() >= 4) make_plain(stack[stack.size() - 3]);
         if (!pop_n(2) || stack.empty()) return std::nullopt;
         break;
       case 'b':                                     // BUILD
-        if (stack.size() == 2 && !stack[1].mark) {  // the root's _metadata: dropped
-          edits.push_back({stack[1].start, at + 1 - stack[1].start, ""});
+        if (stack.size() == 2 && !stack[1].mark) {  // the root's _metadata: dropped, with the edits inside it
+          const std::size_t from = stack[1].start;
+          std::erase_if(edits, [&](const Edit& e) { return e.at >= from && e.at <= at; });
+          edits.push_back({from, at + 1 - from, ""});
+        } else if (stack.size() >= 3 && stack[stack.size() - 2].kind == Kind::ordered_dict) {
+          // A nested OrderedDict's _metadata: set under the placeholder key, removed after unpickling.
+          make_plain(stack[stack.size() - 2]);
+          edits.push_back({stack.back().start, 0, mark_nested_placeholder()});
+          edits.push_back({at, 1, "u"});
         }
         if (!pop_n(1) || stack.empty()) return std::nullopt;
         break;
@@ -233,7 +299,7 @@ inline std::optional<std::vector<Edit>> plain_root_edits(std::string_view p) {
         return edits;
       default: return std::nullopt;  // an opcode torch.save's pickles do not use
     }
-    if (push) stack.push_back({at, false});
+    if (push) stack.push_back({at, false, kind});
     i += arg;
     if (i > p.size()) return std::nullopt;
   }
@@ -256,6 +322,19 @@ inline std::optional<std::string> plain_root(std::string_view pickle) {
   }
   out.append(pickle.substr(copied));
   return out;
+}
+
+// Removes nested_placeholder's key from every dict inside `v` (see plain_root_edits).
+inline void drop_nested_placeholders(const c10::IValue& v) {
+  if (v.isGenericDict()) {
+    auto d = v.toGenericDict();
+    static_cast<void>(d.erase(c10::IValue(std::string(nested_placeholder))));  // absent in most dicts
+    for (const auto& item : d) drop_nested_placeholders(item.value());
+  } else if (v.isList()) {
+    for (const auto& item : v.toListRef()) drop_nested_placeholders(item);
+  } else if (v.isTuple()) {
+    for (const auto& item : v.toTupleRef().elements()) drop_nested_placeholders(item);
+  }
 }
 
 }  // namespace archive_file
@@ -330,6 +409,7 @@ EMAKIT_FUNC c10::impl::GenericDict read_pickle_dict(const std::filesystem::path&
       fail("{}: '{}' holds a key emakit reserves for reading an OrderedDict; {}", what, path.string(), plain_dict);
     dict.erase(it);
   }
+  archive_file::drop_nested_placeholders(value);
   return dict;
 }
 
