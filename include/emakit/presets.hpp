@@ -1,23 +1,23 @@
 // Presets: one factory per Python peer, with the peer's defaults, so a run moves from Python to
 // C++ without changing its numbers. Each returns an ordinary emakit::Ema.
 //
-// | Python                                                    | emakit                                          |
-// |-----------------------------------------------------------|-------------------------------------------------|
-// | ema_pytorch.EMA(model, beta=..., ...)                      | emakit::ema_pytorch(*model, {.beta = ...})      |
-// | timm ModelEmaV3(model, decay=..., use_warmup=...)          | emakit::timm_model_ema_v3(*model, {...})        |
+// | Python                                                     | emakit                                          |
+// |------------------------------------------------------------|-------------------------------------------------|
+// | ema_pytorch.EMA(model, beta=..., ...)                      | ema_pytorch(*model, {.beta = ...})              |
+// | timm ModelEmaV3(model, decay=..., use_warmup=...)          | timm_model_ema_v3(*model, {...})                |
 // |   ema.update(model, step=step)                             |   ema.update({.step = step})                    |
-// | AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(d)) | emakit::averaged_model_ema(*model, {.decay = d}) |
-// | AveragedModel(model) (SWA)                                 | emakit::averaged_model_swa(*model, {...})       |
-// | nvalchemi EMAHook(decay=..., start_step=..., ...)          | emakit::nvalchemi_ema(*model, {...})            |
+// | AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(d)) | averaged_model_ema(*model, {.decay = d})        |
+// | AveragedModel(model) (SWA)                                 | averaged_model_swa(*model, {...})               |
+// | nvalchemi EMAHook(decay=..., start_step=..., ...)          | nvalchemi_ema(*model, {...})                    |
 // |   hook(ctx, AFTER_OPTIMIZER_STEP, will_skip=s)             |   ema.update({.vetoed = s})                     |
-// |   (as a hook, lazily made)                                 |   hook.add(*model,
-// emakit::nvalchemi_ema_recipe({...})) | | luxonis-train ModelEma(model, decay=..., decay_tau=...)    |
-// emakit::luxonis_model_ema(*model, {...})        | | luxonis-train EMACallback(decay=..., decay_tau=...)        |
-// hook.add(*model, emakit::luxonis_ema_callback_recipe({...})) | | diffusers EMAModel(model.parameters(), decay=...) |
-// emakit::diffusers_ema_model(*model, {...})      | | diffusers EMAModel(..., use_ema_warmup=True)               |
-// emakit::diffusers_ema_model_warmup(*model, {...}) | | Lightning EMAWeightAveraging(decay=..., ...)               |
-// emakit::lightning_ema_weight_averaging(*model, {...}) | | lightly update_momentum(student, teacher,
-// cosine_schedule(k, K, m0, 1)) | emakit::cosine_momentum_teacher(*student, {...}) |
+// |   (as a hook, lazily made)                                 |   hook.add(*model, nvalchemi_ema_recipe({...})) |
+// | luxonis-train ModelEma(model, decay=..., decay_tau=...)    | luxonis_model_ema(*model, {...})                |
+// | luxonis-train EMACallback(decay=..., decay_tau=...)        |   hook.add(*model, luxonis_ema_callback_recipe) |
+// | diffusers EMAModel(model.parameters(), decay=...)          | diffusers_ema_model(*model, {...})              |
+// | diffusers EMAModel(..., use_ema_warmup=True)               | diffusers_ema_model_warmup(*model, {...})       |
+// | Lightning EMAWeightAveraging(decay=..., ...)               | lightning_ema_weight_averaging(*model, {...})   |
+// | lightly update_momentum(..., cosine_schedule(k, K, m0, 1)) | cosine_momentum_teacher(*model, {...})          |
+// (every name in the emakit column is in namespace emakit)
 //
 // Every preset keeps the average in the model's dtype, as its peer does; emakit's own default
 // (an fp32 average of a bf16/fp16 model) differs on purpose. Set `.dtype` to get it back.
