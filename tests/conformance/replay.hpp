@@ -26,6 +26,11 @@
 
 #include <emakit/emakit.hpp>
 
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
 #include <torch/serialize.h>
 
 #include <catch2/catch.hpp>
@@ -53,6 +58,26 @@
 
 namespace emakit_conformance {
 namespace fs = std::filesystem;
+
+// tests/conformance/_common.py's Net in C++: its tensors under the same names, registered in the
+// same order, so that named_parameters() lists them as Python's model.parameters() does (the
+// order diffusers' shadow_params list follows). Cloneable, for module storage.
+struct CommonNetImpl : torch::nn::Cloneable<CommonNetImpl> {
+  CommonNetImpl() { reset(); }
+  void reset() override {
+    lin = register_module("lin", torch::nn::Linear(8, 6));
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 3, 3)));
+    bn = register_module("bn", torch::nn::BatchNorm2d(3));
+    emb = register_module("emb", torch::nn::Embedding(10, 4));
+    mask = register_buffer("mask", torch::ones({6}));
+  }
+  torch::nn::Linear lin{nullptr};
+  torch::nn::Conv2d conv{nullptr};
+  torch::nn::BatchNorm2d bn{nullptr};
+  torch::nn::Embedding emb{nullptr};
+  at::Tensor mask;
+};
+TORCH_MODULE(CommonNet);
 
 using Dict = std::map<std::string, at::Tensor>;
 

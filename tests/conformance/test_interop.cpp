@@ -325,24 +325,9 @@ TEST_CASE("torch.save(state_dict()), an OrderedDict, reads as the dict it holds,
 
 namespace {
 
-// _common.Net's tensors under the same names, registered in the same order, so that
-// named_parameters() lists them as Python's model.parameters() does: the order diffusers'
-// shadow_params list follows.
-struct DiffusersNetImpl : torch::nn::Module {
-  DiffusersNetImpl() {
-    lin = register_module("lin", torch::nn::Linear(8, 6));
-    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 3, 3)));
-    bn = register_module("bn", torch::nn::BatchNorm2d(3));
-    emb = register_module("emb", torch::nn::Embedding(10, 4));
-    mask = register_buffer("mask", torch::ones({6}));
-  }
-  torch::nn::Linear lin{nullptr};
-  torch::nn::Conv2d conv{nullptr};
-  torch::nn::BatchNorm2d bn{nullptr};
-  torch::nn::Embedding emb{nullptr};
-  at::Tensor mask;
-};
-TORCH_MODULE(DiffusersNet);
+// _common.Net in C++ (replay.hpp): named_parameters() in Python's parameters() order, which
+// diffusers' shadow_params list follows.
+using DiffusersNet = CommonNet;
 
 // _diffusers_roundtrip.py's steps: N in Python, then M in emakit, then P in Python again.
 constexpr std::int64_t kN = 10, kM = 8, kP = 7;

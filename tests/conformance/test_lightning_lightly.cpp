@@ -51,23 +51,7 @@ using namespace emakit_conformance;
 
 namespace {
 
-// _common.Net's tensors under the same names (LitNet in lightning_peer.py holds the same).
-struct NetImpl : torch::nn::Cloneable<NetImpl> {
-  NetImpl() { reset(); }
-  void reset() override {
-    lin = register_module("lin", torch::nn::Linear(8, 6));
-    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 3, 3)));
-    bn = register_module("bn", torch::nn::BatchNorm2d(3));
-    emb = register_module("emb", torch::nn::Embedding(10, 4));
-    mask = register_buffer("mask", torch::ones({6}));
-  }
-  torch::nn::Linear lin{nullptr};
-  torch::nn::Conv2d conv{nullptr};
-  torch::nn::BatchNorm2d bn{nullptr};
-  torch::nn::Embedding emb{nullptr};
-  at::Tensor mask;
-};
-TORCH_MODULE(Net);
+using Net = CommonNet;  // _common.Net's tensors (LitNet in lightning_peer.py holds the same; replay.hpp)
 
 // The bound derived at the top of the file, for decays d >= min_decay >= 1/2.
 double avg_fn_ulps(double min_decay) {

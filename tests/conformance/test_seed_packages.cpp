@@ -41,23 +41,7 @@ using namespace emakit_conformance;
 
 namespace {
 
-// _common.Net's tensors under the same names.
-struct NetImpl : torch::nn::Cloneable<NetImpl> {
-  NetImpl() { reset(); }
-  void reset() override {
-    lin = register_module("lin", torch::nn::Linear(8, 6));
-    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 3, 3)));
-    bn = register_module("bn", torch::nn::BatchNorm2d(3));
-    emb = register_module("emb", torch::nn::Embedding(10, 4));
-    mask = register_buffer("mask", torch::ones({6}));
-  }
-  torch::nn::Linear lin{nullptr};
-  torch::nn::Conv2d conv{nullptr};
-  torch::nn::BatchNorm2d bn{nullptr};
-  torch::nn::Embedding emb{nullptr};
-  at::Tensor mask;
-};
-TORCH_MODULE(Net);
+using Net = CommonNet;  // _common.Net's tensors under the same names (replay.hpp)
 
 constexpr double kLerp = 1.5, kLuxonis = kLerp;  // see the top of the file
 
