@@ -189,7 +189,21 @@ EMAKIT_FUNC void keep_current(StateDict& out, const LoadReport& found, const Sta
   for (const auto& k : found.mismatched) keep(k.substr(0, k.find(": ")));
 }
 
+EMAKIT_FUNC c10::impl::GenericDict tensor_dict(const StateDict& averages, std::string_view prefix) {
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
+  for (const auto& item : averages)
+    dict.insert(std::string(prefix) + item.key(), item.value().detach().cpu().contiguous());
+  return dict;
+}
+
 // ---- luxonis-train EMACallback -------------------------------------------------------------
+
+EMAKIT_FUNC c10::impl::GenericDict luxonis_dict(const StateDict& averages, std::int64_t updates) {
+  c10::impl::GenericDict outer(c10::StringType::get(), c10::AnyType::get());
+  outer.insert("ema_state_dict", tensor_dict(averages));
+  outer.insert("updates", updates);
+  return outer;
+}
 
 EMAKIT_FUNC c10::impl::GenericDict luxonis_tensors(const c10::impl::GenericDict& dict, const std::string& path,
                                                    std::int64_t& updates) {
@@ -283,9 +297,7 @@ EMAKIT_FUNC void check_lightning_counters(const LightningCounters& file, std::in
 EMAKIT_FUNC c10::impl::GenericDict lightning_dict(const StateDict& averages, std::int64_t global_step,
                                                   std::int64_t n_averaged, std::int64_t latest_update_step) {
   c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
-  c10::impl::GenericDict state(c10::StringType::get(), c10::TensorType::get());
-  for (const auto& item : averages) state.insert(item.key(), item.value().detach().cpu().contiguous());
-  dict.insert("state_dict", state);
+  dict.insert("state_dict", tensor_dict(averages));
   c10::impl::GenericDict averaging(c10::StringType::get(), c10::TensorType::get());
   averaging.insert("n_averaged", at::scalar_tensor(n_averaged, at::kLong));  // AveragedModel's long buffer
   dict.insert("averaging_state", averaging);

@@ -200,6 +200,14 @@ DiffusersConfig diffusers_config(const E& ema, const char* what) {
   }
 }
 
+// The averages as a name -> tensor dict (CPU, contiguous), each name after `prefix`: what every
+// export writes its tensors as.
+EMAKIT_FUNC c10::impl::GenericDict tensor_dict(const StateDict& averages, std::string_view prefix = {});
+
+// What EMACallback.state_dict() returns: {"ema_state_dict": the averages, "updates": a Python int
+// (EMACallback ignores any other type)}.
+EMAKIT_FUNC c10::impl::GenericDict luxonis_dict(const StateDict& averages, std::int64_t updates);
+
 // EMAModel.state_dict()'s dict: the config as Python floats, ints and a bool, `step` as
 // optimization_step, the averages as the list shadow_params (in the EMA's order).
 EMAKIT_FUNC c10::impl::GenericDict diffusers_dict(const StateDict& averages, const DiffusersConfig& config,
@@ -228,18 +236,11 @@ void export_state(const E& ema, Peer peer, const std::filesystem::path& path) {
         path, detail::interop::lightning_dict(ema.averages(), ema.step(), ema.num_updates(), ema.last_update_step()));
     return;
   }
-  if (peer == Peer::luxonis_callback) {  // what EMACallback.state_dict() returns
-    c10::impl::GenericDict outer(c10::StringType::get(), c10::AnyType::get());
-    c10::impl::GenericDict inner(c10::StringType::get(), c10::TensorType::get());
-    for (const auto& item : ema.averages()) inner.insert(item.key(), item.value().detach().cpu().contiguous());
-    outer.insert("ema_state_dict", inner);
-    outer.insert("updates", ema.num_updates());  // a Python int: EMACallback ignores any other type
-    detail::write_tensor_dict(path, outer);
+  if (peer == Peer::luxonis_callback) {
+    detail::write_tensor_dict(path, detail::interop::luxonis_dict(ema.averages(), ema.num_updates()));
     return;
   }
-  c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
-  const std::string prefix(detail::interop::peer_text(peer).prefix);
-  for (const auto& item : ema.averages()) dict.insert(prefix + item.key(), item.value().detach().cpu().contiguous());
+  c10::impl::GenericDict dict = detail::interop::tensor_dict(ema.averages(), detail::interop::peer_text(peer).prefix);
   if (peer == Peer::ema_pytorch) {
     dict.insert("step", at::scalar_tensor(ema.step(), at::kLong));
     dict.insert("initted", at::scalar_tensor(ema.num_updates() > 0, at::kBool));
