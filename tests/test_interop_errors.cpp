@@ -9,10 +9,13 @@
 #include "helpers.hpp"
 
 #include <ATen/ops/zeros.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
 
 #include <catch2/catch.hpp>
 
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -476,4 +479,214 @@ TEST_CASE("lightning: a checkpoint without averaging_state, of another shape or 
   const auto tensors = read.at("state_dict").toGenericDict();
   CHECK(tensors.size() == saved.size());
   for (const auto& [name, value] : saved) CHECK(torch::equal(tensors.at(name).toTensor(), value));
+}
+
+TEST_CASE("nvalchemi: EMAHook.state_dict() imports with the trainer's step, and a file of other options loads nothing",
+          "[interop][nvalchemi][errors]") {
+  TempDir dir;
+  TinyNet model;
+  const emakit::NvalchemiEmaOptions options{.decay = 0.9, .update_every = 2, .start_step = 3, .use_buffers = false};
+  auto ema = emakit::nvalchemi_ema(*model, options);
+  torch::manual_seed(3);
+  for (int step = 1; step <= 7; ++step) {  // eligible completed steps 4 and 6: a copy, then an average
+    emakit_test::perturb(*model);
+    ema.update();
+  }
+  REQUIRE(ema.num_updates() == 2);
+  REQUIRE(ema.last_update_step() == 6);
+  const auto file = dir.path / "hook.pt";
+  emakit::export_state(ema, emakit::Peer::nvalchemi_hook, file);
+
+  // What EMAHook.state_dict() holds, less model_key: the config's Python types, num_updates, and
+  // the AveragedModel's state (module.<name>, n_averaged).
+  const auto exported = emakit::detail::read_pickle_dict(file, "test");
+  CHECK(exported.size() == 6);
+  CHECK(exported.at("decay").isDouble());
+  CHECK(exported.at("decay").toDouble() == 0.9);
+  CHECK(exported.at("update_every").toInt() == 2);
+  CHECK(exported.at("start_step").toInt() == 3);
+  CHECK(exported.at("use_buffers").isBool());
+  CHECK_FALSE(exported.at("use_buffers").toBool());
+  CHECK(exported.at("num_updates").isInt());
+  CHECK(exported.at("num_updates").toInt() == 2);
+  CHECK_FALSE(exported.contains("model_key"));
+  const auto inner = exported.at("averaged_model_state").toGenericDict();
+  CHECK(inner.size() == ema.averages().size() + 1);
+  const at::Tensor n_averaged = inner.at("n_averaged").toTensor();
+  CHECK(n_averaged.scalar_type() == at::kLong);
+  CHECK(n_averaged.item<std::int64_t>() == 2);
+  std::size_t written = 0;
+  for (const auto& item : ema.averages()) {
+    INFO(item.key());
+    CHECK(torch::equal(inner.at("module." + item.key()).toTensor(), item.value()));
+    ++written;
+  }
+  CHECK(written == ema.averages().size());
+
+  // A copy of the exported dict with `key` set to `value` (or erased), written to `to`.
+  const auto edited = [&](const std::string& key, const std::optional<c10::IValue>& value,
+                          const std::filesystem::path& to) {
+    auto d = exported.copy();
+    if (value) {
+      d.insert_or_assign(key, *value);
+    } else {
+      REQUIRE(d.erase(key) == 1);
+    }
+    emakit::detail::write_tensor_dict(to, d);
+    return to;
+  };
+  TinyNet other_model;
+  auto fresh = emakit::nvalchemi_ema(*other_model, options);
+  const auto before = snapshot(fresh.averages());
+  const auto refused = [&](const std::filesystem::path& f, const emakit::ImportOptions& o) -> std::string {
+    try {
+      emakit::import_state(fresh, emakit::Peer::nvalchemi_hook, f, o);
+    } catch (const std::exception& e) {
+      CHECK(same_averages(fresh.averages(), before));
+      CHECK(fresh.num_updates() == 0);
+      CHECK(fresh.step() == 0);
+      return e.what();
+    }
+    FAIL("import_state accepted " << f);
+    return {};
+  };
+
+  SECTION("the trainer's step is required, and must give the file's num_updates") {
+    CHECK_THAT(refused(file, {}),
+               Contains("an nvalchemi EMAHook state holds no step") && Contains("{.step = step_count}"));
+    CHECK_THAT(refused(file, {.step = 5}), Contains("num_updates is 2 in the file, but this EMA's schedule makes 1 "
+                                                    "updates in 5 completed steps"));
+    CHECK_THAT(refused(file, {.step = 8}), Contains("makes 3 updates in 8 completed steps"));
+    CHECK_THAT(refused(file, {.step = -1}), Contains("ImportOptions::step must be >= 0, got -1"));
+  }
+
+  SECTION("a config entry that differs is named with both values") {
+    CHECK_THAT(refused(edited("decay", c10::IValue(0.95), dir.path / "d.pt"), {.step = 7}),
+               Contains("config differs: decay is 0.95 in the file, 0.9 in this EMA (Fixed::beta)"));
+    CHECK_THAT(refused(edited("update_every", c10::IValue(std::int64_t{3}), dir.path / "u.pt"), {.step = 7}),
+               Contains("config differs: update_every is 3 in the file, 2 in this EMA"));
+    CHECK_THAT(refused(edited("start_step", c10::IValue(std::int64_t{0}), dir.path / "s.pt"), {.step = 7}),
+               Contains("config differs: start_step is 0 in the file, 3 in this EMA"));
+    CHECK_THAT(refused(edited("use_buffers", c10::IValue(true), dir.path / "b.pt"), {.step = 7}),
+               Contains("config differs: use_buffers is True in the file, False in this EMA (buffers copied)"));
+    CHECK_THAT(refused(edited("update_every", c10::IValue(2.0), dir.path / "f.pt"), {.step = 7}),
+               Contains("'update_every' must be an int, got 2"));
+  }
+
+  SECTION("counters that disagree, a state saved before the first update, a missing tensor") {
+    CHECK_THAT(refused(edited("num_updates", c10::IValue(std::int64_t{3}), dir.path / "n.pt"), {.step = 7}),
+               Contains("num_updates is 3 but averaged_model_state's n_averaged is 2"));
+    CHECK_THAT(refused(edited("averaged_model_state", std::nullopt, dir.path / "a.pt"), {.step = 7}),
+               Contains("has no 'averaged_model_state': the hook had not made its averaged model yet"));
+    auto missing = inner.copy();
+    REQUIRE(missing.erase("module.fc.weight") == 1);
+    CHECK_THAT(refused(edited("averaged_model_state", c10::IValue(missing), dir.path / "m.pt"), {.step = 7}),
+               Contains("is not an nvalchemi EMAHook state of this EMA's model: no 'module.fc.weight'"));
+    CHECK_THAT(refused(edited("num_updates", std::nullopt, dir.path / "k.pt"), {.step = 7}),
+               Contains("has no 'num_updates': not an nvalchemi EMAHook state"));
+  }
+
+  SECTION("a step given for a peer whose file holds its own, an EMA no EMAHook describes") {
+    auto pytorch = emakit::ema_pytorch(*other_model);
+    CHECK_THROWS_WITH(emakit::import_state(pytorch, emakit::Peer::ema_pytorch, file, {.step = 7}),
+                      Contains("ImportOptions::step (7) is for Peer::nvalchemi_hook, whose file holds no step; an "
+                               "ema-pytorch EMA file holds its own counters"));
+    CHECK_THROWS_WITH(emakit::import_state(pytorch, emakit::Peer::nvalchemi_hook, file, {.step = 7}),
+                      Contains("import_state: Peer::nvalchemi_hook needs an EMA made by nvalchemi_ema"));
+    CHECK_THROWS_WITH(emakit::export_state(pytorch, emakit::Peer::nvalchemi_hook, dir.path / "x.pt"),
+                      Contains("export_state: Peer::nvalchemi_hook needs an EMA made by nvalchemi_ema"));
+    CHECK_FALSE(std::filesystem::exists(dir.path / "x.pt"));
+  }
+
+  SECTION("with the trainer's step, the import is the hook's state and the run goes on as one that never stopped") {
+    CHECK(emakit::import_state(fresh, emakit::Peer::nvalchemi_hook, file, {.step = 7}).clean());
+    CHECK(fresh.step() == 7);
+    CHECK(fresh.num_updates() == 2);
+    CHECK(fresh.last_update_step() == 6);
+    CHECK(same_averages(fresh.averages(), snapshot(ema.averages())));
+    // Steps 8..11 with the same model on both: updates at 8 and 10 on both.
+    const auto follow = [&] {
+      torch::NoGradGuard no_grad;
+      auto to = other_model->named_parameters();
+      for (const auto& p : model->named_parameters()) to[p.key()].copy_(p.value());
+      auto to_buffers = other_model->named_buffers();
+      for (const auto& b : model->named_buffers()) to_buffers[b.key()].copy_(b.value());
+    };
+    for (int step = 8; step <= 11; ++step) {
+      emakit_test::perturb(*model);
+      follow();
+      ema.update();
+      fresh.update();
+    }
+    CHECK(fresh.num_updates() == 4);
+    CHECK(ema.num_updates() == 4);
+    CHECK(same_averages(fresh.averages(), snapshot(ema.averages())));
+  }
+}
+
+namespace {
+// An embedding whose weight is also registered as the output head's (a language model's tie).
+struct TiedLmImpl : torch::nn::Module {
+  TiedLmImpl() {
+    emb = register_module("emb", torch::nn::Embedding(10, 4));
+    lin = register_module("lin", torch::nn::Linear(4, 3));
+    register_parameter("head_weight", emb->weight);
+  }
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::Linear lin{nullptr};
+};
+TORCH_MODULE(TiedLm);
+}  // namespace
+
+TEST_CASE("diffusers: a tied weight is one entry of shadow_params, as model.parameters() lists it, both ways",
+          "[interop][diffusers][ties]") {
+  TempDir dir;
+  TiedLm model;
+  auto ema = emakit::diffusers_ema_model(*model, {.decay = 0.9});
+  torch::manual_seed(5);
+  for (int step = 1; step <= 3; ++step) {
+    emakit_test::perturb(*model);
+    ema.update();
+  }
+  REQUIRE(ema.averages().size() == 4);  // emb.weight, lin.weight, lin.bias and head_weight, one of them tied
+  const auto file = dir.path / "ema.pt";
+  emakit::export_state(ema, emakit::Peer::diffusers, file);
+  const auto exported = emakit::detail::read_pickle_dict(file, "test");
+  const auto shadow = exported.at("shadow_params").toListRef();
+  REQUIRE(shadow.size() == 3);
+  std::size_t matched = 0;
+  for (const auto& item : ema.averages()) {
+    INFO(item.key());
+    std::size_t equal = 0;
+    for (const auto& s : shadow) equal += emakit_test::bitwise_equal(s.toTensor(), item.value()) ? 1 : 0;
+    CHECK(equal == 1);  // each name's average is in the list once (the tied two are one entry)
+    ++matched;
+  }
+  CHECK(matched == 4);
+
+  TiedLm other;
+  auto fresh = emakit::diffusers_ema_model(*other, {.decay = 0.9});
+  CHECK(emakit::import_state(fresh, emakit::Peer::diffusers, file).clean());
+  CHECK(fresh.step() == 3);
+  CHECK(same_averages(fresh.averages(), snapshot(ema.averages())));
+  // Still one average under both names: it moves under both when the model moves.
+  const at::Tensor tied = fresh.averages()["emb.weight"];
+  CHECK(fresh.averages()["head_weight"].data_ptr() == tied.data_ptr());
+  emakit_test::perturb(*other);
+  fresh.update();
+  CHECK(emakit_test::bitwise_equal(fresh.averages()["head_weight"], fresh.averages()["emb.weight"]));
+
+  // A list with the tied weight twice (four entries) is a state of another model.
+  auto d = exported.copy();
+  c10::impl::GenericList four(c10::AnyType::get());
+  for (const auto& s : shadow) four.push_back(s);
+  four.push_back(shadow[0]);
+  d.insert_or_assign("shadow_params", four);
+  emakit::detail::write_tensor_dict(dir.path / "four.pt", d);
+  TiedLm third;
+  auto refused = emakit::diffusers_ema_model(*third, {.decay = 0.9});
+  const auto before = snapshot(refused.averages());
+  CHECK_THROWS_WITH(emakit::import_state(refused, emakit::Peer::diffusers, dir.path / "four.pt"),
+                    Contains("shadow_params holds 4 tensors, this EMA averages 3 distinct ones (and 1 tied name)"));
+  CHECK(same_averages(refused.averages(), before));
 }

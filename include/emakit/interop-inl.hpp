@@ -31,10 +31,13 @@ EMAKIT_FUNC const PeerText& peer_text(Peer peer) {
       {"", "a luxonis-train EMACallback", "torch.save(callback.state_dict(), path)", "callback.ema.state_dict_ema"},
       {"", "a Lightning EMAWeightAveraging checkpoint", "trainer.save_checkpoint(path)",
        "the model's own state_dict()"},
+      {"module.", "an nvalchemi EMAHook", "torch.save(hook.state_dict(), path)",
+       "hook.get_averaged_model().state_dict()"},
   };
   static_assert(static_cast<int>(Peer::ema_pytorch) == 0 && static_cast<int>(Peer::timm_v3) == 1 &&
                 static_cast<int>(Peer::averaged_model) == 2 && static_cast<int>(Peer::diffusers) == 3 &&
-                static_cast<int>(Peer::luxonis_callback) == 4 && static_cast<int>(Peer::lightning) == 5);
+                static_cast<int>(Peer::luxonis_callback) == 4 && static_cast<int>(Peer::lightning) == 5 &&
+                static_cast<int>(Peer::nvalchemi_hook) == 6);
   const auto i = static_cast<std::size_t>(peer);
   if (i >= std::size(table)) fail("interop: unknown Peer value {}", i);
   return table[i];
@@ -118,9 +121,11 @@ EMAKIT_FUNC PeerFile read_peer_file(const c10::impl::GenericDict& dict, Peer pee
     f.step = integer_value(*s, "step", where);
     if (f.step < 0) fail("{}: step must be >= 0, got {}", where, f.step);
     f.initted = number_value(*initted, "initted", where) != 0;
-  } else if (peer == Peer::averaged_model) {
+  } else if (peer == Peer::averaged_model || peer == Peer::nvalchemi_hook) {
     const at::Tensor* n = entry(dict, "n_averaged");
-    if (n == nullptr) fail("import_state: '{}' has no 'n_averaged': not an AveragedModel state{}", path, hint);
+    if (n == nullptr)
+      fail("import_state: '{}' has no 'n_averaged'{}: not an AveragedModel state{}", path,
+           peer == Peer::nvalchemi_hook ? " in averaged_model_state" : "", hint);
     f.n_averaged = integer_value(*n, "n_averaged", fmt::format("import_state: '{}'", path));
     if (f.n_averaged < 0) fail("import_state: '{}': n_averaged must be >= 0, got {}", path, f.n_averaged);
   }
@@ -310,7 +315,127 @@ EMAKIT_FUNC c10::impl::GenericDict lightning_dict(const StateDict& averages, std
   return dict;
 }
 
+// A file's value as Python writes it (True, 3, 0.5), or its kind, for messages.
+EMAKIT_FUNC std::string python_value(const c10::IValue& v) {
+  if (v.isBool()) return v.toBool() ? "True" : "False";
+  if (v.isInt()) return fmt::format("{}", v.toInt());
+  if (v.isDouble()) return fmt::format("{}", v.toDouble());
+  return fmt::format("a {}", v.tagKind());
+}
+
+// ---- nvalchemi EMAHook --------------------------------------------------------------------
+
+EMAKIT_FUNC c10::impl::GenericDict nvalchemi_dict(const StateDict& averages, const NvalchemiConfig& config,
+                                                  std::int64_t num_updates) {
+  // Values of type Any: a double, ints and a bool pickle as Python float, int and bool, what
+  // EMAHook's pydantic fields compare equal to in its load_state_dict.
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+  dict.insert("decay", config.decay);
+  dict.insert("update_every", config.update_every);
+  dict.insert("start_step", config.start_step);
+  dict.insert("use_buffers", config.use_buffers);
+  dict.insert("num_updates", num_updates);
+  c10::impl::GenericDict averaged = tensor_dict(averages, "module.");
+  averaged.insert("n_averaged", at::scalar_tensor(num_updates, at::kLong));  // AveragedModel's long buffer
+  dict.insert("averaged_model_state", averaged);
+  return dict;
+}
+
+EMAKIT_FUNC c10::impl::GenericDict nvalchemi_tensors(const c10::impl::GenericDict& dict, const std::string& path,
+                                                     const NvalchemiConfig& config, std::int64_t& num_updates) {
+  const std::string where = fmt::format("import_state: '{}'", path);
+  const auto value = [&](const char* key) -> const c10::IValue& {
+    const auto it = dict.find(key);
+    if (it == dict.end())
+      fail("{} has no '{}': not an nvalchemi EMAHook state (save it with torch.save(hook.state_dict(), path)); "
+           "nothing was loaded",
+           where, key);
+    return it->value();
+  };
+  const auto integer = [&](const char* key) {
+    const c10::IValue& v = value(key);
+    if (!v.isInt()) fail("{}: '{}' must be an int, got {}; nothing was loaded", where, key, python_value(v));
+    return v.toInt();
+  };
+  const auto differs = [&](const char* field, const std::string& file, const std::string& ours, const char* option) {
+    fail("{}: config differs: {} is {} in the file, {} in this EMA ({}); make the EMA with the hook's options "
+         "(nvalchemi_ema); nothing was loaded",
+         where, field, file, ours, option);
+  };
+  const c10::IValue& decay = value("decay");
+  if (!decay.isDouble() && !decay.isInt())
+    fail("{}: 'decay' must be a number, got {}; nothing was loaded", where, python_value(decay));
+  if (const double d = decay.isDouble() ? decay.toDouble() : static_cast<double>(decay.toInt()); d != config.decay)
+    differs("decay", fmt::format("{}", d), fmt::format("{}", config.decay), "Fixed::beta");
+  if (const std::int64_t v = integer("update_every"); v != config.update_every)
+    differs("update_every", fmt::format("{}", v), fmt::format("{}", config.update_every), "update_every");
+  if (const std::int64_t v = integer("start_step"); v != config.start_step)
+    differs("start_step", fmt::format("{}", v), fmt::format("{}", config.start_step), "start_step");
+  const c10::IValue& buffers = value("use_buffers");
+  if (!buffers.isBool())
+    fail("{}: 'use_buffers' must be a bool, got {}; nothing was loaded", where, python_value(buffers));
+  if (buffers.toBool() != config.use_buffers)
+    differs("use_buffers", python_value(buffers), config.use_buffers ? "True" : "False",
+            config.use_buffers ? "buffers averaged" : "buffers copied");
+  num_updates = integer("num_updates");
+  if (num_updates < 0) fail("{}: num_updates must be >= 0, got {}; nothing was loaded", where, num_updates);
+  const auto averaged = dict.find("averaged_model_state");
+  if (averaged == dict.end())
+    fail("{} has no 'averaged_model_state': the hook had not made its averaged model yet (saved before its first "
+         "eligible step, num_updates {}), so there is no average to import; start the EMA afresh; nothing was loaded",
+         where, num_updates);
+  if (!averaged->value().isGenericDict())
+    fail("{}: 'averaged_model_state' must be a dict of tensors, got {}; nothing was loaded", where,
+         python_value(averaged->value()));
+  return averaged->value().toGenericDict();
+}
+
+EMAKIT_FUNC std::int64_t nvalchemi_step(const std::optional<std::int64_t>& step, std::int64_t num_updates,
+                                        std::int64_t n_averaged, const std::string& path) {
+  if (num_updates != n_averaged)
+    fail("import_state: '{}': num_updates is {} but averaged_model_state's n_averaged is {}: an EMAHook updates both "
+         "together, so the file was edited or mixes two states; nothing was loaded",
+         path, num_updates, n_averaged);
+  if (!step)
+    fail("import_state: '{}': an nvalchemi EMAHook state holds no step, and the hook's update_every and start_step "
+         "count the trainer's completed optimizer steps: pass the trainer's step_count when the state was saved, "
+         "import_state(ema, Peer::nvalchemi_hook, path, {{.step = step_count}}); nothing was loaded",
+         path);
+  if (*step < 0) fail("import_state: '{}': ImportOptions::step must be >= 0, got {}; nothing was loaded", path, *step);
+  return *step;
+}
+
+EMAKIT_FUNC void check_nvalchemi_updates(std::int64_t num_updates, std::int64_t updates, std::int64_t step,
+                                         const std::string& path) {
+  if (num_updates != updates)
+    fail("import_state: '{}': num_updates is {} in the file, but this EMA's schedule makes {} updates in {} completed "
+         "steps (ImportOptions::step): the step is not the trainer's step_count when the hook was saved, or the hook "
+         "had other options; nothing was loaded",
+         path, num_updates, updates, step);
+}
+
 // ---- diffusers EMAModel ------------------------------------------------------------------
+
+// For each tensor, the index of the first one it is (a tied weight: one average under two names,
+// head.weight IS emb.weight), or its own index. model.parameters() lists a tied Parameter once, so
+// EMAModel's shadow_params hold it once: the list matches the distinct tensors.
+EMAKIT_FUNC std::vector<std::size_t> first_of_each(const std::vector<at::Tensor>& tensors) {
+  std::vector<std::size_t> first(tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    first[i] = i;
+    const at::Tensor& t = tensors[i];
+    for (std::size_t j = 0; j < i; ++j) {
+      const at::Tensor& u = tensors[j];
+      if (first[j] == j &&
+          (t.is_same(u) || (t.numel() > 0 && t.data_ptr() == u.data_ptr() && t.sizes().equals(u.sizes()) &&
+                            t.strides().equals(u.strides()) && t.scalar_type() == u.scalar_type()))) {
+        first[i] = j;
+        break;
+      }
+    }
+  }
+  return first;
+}
 
 EMAKIT_FUNC c10::impl::GenericDict diffusers_dict(const StateDict& averages, const DiffusersConfig& config,
                                                   std::int64_t step) {
@@ -326,7 +451,11 @@ EMAKIT_FUNC c10::impl::GenericDict diffusers_dict(const StateDict& averages, con
   dict.insert("inv_gamma", config.inv_gamma);
   dict.insert("power", config.power);
   c10::impl::GenericList shadow(c10::AnyType::get());
-  for (const auto& item : averages) shadow.push_back(item.value().detach().cpu().contiguous());
+  std::vector<at::Tensor> tensors;
+  for (const auto& item : averages) tensors.push_back(item.value());
+  const std::vector<std::size_t> first = first_of_each(tensors);
+  for (std::size_t i = 0; i < tensors.size(); ++i)
+    if (first[i] == i) shadow.push_back(tensors[i].detach().cpu().contiguous());  // a tied tensor once
   dict.insert("shadow_params", shadow);
   return dict;
 }
@@ -340,13 +469,6 @@ EMAKIT_FUNC const c10::IValue& diffusers_entry(const c10::impl::GenericDict& dic
          "torch.save(ema.state_dict(), path)); nothing was loaded",
          path, key);
   return it->value();
-}
-
-EMAKIT_FUNC std::string python_value(const c10::IValue& v) {
-  if (v.isBool()) return v.toBool() ? "True" : "False";
-  if (v.isInt()) return fmt::format("{}", v.toInt());
-  if (v.isDouble()) return fmt::format("{}", v.toDouble());
-  return fmt::format("a {}", v.tagKind());
 }
 
 EMAKIT_FUNC PeerFile read_diffusers_file(const c10::impl::GenericDict& dict, const std::string& path,
@@ -400,16 +522,38 @@ EMAKIT_FUNC PeerFile read_diffusers_file(const c10::impl::GenericDict& dict, con
   const c10::IValue& list = diffusers_entry(dict, "shadow_params", path);
   if (!list.isList()) fail("{}: 'shadow_params' must be a list of tensors, got {}", where, python_value(list));
   const auto shadow = list.toListRef();
-  std::vector<std::string> keys;  // this EMA's averages, in its order
-  for (const auto& item : state)
-    if (ema_state::is_average_key(item.key())) keys.push_back(item.key());
+  // This EMA's distinct averaged tensors, in its order; a tied name (`aliases`) takes the tensor of
+  // the name it is tied to.
+  std::vector<std::string> all_keys, keys;
+  std::vector<at::Tensor> held;
+  for (const auto& item : state) {
+    if (!ema_state::is_average_key(item.key())) continue;
+    all_keys.push_back(item.key());
+    held.push_back(item.value());
+  }
+  const std::vector<std::size_t> first = first_of_each(held);
+  std::vector<std::pair<std::string, std::size_t>> aliases;  // tied key, position in shadow_params
+  std::vector<std::size_t> position(all_keys.size());
+  for (std::size_t i = 0; i < all_keys.size(); ++i) {
+    if (first[i] == i) {
+      position[i] = keys.size();
+      keys.push_back(all_keys[i]);
+    } else {
+      position[i] = position[first[i]];
+      aliases.emplace_back(all_keys[i], position[i]);
+    }
+  }
   const std::string order =
       "shadow_params is matched by position to this EMA's averaged tensors, the model's parameters() order for "
-      "diffusers_ema_model, as EMAModel(model.parameters()) holds them";
+      "diffusers_ema_model, as EMAModel(model.parameters()) holds them, a tied weight once";
   if (shadow.size() != keys.size())
-    fail("{}: shadow_params holds {} tensors, this EMA averages {} ({}): a state of another model, or of "
+    fail("{}: shadow_params holds {} tensors, this EMA averages {}{} ({}): a state of another model, or of "
          "EMAModel(...) given other parameters?; nothing was loaded",
-         where, shadow.size(), keys.size(), order);
+         where, shadow.size(), keys.size(),
+         aliases.empty()
+             ? std::string()
+             : fmt::format(" distinct ones (and {} tied name{})", aliases.size(), aliases.size() == 1 ? "" : "s"),
+         order);
   for (std::size_t i = 0; i < keys.size(); ++i) {
     const std::string name = ema_state::average_name(keys[i]);
     if (!shadow[i].isTensor())
@@ -432,6 +576,7 @@ EMAKIT_FUNC PeerFile read_diffusers_file(const c10::impl::GenericDict& dict, con
     if (item.key().rfind("counters.", 0) != 0) f.state.insert(item.key(), item.value());
   }
   for (std::size_t i = 0; i < keys.size(); ++i) f.state.insert(keys[i], shadow[i].toTensor());
+  for (const auto& [key, i] : aliases) f.state.insert(key, shadow[i].toTensor());
   return f;
 }
 

@@ -28,6 +28,10 @@
 // |                 | <name> (the averages: a    | n_averaged (= num_updates), callbacks'    |
 // |                 | checkpoint written with    | EMAWeightAveraging latest_update_step     |
 // |                 | EMAWeightAveraging)        | (= last_update_step)                      |
+// | nvalchemi_hook  | averaged_model_state: a    | num_updates and averaged_model_state's    |
+// |                 | dict of module.<name> (an  | n_averaged (= num_updates); the config:   |
+// |                 | AveragedModel's state)     | decay, update_every, start_step,          |
+// |                 |                            | use_buffers. No step: you pass it         |
 //
 // The Python files carry no config (diffusers' aside): the EMA you import into must be made with
 // the peer's options (the presets in presets.hpp). Tensors the Python peer holds and emakit does
@@ -38,7 +42,9 @@
 // per parameter in the order of model.parameters() (EMAModel(model.parameters())), with no names.
 // emakit matches them by position to the EMA's averaged tensors in the order it holds them, which
 // for diffusers_ema_model / diffusers_ema_model_warmup (parameters only) is the model's own
-// parameters() order: shadow_params[i] is the i-th parameter. A list of another length, or a
+// parameters() order: shadow_params[i] is the i-th parameter. A tied weight (one tensor under two
+// names, head.weight IS emb.weight) is one entry, at its first name, as parameters() lists it once;
+// the import gives it to both names, the export writes it once. A list of another length, or a
 // tensor whose shape or dtype differs from the one at its position, is an error naming the
 // position, the name it was matched to and both shapes; so is a config entry that differs from the
 // EMA's decay (RationalRamp: decay = decay_max, min_decay, update_after_step, use_ema_warmup
@@ -82,6 +88,25 @@
 //   ckpt["state_dict"], ckpt["averaging_state"] = ema["state_dict"], ema["averaging_state"]
 //   ckpt["callbacks"]["EMAWeightAveraging"] = ema["callbacks"]["EMAWeightAveraging"]
 //   torch.save(ckpt, "resume.ckpt")
+//
+// nvalchemi_hook: torch.save(hook.state_dict(), path) of nvalchemi's EMAHook (nvalchemi-toolkit
+// 0.2): its config (model_key, decay, update_every, start_step, use_buffers), num_updates, and
+// averaged_model_state, its AveragedModel's state_dict() (module.<name>, n_averaged). import_state
+// reads it into an EMA made by nvalchemi_ema with the hook's options: each config entry must equal
+// the EMA's (decay = Fixed::beta, update_every, start_step, use_buffers = buffers averaged), else
+// the error names the field; model_key (the trainer's name for the model) is not read. The file
+// holds no step: the hook's eligible steps count the trainer's completed optimizer steps
+// (ctx.step_count), which the trainer's own checkpoint keeps. Pass it:
+//   emakit::import_state(ema, emakit::Peer::nvalchemi_hook, "hook.pt", {.step = step_count});
+// import_state refuses the file without it, and refuses a step at which this EMA's schedule makes
+// another number of updates than num_updates (a vetoed batch completes no step, so every eligible
+// step is an update), or a file whose num_updates differs from its n_averaged; nothing loads. A
+// state saved before the hook's first update (no averaged_model_state) has no average to import
+// and is refused. The export writes the same dict without model_key (EMAHook.load_state_dict
+// checks every config entry present against its own, and model_key is the trainer's, not the
+// EMA's); the hook loads it before or after it made its averaged model:
+//   emakit::export_state(ema, emakit::Peer::nvalchemi_hook, "hook.pt");
+//   # Python: hook.load_state_dict(torch.load("hook.pt")); ctx.step_count = ema.step() in C++
 #pragma once
 
 #include <emakit/detail/config.hpp>
@@ -96,13 +121,30 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
-enum class Peer : std::uint8_t { ema_pytorch, timm_v3, averaged_model, diffusers, luxonis_callback, lightning };
+enum class Peer : std::uint8_t {
+  ema_pytorch,
+  timm_v3,
+  averaged_model,
+  diffusers,
+  luxonis_callback,
+  lightning,
+  nvalchemi_hook,
+};
+
+// What import_state needs besides the file. step: the trainer's completed optimizer steps when
+// the state was saved, for a peer whose file holds none (nvalchemi_hook, where it is required);
+// a peer whose file holds its own counters refuses it.
+struct ImportOptions {
+  LoadMode mode = LoadMode::strict;
+  std::optional<std::int64_t> step = std::nullopt;
+};
 
 namespace detail::interop {
 
@@ -167,6 +209,63 @@ EMAKIT_FUNC c10::impl::GenericDict lightning_dict(const StateDict& averages, std
 // `updates` and `last` update step this EMA's schedule gives over global_step steps.
 EMAKIT_FUNC void check_lightning_counters(const LightningCounters& file, std::int64_t updates, std::int64_t last,
                                           const std::string& path);
+
+// The config an nvalchemi EMAHook writes in its state_dict(), as this EMA holds it.
+struct NvalchemiConfig {
+  double decay = 0.999;
+  std::int64_t update_every = 1;
+  std::int64_t start_step = 0;
+  bool use_buffers = true;
+};
+
+// The config of an EMA made by nvalchemi_ema (Fixed decay, StepSchedule skip_before_start with
+// every_offset 0 and no accumulation, buffers averaged or copied); throws for any other EMA, which
+// no EMAHook file describes.
+template <class E>
+NvalchemiConfig nvalchemi_config(const E& ema, const char* what) {
+  using D = std::decay_t<decltype(ema.decay_policy())>;
+  using S = std::decay_t<decltype(ema.schedule())>;
+  const auto refuse = [&](std::string_view why) {
+    fail("{}: Peer::nvalchemi_hook needs an EMA made by nvalchemi_ema (an EMAHook's AveragedModel EMA): {}", what, why);
+  };
+  if constexpr (!std::is_same_v<D, Fixed> || !std::is_same_v<S, StepSchedule>) {
+    refuse("this EMA's decay or schedule is another policy (EMAHook's is Fixed with a StepSchedule)");
+    return {};
+  } else {
+    const StepSchedule& s = ema.schedule();
+    if (s.warmup() != Warmup::skip_before_start || s.every_offset() != 0 || s.accumulate() != 1)
+      refuse(fmt::format("its StepSchedule has warmup {}, every_offset {}, accumulate {} (EMAHook: skip_before_start, "
+                         "0, 1)",
+                         static_cast<int>(s.warmup()), s.every_offset(), s.accumulate()));
+    const BufferMode buffers = ema.options().buffers();
+    if (buffers != BufferMode::average && buffers != BufferMode::copy)
+      refuse("its buffers are ignored (EMAHook's AveragedModel averages them, use_buffers=True, or keeps them, False)");
+    return {ema.decay_policy().beta(), s.update_every(), s.start_step(), buffers == BufferMode::average};
+  }
+}
+
+// EMAHook.state_dict()'s dict without model_key: the config as Python float, ints and a bool,
+// num_updates a Python int, averaged_model_state the averages as module.<name> with n_averaged
+// (AveragedModel's long tensor, = num_updates).
+EMAKIT_FUNC c10::impl::GenericDict nvalchemi_dict(const StateDict& averages, const NvalchemiConfig& config,
+                                                  std::int64_t num_updates);
+
+// An EMAHook.state_dict() file: checks its config against `config` and returns its
+// averaged_model_state (where the tensors are), setting `num_updates`; throws (nothing loaded) on
+// a missing or mistyped entry, a config that differs, or a state saved before the hook's first
+// update.
+EMAKIT_FUNC c10::impl::GenericDict nvalchemi_tensors(const c10::impl::GenericDict& dict, const std::string& path,
+                                                     const NvalchemiConfig& config, std::int64_t& num_updates);
+
+// The step import_state gives an EMAHook file: `step`, which must be given and >= 0; throws
+// (nothing loaded) without it, or when the file's num_updates differs from its n_averaged.
+EMAKIT_FUNC std::int64_t nvalchemi_step(const std::optional<std::int64_t>& step, std::int64_t num_updates,
+                                        std::int64_t n_averaged, const std::string& path);
+
+// Throws (nothing loaded) when this EMA's schedule makes `updates` != num_updates updates over
+// `step` completed steps.
+EMAKIT_FUNC void check_nvalchemi_updates(std::int64_t num_updates, std::int64_t updates, std::int64_t step,
+                                         const std::string& path);
 
 // The config a diffusers EMAModel writes in its state_dict(), as this EMA's decay holds it.
 struct DiffusersConfig {
@@ -240,6 +339,11 @@ void export_state(const E& ema, Peer peer, const std::filesystem::path& path) {
     detail::write_tensor_dict(path, detail::interop::luxonis_dict(ema.averages(), ema.num_updates()));
     return;
   }
+  if (peer == Peer::nvalchemi_hook) {
+    const auto config = detail::interop::nvalchemi_config(ema, "export_state");
+    detail::write_tensor_dict(path, detail::interop::nvalchemi_dict(ema.averages(), config, ema.num_updates()));
+    return;
+  }
   c10::impl::GenericDict dict = detail::interop::tensor_dict(ema.averages(), detail::interop::peer_text(peer).prefix);
   if (peer == Peer::ema_pytorch) {
     dict.insert("step", at::scalar_tensor(ema.step(), at::kLong));
@@ -253,20 +357,28 @@ void export_state(const E& ema, Peer peer, const std::filesystem::path& path) {
 // Loads the EMA state a Python `peer` saved (torch.save(peer.state_dict()), or of a plain dict)
 // into `ema`, which must be made with the peer's options. The counters are rebuilt from the
 // peer's: ema-pytorch's step and diffusers' optimization_step count update calls, and the number
-// of updates applied is recounted with this EMA's own schedule. Strict: every tensor this EMA holds must be in the
-// file with its shape and dtype; a missing one is named by the key the file should hold. The file
-// is checked before LibTorch's unpickler reads it (detail/serial/archive_scan.hpp): a dict of
-// tensors and plain values, nothing else. A failed import changes nothing.
+// of updates applied is recounted with this EMA's own schedule; an nvalchemi EMAHook's file holds
+// no step, options.step gives it. Strict: every tensor this EMA holds must be in the file with its
+// shape and dtype; a missing one is named by the key the file should hold. The file is checked
+// before LibTorch's unpickler reads it (detail/serial/archive_scan.hpp): a dict of tensors and
+// plain values, nothing else. A failed import changes nothing.
 template <class E>
-LoadReport import_state(E& ema, Peer peer, const std::filesystem::path& file, LoadMode mode = LoadMode::strict) {
+LoadReport import_state(E& ema, Peer peer, const std::filesystem::path& file, const ImportOptions& options) {
   const auto file_dict = detail::read_pickle_dict(file, "import_state");
   const std::string path = file.string();    // for messages
   const StateDict state = ema.state_dict();  // this EMA's own config, counters and keys
-  std::int64_t luxonis_updates = -1;
+  if (options.step && peer != Peer::nvalchemi_hook)
+    detail::fail("import_state: ImportOptions::step ({}) is for Peer::nvalchemi_hook, whose file holds no step; {} "
+                 "file holds its own counters",
+                 *options.step, detail::interop::peer_text(peer).name);
+  std::int64_t luxonis_updates = -1, hook_updates = -1;
   detail::interop::LightningCounters lightning;
   const auto dict = peer == Peer::luxonis_callback ? detail::interop::luxonis_tensors(file_dict, path, luxonis_updates)
                     : peer == Peer::lightning      ? detail::interop::lightning_tensors(file_dict, path, lightning)
-                                                   : file_dict;
+                    : peer == Peer::nvalchemi_hook
+                        ? detail::interop::nvalchemi_tensors(
+                              file_dict, path, detail::interop::nvalchemi_config(ema, "import_state"), hook_updates)
+                        : file_dict;
   detail::interop::PeerFile peer_file =
       peer == Peer::diffusers ? detail::interop::read_diffusers_file(
                                     dict, path, state, detail::interop::diffusers_config(ema, "import_state"))
@@ -275,14 +387,17 @@ LoadReport import_state(E& ema, Peer peer, const std::filesystem::path& file, Lo
   if (peer == Peer::lightning) {
     peer_file.step = lightning.global_step;
     peer_file.initted = true;
+  } else if (peer == Peer::nvalchemi_hook) {
+    peer_file.step = detail::interop::nvalchemi_step(options.step, hook_updates, peer_file.n_averaged, path);
+    peer_file.initted = true;
   }
-  if (peer == Peer::ema_pytorch || peer == Peer::diffusers || peer == Peer::lightning) {
+  if (peer == Peer::ema_pytorch || peer == Peer::diffusers || peer == Peer::lightning || peer == Peer::nvalchemi_hook) {
     step = peer_file.step;
     updates = 0;
     last = 0;
     if (peer_file.initted) {
       // Recount what the schedule did over `step` calls (ema-pytorch's and diffusers' calls are
-      // never vetoed).
+      // never vetoed; a vetoed batch completes no step of nvalchemi's trainer).
       for (std::int64_t call = 1, previous = 0; call <= step; ++call) {
         const Decision d = ema.schedule().decide({call, std::nullopt, previous, updates, false});
         previous = d.step;
@@ -293,6 +408,7 @@ LoadReport import_state(E& ema, Peer peer, const std::filesystem::path& file, Lo
       }
     }
     if (peer == Peer::lightning) detail::interop::check_lightning_counters(lightning, updates, last, path);
+    if (peer == Peer::nvalchemi_hook) detail::interop::check_nvalchemi_updates(hook_updates, updates, step, path);
   } else if (peer == Peer::averaged_model || peer == Peer::luxonis_callback) {
     updates = peer == Peer::averaged_model ? peer_file.n_averaged : luxonis_updates;
     step = last = updates;  // ModelEma: one update per call, its decay from `updates`
@@ -304,10 +420,15 @@ LoadReport import_state(E& ema, Peer peer, const std::filesystem::path& file, Lo
   out.insert("counters.last_update_step", at::scalar_tensor(last, at::kLong));
   out.insert("counters.last_decay", at::scalar_tensor(ema.decay(), at::kDouble));
   const LoadReport found = ema.check_state_dict(out, LoadMode::lenient);
-  LoadReport report = detail::interop::peer_report(found, peer_file, dict, peer, path, mode);
+  LoadReport report = detail::interop::peer_report(found, peer_file, dict, peer, path, options.mode);
   if (!found.clean()) detail::interop::keep_current(out, found, state);
-  ema.load_state_dict(out, mode);
+  ema.load_state_dict(out, options.mode);
   return report;
+}
+
+template <class E>
+LoadReport import_state(E& ema, Peer peer, const std::filesystem::path& file, LoadMode mode = LoadMode::strict) {
+  return import_state(ema, peer, file, ImportOptions{.mode = mode});
 }
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
