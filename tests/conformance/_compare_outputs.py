@@ -71,27 +71,15 @@ def main(live, fixture):
     tensors = 0
     for name in sorted(live_files & fixture_files):
         a_path, b_path = os.path.join(live, name), os.path.join(fixture, name)
-        if name.endswith(".ckpt"):  # a real Lightning checkpoint: nested dicts and lists, compared
-            # by content as the .pt files are (tensors bitwise, other values equal)
-            a, b = torch.load(a_path, weights_only=True), torch.load(b_path, weights_only=True)
-            tensors += compare_nested(name, a, b, problems)
-            continue
-        if not name.endswith(".pt"):
+        if not name.endswith((".pt", ".ckpt")):
             if open(a_path, "rb").read() != open(b_path, "rb").read():
                 problems.append(f"{name}: the bytes differ")
             continue
+        # A record (a dict of tensors), a peer's state as a user saves it (state_KKKK.pt: nested
+        # dicts, Python ints and floats) or a real Lightning checkpoint (.ckpt: nested dicts and
+        # lists): compared by content, tensors bitwise, other values equal.
         a, b = torch.load(a_path, weights_only=True), torch.load(b_path, weights_only=True)
-        if set(a) != set(b):
-            problems.append(f"{name}: keys differ (live only {sorted(set(a) - set(b))}, "
-                            f"fixture only {sorted(set(b) - set(a))})")
-        for key in sorted(set(a) & set(b)):
-            x, y = a[key], b[key]
-            tensors += 1
-            if x.dtype != y.dtype or x.shape != y.shape:
-                problems.append(f"{name} {key}: live {x.dtype} {tuple(x.shape)}, fixture {y.dtype} {tuple(y.shape)}")
-            elif not torch.equal(raw(x), raw(y)):
-                extra = f", up to {ulps(x, y):.3g} ulps" if x.is_floating_point() else ""
-                problems.append(f"{name} {key}: the bits differ{extra}")
+        tensors += compare_nested(name, a, b, problems)
     capability = torch.backends.cpu.get_cpu_capability() if hasattr(torch.backends, "cpu") else "?"
     print(f"compared {len(live_files & fixture_files)} files, {tensors} tensors of the live run with the fixture "
           f"(torch {torch.__version__}, ATen CPU capability {capability})")

@@ -34,6 +34,20 @@ callbacks entry (for the interop with Lightning checkpoints). The every3_from4 s
 checkpoints themselves, for emakit's import_state(ema, Peer::lightning, ...) on real Lightning
 files: epoch0.ckpt (saved at the first epoch's end, global_step 8, to continue from) and last.ckpt
 (global_step 16, the last optimizer step: what an export after the continued steps must match).
+
+The roundtrip scenario (ROUNDTRIP: 3 epochs of 7 optimizer steps, decay 0.9, every second step
+from step_idx 3, use_buffers=True) keeps a real checkpoint at every epoch end: epoch0.ckpt
+(global_step 7: emakit imports it), epoch1.ckpt (global_step 14: the checkpoint of the run that
+_seed_roundtrip.py merges emakit's export into and resumes with Trainer.fit(ckpt_path=...)) and
+last.ckpt (global_step 21). Its module is StepSeededLitNet: LitNet's mask flips come from one
+generator advanced since construction, whose state no checkpoint holds, so a fit resumed from a
+checkpoint would flip other masks than the uninterrupted fit; StepSeededLitNet draws each flip
+from a generator seeded with the optimizer step (global_step), so a resumed fit follows the same
+trajectory (the data is already the same: an unshuffled loader restarts at the epoch's first
+batch, and SGD without momentum has no state). The other scenarios keep LitNet.
+
+The scenarios run under `python lightning_peer.py OUT` (main); importing the module runs none, so
+that _seed_roundtrip.py resumes a fit with the same module, data, trainer options and records.
 """
 import os
 import sys
@@ -46,11 +60,6 @@ import torch
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import EMAWeightAveraging
 
-out = sys.argv[1]
-
-_common.write_versions(out, ["lightning", "torch"])
-
-
 class LitNet(pl.LightningModule):
     """_common.Net's tensors under the same names; a training step that moves all of them."""
 
@@ -62,15 +71,31 @@ class LitNet(pl.LightningModule):
         self.register_buffer("mask", net.mask.clone())
         self.flips = torch.Generator().manual_seed(seed + 7)
 
+    def flip_generator(self):
+        return self.flips
+
     def training_step(self, batch, batch_idx):
         x, img, tok = batch
         with torch.no_grad():
-            self.mask.copy_((torch.rand(6, generator=self.flips) > 0.5).float())
+            self.mask.copy_((torch.rand(6, generator=self.flip_generator()) > 0.5).float())
         return (self.lin(x) * self.mask).pow(2).mean() + self.bn(self.conv(img)).pow(2).mean() + \
             self.emb(tok).pow(2).mean()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.2)
+
+
+class StepSeededLitNet(LitNet):
+    """LitNet whose mask flip at each training step comes from a generator seeded with the seed and
+    the optimizer steps taken (trainer.global_step): the same flips in a fit resumed from a
+    checkpoint as in the uninterrupted fit."""
+
+    def __init__(self, seed):
+        super().__init__(seed)
+        self.flip_seed = 1000 * (seed + 7)
+
+    def flip_generator(self):
+        return torch.Generator().manual_seed(self.flip_seed + self.trainer.global_step)
 
 
 def dataset(n, seed):
@@ -83,14 +108,31 @@ def state(module):
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
+def step_record(trainer, module, ema, batch_idx):
+    """What the recorder writes after optimizer step trainer.global_step (the module's state, the
+    callback's average and counters)."""
+    avg = ema._average_model
+    record = {"source." + k: v for k, v in state(module).items()}
+    record.update({"peer." + k: v for k, v in state(avg.module).items()})
+    record.update({"called": torch.tensor(1), "counter.n_averaged": avg.n_averaged.detach().clone(),
+                   "counter.global_step": torch.tensor(trainer.global_step),
+                   "counter.batch_idx": torch.tensor(batch_idx),
+                   "counter.epoch": torch.tensor(trainer.current_epoch),
+                   "counter.latest_update_step": torch.tensor(ema._latest_update_step)})
+    return record
+
+
 def text_lines(name, keys):
     return [f"{name}: {', '.join(sorted(keys))}"]
 
 
 class Recorder(pl.Callback):
-    def __init__(self, folder, ema_callback, max_epochs, keep_checkpoint):
+    """keep_checkpoint: keep last.ckpt and epoch0.ckpt (every_epoch: epochE.ckpt at each epoch
+    end but the last)."""
+
+    def __init__(self, folder, ema_callback, max_epochs, keep_checkpoint, every_epoch=False):
         self.folder, self.ema, self.max_epochs = folder, ema_callback, max_epochs
-        self.keep_checkpoint = keep_checkpoint
+        self.keep_checkpoint, self.every_epoch = keep_checkpoint, every_epoch
         self.last_step = 0
 
     def save(self, name, record):
@@ -104,19 +146,12 @@ class Recorder(pl.Callback):
             return
         assert trainer.global_step == self.last_step + 1
         self.last_step = trainer.global_step
-        avg = self.ema._average_model
-        record = {"source." + k: v for k, v in state(module).items()}
-        record.update({"peer." + k: v for k, v in state(avg.module).items()})
-        record.update({"called": torch.tensor(1), "counter.n_averaged": avg.n_averaged.detach().clone(),
-                       "counter.global_step": torch.tensor(trainer.global_step),
-                       "counter.batch_idx": torch.tensor(batch_idx),
-                       "counter.epoch": torch.tensor(trainer.current_epoch),
-                       "counter.latest_update_step": torch.tensor(self.ema._latest_update_step)})
-        self.save("step_%04d.pt" % trainer.global_step, record)
+        self.save("step_%04d.pt" % trainer.global_step, step_record(trainer, module, self.ema, batch_idx))
 
     def on_train_epoch_end(self, trainer, module):
-        if self.keep_checkpoint and trainer.current_epoch == 0 and self.max_epochs > 1:
-            trainer.save_checkpoint(os.path.join(self.folder, "epoch0.ckpt"))
+        epoch = trainer.current_epoch
+        if self.keep_checkpoint and epoch < self.max_epochs - 1 and (epoch == 0 or self.every_epoch):
+            trainer.save_checkpoint(os.path.join(self.folder, "epoch%d.ckpt" % epoch))
         if trainer.current_epoch != self.max_epochs - 1:
             return
         path = os.path.join(self.folder, "last.ckpt")
@@ -144,19 +179,26 @@ class Recorder(pl.Callback):
         self.save("end.pt", {"end." + k: v for k, v in state(module).items()})
 
 
-def fit(scenario, batches_per_epoch, epochs, accumulate=1, seed=0, keep_checkpoint=False, **options):
+def make_loader(batches_per_epoch, seed):
+    return torch.utils.data.DataLoader(dataset(2 * batches_per_epoch, seed + 1), batch_size=2, shuffle=False)
+
+
+def make_trainer(epochs, accumulate, callbacks):
+    return pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, accumulate_grad_batches=accumulate,
+                      callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+
+
+def fit(out, scenario, batches_per_epoch, epochs, accumulate=1, seed=0, keep_checkpoint=False, every_epoch=False,
+        module_class=LitNet, **options):
     folder = os.path.join(out, scenario)
     os.makedirs(folder, exist_ok=True)
-    module = LitNet(seed)
+    module = module_class(seed)
     buffers = {name for name, _ in module.named_buffers()}
     ema = EMAWeightAveraging(**options)
-    recorder = Recorder(folder, ema, epochs, keep_checkpoint)
-    loader = torch.utils.data.DataLoader(dataset(2 * batches_per_epoch, seed + 1), batch_size=2, shuffle=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, accumulate_grad_batches=accumulate,
-                         callbacks=[ema, recorder], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0)
-    trainer.fit(module, loader)
+    recorder = Recorder(folder, ema, epochs, keep_checkpoint, every_epoch)
+    trainer = make_trainer(epochs, accumulate, [ema, recorder])
+    trainer.fit(module, make_loader(batches_per_epoch, seed))
     assert recorder.last_step == trainer.global_step
     meta = {"steps": torch.tensor(trainer.global_step), "seed": torch.tensor(seed), "epochs": torch.tensor(epochs),
             "accumulate": torch.tensor(accumulate), "batches_per_epoch": torch.tensor(batches_per_epoch)}
@@ -165,15 +207,30 @@ def fit(scenario, batches_per_epoch, epochs, accumulate=1, seed=0, keep_checkpoi
     print("wrote", folder, trainer.global_step, "optimizer steps")
 
 
-# update_every_n_steps = 3 from step_idx 4 (the first update, at step_idx 6, copies), buffers
-# copied from the model at each update (use_buffers=False).
-fit("every3_from4", batches_per_epoch=8, epochs=2, decay=0.9, update_every_n_steps=3, update_starting_at_step=4,
-    use_buffers=False, keep_checkpoint=True)
-# The defaults: decay 0.999, every step from the first (a copy), use_buffers=True (BatchNorm's
-# running stats averaged, num_batches_tracked averaged in float32 and truncated).
-fit("defaults", batches_per_epoch=5, epochs=2)
-# accumulate_grad_batches = 2 (global_step counts optimizer steps: one per two batches), every
-# second step from step_idx 1, use_buffers=True with a decay at which the truncated integer
-# average moves.
-fit("accumulate2_buffers", batches_per_epoch=6, epochs=3, accumulate=2, decay=0.8, update_every_n_steps=2,
-    update_starting_at_step=1)
+# The roundtrip scenario (see the docstring); _seed_roundtrip.py resumes it from epoch1.ckpt.
+ROUNDTRIP = dict(batches_per_epoch=7, epochs=3, accumulate=1, seed=0, module_class=StepSeededLitNet,
+                 options=dict(decay=0.9, update_every_n_steps=2, update_starting_at_step=3, use_buffers=True))
+
+
+def main(out):
+    _common.write_versions(out, ["lightning", "torch"])
+    # update_every_n_steps = 3 from step_idx 4 (the first update, at step_idx 6, copies), buffers
+    # copied from the model at each update (use_buffers=False).
+    fit(out, "every3_from4", batches_per_epoch=8, epochs=2, decay=0.9, update_every_n_steps=3,
+        update_starting_at_step=4, use_buffers=False, keep_checkpoint=True)
+    # The defaults: decay 0.999, every step from the first (a copy), use_buffers=True (BatchNorm's
+    # running stats averaged, num_batches_tracked averaged in float32 and truncated).
+    fit(out, "defaults", batches_per_epoch=5, epochs=2)
+    # accumulate_grad_batches = 2 (global_step counts optimizer steps: one per two batches), every
+    # second step from step_idx 1, use_buffers=True with a decay at which the truncated integer
+    # average moves.
+    fit(out, "accumulate2_buffers", batches_per_epoch=6, epochs=3, accumulate=2, decay=0.8, update_every_n_steps=2,
+        update_starting_at_step=1)
+    # Checkpoints at every epoch end, a module whose fit resumes on the same trajectory.
+    fit(out, "roundtrip", ROUNDTRIP["batches_per_epoch"], ROUNDTRIP["epochs"], accumulate=ROUNDTRIP["accumulate"],
+        seed=ROUNDTRIP["seed"], keep_checkpoint=True, every_epoch=True, module_class=ROUNDTRIP["module_class"],
+        **ROUNDTRIP["options"])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
