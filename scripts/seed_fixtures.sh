@@ -13,6 +13,16 @@
 #   ./scripts/seed_fixtures.sh                 every seed generator (luxonis_peer, nvalchemi_peer,
 #                                              lightning_peer, lightly_peer)
 #   ./scripts/seed_fixtures.sh luxonis_peer    one
+#   ./scripts/seed_fixtures.sh roundtrip       the seed peers' interop round trips
+#                                              (tests/conformance/fixtures/roundtrip/), after the
+#                                              generators' fixtures they start from
+#
+# roundtrip: test_interop.cpp's "... round trip" tests import a seed peer's recorded file, go on
+# in emakit and export; the real peer (tests/conformance/_seed_roundtrip.py, the seed venv) loads
+# that export and goes on. Recording runs those tests with the seed venv in a configured build
+# ($EMAKIT_BUILD, default build/torch2), which keeps the export and the peer's continuation as
+# fixtures/roundtrip/<peer>.export.pt and <peer>.continued.pt; without the seed venv ctest checks
+# that emakit's export is still that file and replays the continuation.
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -24,6 +34,35 @@ emakit_seed_venv_ensure || emakit_die "the seed venv is unavailable: $EMAKIT_PYT
 python="$EMAKIT_SEED_VENV/bin/python"
 fixtures=tests/conformance/fixtures
 mkdir -p "$fixtures"
+
+if [[ "${stems[*]}" == roundtrip ]]; then
+  build="${EMAKIT_BUILD:-build/torch2}"
+  [[ -f "$build/CMakeCache.txt" ]] || emakit_die "no configured build at $build (set EMAKIT_BUILD)"
+  cmake --build "$build" --target emakit_conformance_tests -j"$(nproc)"
+  record="$EMAKIT_ROOT/$fixtures/roundtrip"
+  rm -rf "$record"
+  mkdir -p "$record"
+  # The generators' data (their fixtures, unpacked), then the round trips with the real packages.
+  ctest --test-dir "$build" -R '^conformance\.generate\.' --output-on-failure
+  EMAKIT_SEED_PYTHON="$python" EMAKIT_RECORD_ROUNDTRIP="$record" \
+    ctest --test-dir "$build" -R 'round trip' -L conformance --output-on-failure
+  {
+    printf '# Recorded seed round trips (test_interop.cpp), replayed by ctest without the seed venv.\n'
+    printf '# Regenerate: ./scripts/seed_fixtures.sh roundtrip (python %s)\n' \
+      "$("$python" -c 'import platform; print(platform.python_version())')"
+    "$python" - <<'PY'
+from importlib.metadata import version
+for name in ("torch", "luxonis-train", "lightning", "nvalchemi-toolkit"):
+    print(f"{name}=={version(name).split('+')[0]}")
+PY
+  } >"$record/versions.txt"
+  for peer in luxonis_callback lightning nvalchemi_hook; do
+    [[ -f "$record/$peer.export.pt" && -f "$record/$peer.continued.pt" ]] \
+      || emakit_die "the $peer round trip recorded nothing (is its test named '... round trip ...'?)"
+  done
+  emakit_say "wrote $(ls "$record" | wc -l) files to $record"
+  exit 0
+fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 for stem in "${stems[@]}"; do

@@ -32,16 +32,20 @@ SCENARIOS = {
     # The inverse-power warmup.
     "warmup": dict(decay=0.995, min_decay=0.0, update_after_step=2, use_ema_warmup=True, inv_gamma=1.5, power=0.75,
                    frozen=None),
+    # _common.TiedNet: head.weight IS emb.weight, which model.parameters() (and so shadow_params)
+    # lists once.
+    "tied": dict(decay=0.99, min_decay=0.05, update_after_step=3, use_ema_warmup=False, frozen=None, tied=True),
 }
 
 mode, scenario, folder = sys.argv[1:4]
 config = dict(SCENARIOS[scenario])
 frozen = config.pop("frozen")
+tied = config.pop("tied", False)
 
 
 def make_model():
     torch.manual_seed(0)
-    model = _common.Net()
+    model = _common.TiedNet() if tied else _common.Net()
     if frozen is not None:
         model.get_parameter(frozen).requires_grad_(False)
     return model

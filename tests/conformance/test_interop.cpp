@@ -18,6 +18,10 @@
 
 #include <unistd.h>
 
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <set>
 #include <tuple>
 #include <vector>
 
@@ -66,6 +70,14 @@ bool saved_an_ordered_dict(const fs::path& file) {
   auto [data, size] = zip.getRecord("data.pkl");
   const std::string_view pickle(static_cast<const char*>(data.get()), size);
   return pickle.substr(2, 25) == "ccollections\nOrderedDict\n";
+}
+
+// Whether data.pkl of a torch.save file pickles an OrderedDict anywhere (inside a dict).
+bool pickles_an_ordered_dict(const fs::path& file) {
+  caffe2::serialize::PyTorchStreamReader zip(file.string());
+  auto [data, size] = zip.getRecord("data.pkl");
+  const std::string_view pickle(static_cast<const char*>(data.get()), size);
+  return pickle.find("collections\nOrderedDict\n") != std::string_view::npos;
 }
 
 // Both directions of a peer's recipes. `exported`: an EMA with averages to hand to Python;
@@ -329,6 +341,13 @@ namespace {
 // diffusers' shadow_params list follows.
 using DiffusersNet = CommonNet;
 
+// A module whose one parameter, weight, is a tensor another module holds: _common.TiedNet's head
+// (head.weight IS emb.weight) added to a CommonNet.
+struct TiedHeadImpl : torch::nn::Module {
+  explicit TiedHeadImpl(const at::Tensor& weight) { register_parameter("weight", weight, weight.requires_grad()); }
+};
+TORCH_MODULE(TiedHead);
+
 // _diffusers_roundtrip.py's steps: N in Python, then M in emakit, then P in Python again.
 constexpr std::int64_t kN = 10, kM = 8, kP = 7;
 // Per update, diffusers computes s - (1 - d)(s - p) in float32 (three roundings) and emakit its
@@ -351,7 +370,7 @@ int diffusers_script(const char* mode, const char* scenario, const fs::path& fol
 // real EMAModel.load_state_dict loads that and goes on P steps: every parameter within kRoundTrip
 // ulps of the run that never left Python, optimization_step equal. `make(net)` makes the EMA.
 template <class Make>
-void diffusers_round_trip(const char* scenario, bool frozen_embedding, Make make) {
+void diffusers_round_trip(const char* scenario, bool frozen_embedding, bool tied_head, Make make) {
   if (!have_python()) EMAKIT_SKIP("no Python (EMAKIT_PYTHON is empty): the diffusers round trip runs diffusers");
   const fs::path folder = recipe_folder(fmt::format("diffusers_{}", scenario).c_str());
   REQUIRE(diffusers_script("save", scenario, folder) == 0);
@@ -359,23 +378,36 @@ void diffusers_round_trip(const char* scenario, bool frozen_embedding, Make make
   const auto at_step = [&](std::int64_t step) { return fmt::format("s{}.", step); };
 
   DiffusersNet net;
-  if (frozen_embedding) net->emb->weight.set_requires_grad(false);  // as the script's model
+  if (frozen_embedding) net->emb->weight.set_requires_grad(false);          // as the script's model
+  if (tied_head) net->register_module("head", TiedHead(net->emb->weight));  // _common.TiedNet
   load_into(*net, trajectory, at_step(kN));
   auto ema = make(*net);
 
-  // The EMA holds the parameters in Python's parameters() order (order.<name> = position).
-  std::int64_t position = 0;
+  // The EMA holds the parameters in Python's parameters() order (order.<name> = position); a tied
+  // name (head.weight IS emb.weight), which parameters() does not list, holds its target's tensor.
+  std::int64_t position = 0, tied = 0;
+  std::map<std::string, std::int64_t> at_position;  // each name -> its position in shadow_params
   for (const auto& item : ema.averages()) {
     INFO(item.key());
+    if (trajectory.count("order." + item.key()) == 0) {
+      REQUIRE(tied_head);
+      CHECK(item.key() == "head.weight");
+      CHECK(item.value().data_ptr() == ema.averages()["emb.weight"].data_ptr());
+      at_position[item.key()] = trajectory.at("order.emb.weight").template item<std::int64_t>();
+      ++tied;
+      continue;
+    }
     CHECK(trajectory.at("order." + item.key()).template item<std::int64_t>() == position);
+    at_position[item.key()] = position;
     ++position;
   }
+  CHECK(tied == (tied_head ? 1 : 0));
   std::int64_t parameters = 0;
   for (const auto& [key, _] : trajectory) parameters += key.rfind("order.", 0) == 0 ? 1 : 0;
   REQUIRE(position == parameters);
   REQUIRE(parameters == 7);  // lin, conv, bn: weight and bias; emb.weight
 
-  // The import is a copy of shadow_params, position i to the i-th parameter.
+  // The import is a copy of shadow_params, position i to the i-th parameter (and a tied name).
   CHECK(emakit::import_state(ema, emakit::Peer::diffusers, folder / "state.pt").clean());
   CHECK(ema.step() == kN);
   const auto saved = emakit::detail::read_pickle_dict(folder / "state.pt", "test");
@@ -384,10 +416,11 @@ void diffusers_round_trip(const char* scenario, bool frozen_embedding, Make make
   std::size_t copied = 0;
   for (const auto& item : ema.averages()) {
     INFO(item.key());
-    CHECK(torch::equal(item.value(), shadow[copied].toTensor()));
+    CHECK(torch::equal(item.value(), shadow[static_cast<std::size_t>(at_position.at(item.key()))].toTensor()));
     ++copied;
   }
-  CHECK(static_cast<std::int64_t>(copied) == parameters);
+  CHECK(static_cast<std::int64_t>(copied) == parameters + tied);
+  if (tied_head) CHECK(ema.averages()["head.weight"].data_ptr() == ema.averages()["emb.weight"].data_ptr());
 
   for (std::int64_t step = kN + 1; step <= kN + kM; ++step) {
     load_into(*net, trajectory, at_step(step));
@@ -431,20 +464,27 @@ void diffusers_round_trip(const char* scenario, bool frozen_embedding, Make make
 
 TEST_CASE("diffusers EMAModel: saved in Python, continued in C++, loaded back by EMAModel, equals a Python-only run",
           "[conformance][interop][diffusers]") {
-  diffusers_round_trip("ramp", /*frozen_embedding=*/true, [](torch::nn::Module& net) {
+  diffusers_round_trip("ramp", /*frozen_embedding=*/true, /*tied_head=*/false, [](torch::nn::Module& net) {
     return emakit::diffusers_ema_model(net, {.decay = 0.99, .min_decay = 0.05, .update_after_step = 3});
   });
 }
 
 TEST_CASE("diffusers EMAModel with use_ema_warmup: saved in Python, continued in C++, loaded back by EMAModel",
           "[conformance][interop][diffusers]") {
-  diffusers_round_trip("warmup", /*frozen_embedding=*/false, [](torch::nn::Module& net) {
+  diffusers_round_trip("warmup", /*frozen_embedding=*/false, /*tied_head=*/false, [](torch::nn::Module& net) {
     return emakit::diffusers_ema_model_warmup(net, {.decay = 0.995,
                                                     .min_decay = 0.0,
                                                     .update_after_step = 2,
                                                     .use_ema_warmup = true,
                                                     .inv_gamma = 1.5,
                                                     .power = 0.75});
+  });
+}
+
+TEST_CASE("diffusers EMAModel with a tied weight: shadow_params hold it once, both ways, loaded back by EMAModel",
+          "[conformance][interop][diffusers][ties]") {
+  diffusers_round_trip("tied", /*frozen_embedding=*/false, /*tied_head=*/true, [](torch::nn::Module& net) {
+    return emakit::diffusers_ema_model(net, {.decay = 0.99, .min_decay = 0.05, .update_after_step = 3});
   });
 }
 
@@ -653,4 +693,323 @@ TEST_CASE("lightning EMAWeightAveraging: a real checkpoint imports, continues in
   }
   CHECK(round_trip == compared);
   fs::remove(path);
+}
+
+// ---- The seed peers' round trips -------------------------------------------------------------
+//
+// luxonis-train's EMACallback, Lightning's EMAWeightAveraging and nvalchemi's EMAHook live in the
+// seed venv, which CI does not install. Their round trip: the peer's own file imported after step
+// N, steps N+1..F in emakit alone, the export loaded by the real peer the way its users load a
+// file (tests/conformance/_seed_roundtrip.py), which goes on F+1..L on the recorded model: equal to
+// the peer's own run at L within the bound, counters equal. It runs live when the environment has
+// EMAKIT_SEED_PYTHON (the seed venv's Python: scripts/test.sh exports it in a seed-packages run,
+// EMAKIT_SEED_PACKAGES=1), and from
+// its recording otherwise: tests/conformance/fixtures/roundtrip/<peer>.export.pt is the file
+// emakit exported when it was recorded, which the real peer loaded and continued into
+// <peer>.continued.pt. Without the venv this run's export must be that file, entry by entry (keys,
+// Python types, values; tensors bitwise), so the recorded continuation is the continuation of
+// this export; an export that changed fails here, asking to re-record
+// (./scripts/seed_fixtures.sh roundtrip).
+namespace {
+
+fs::path recorded_round_trips() { return fs::path(EMAKIT_CONFORMANCE_SCRIPTS) / "fixtures" / "roundtrip"; }
+
+// CHECKs that `ours` is `recorded`, entry by entry; returns how many leaves it compared.
+std::size_t same_entries(const c10::IValue& ours, const c10::IValue& recorded, const std::string& where) {
+  INFO(where);
+  REQUIRE(std::string(ours.tagKind()) == recorded.tagKind());
+  if (recorded.isGenericDict()) {
+    const auto a = ours.toGenericDict(), b = recorded.toGenericDict();
+    CHECK(a.size() == b.size());
+    std::size_t leaves = 0;
+    for (const auto& item : b) {
+      const std::string key = item.key().toStringRef();
+      REQUIRE(a.contains(key));
+      leaves += same_entries(a.at(key), item.value(), where + "." + key);
+    }
+    return leaves;
+  }
+  if (recorded.isTensor()) {
+    CHECK(emakit_test::bitwise_equal(ours.toTensor(), recorded.toTensor()));
+  } else if (recorded.isInt()) {
+    CHECK(ours.toInt() == recorded.toInt());
+  } else if (recorded.isDouble()) {
+    CHECK(ours.toDouble() == recorded.toDouble());
+  } else if (recorded.isBool()) {
+    CHECK(ours.toBool() == recorded.toBool());
+  } else {
+    FAIL("the recorded export holds a " << recorded.tagKind() << ", which emakit never writes");
+  }
+  return 1;
+}
+
+// The recording's package versions (fixtures/roundtrip/versions.txt) are pins of
+// scripts/requirements-seed.txt, as a seed fixture's.
+void check_recorded_versions() {
+  const fs::path root = fs::path(EMAKIT_CONFORMANCE_SCRIPTS) / ".." / "..";
+  std::set<std::string> pins;
+  std::ifstream requirements(root / "scripts" / "requirements-seed.txt");
+  REQUIRE(requirements.good());
+  for (std::string line; std::getline(requirements, line);) pins.insert(line);
+  std::ifstream versions(recorded_round_trips() / "versions.txt");
+  REQUIRE(versions.good());
+  int packages = 0;
+  for (std::string line; std::getline(versions, line);) {
+    if (line.find("==") == std::string::npos) continue;
+    INFO("the round trips were recorded with " << line << ": re-record with ./scripts/seed_fixtures.sh roundtrip");
+    CHECK(pins.count(line) == 1);
+    ++packages;
+  }
+  CHECK(packages >= 2);  // torch and the peers' packages
+}
+
+// What the real `peer` holds at the scenario's last step after it loaded `exported` (emakit's
+// export after step `from`): run now with the seed venv, else the recording, after checking that
+// `exported` is the recorded export (`tensors`: how many tensors it holds).
+Dict continued_by_peer(const std::string& peer, const fs::path& dir, const fs::path& exported, std::int64_t from,
+                       std::size_t tensors) {
+  const char* seed = std::getenv("EMAKIT_SEED_PYTHON");
+  if (seed != nullptr && *seed != '\0') {
+    const fs::path out = exported.parent_path() / (peer + ".continued.pt");
+    REQUIRE(emakit_subprocess::run({seed, fmt::format("{}/_seed_roundtrip.py", EMAKIT_CONFORMANCE_SCRIPTS), peer,
+                                    dir.string(), exported.string(), std::to_string(from), out.string()}) == 0);
+    if (const char* record = std::getenv("EMAKIT_RECORD_ROUNDTRIP"); record != nullptr && *record != '\0') {
+      fs::create_directories(record);
+      fs::copy_file(exported, fs::path(record) / (peer + ".export.pt"), fs::copy_options::overwrite_existing);
+      fs::copy_file(out, fs::path(record) / (peer + ".continued.pt"), fs::copy_options::overwrite_existing);
+    }
+    std::cout << peer << " round trip: the real package loaded emakit's export (live, " << seed << ")" << std::endl;
+    return load_dict(out);
+  }
+  check_recorded_versions();
+  const fs::path recorded = recorded_round_trips() / (peer + ".export.pt");
+  INFO("no EMAKIT_SEED_PYTHON: the recorded round trip "
+       << recorded
+       << " (if emakit's export changed on purpose, re-record it with "
+          "./scripts/seed_fixtures.sh roundtrip)");
+  REQUIRE(fs::exists(recorded));
+  const auto ours = emakit::detail::read_pickle_dict(exported, "test");
+  const auto theirs = emakit::detail::read_pickle_dict(recorded, "test");
+  std::size_t tensor_leaves = 0;
+  const std::function<void(const c10::IValue&)> count = [&](const c10::IValue& v) {
+    if (v.isTensor()) ++tensor_leaves;
+    if (v.isGenericDict())
+      for (const auto& item : v.toGenericDict()) count(item.value());
+  };
+  count(c10::IValue(theirs));
+  REQUIRE(tensor_leaves == tensors);
+  const std::size_t leaves = same_entries(c10::IValue(ours), c10::IValue(theirs), "export");
+  CHECK(leaves >= tensors);
+  std::cout << peer << " round trip: emakit's export is the recorded one (" << leaves
+            << " entries, tensors bitwise), which the real package loaded" << std::endl;
+  return load_dict(recorded_round_trips() / (peer + ".continued.pt"));
+}
+
+// Sets the sources to the recorded model of steps from..to (inclusive) and updates `ema` after
+// each, vetoed where the peer's trainer vetoed: emakit alone, never reset to the peer's state.
+template <class E>
+void drive(const fs::path& dir, std::vector<emakit::SourceTensor>& sources, E& ema, std::int64_t from,
+           std::int64_t to) {
+  for (std::int64_t step = from; step <= to; ++step) {
+    const Dict rec = load_dict(step_file(dir, "step", step));
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& s : sources) s.tensor.copy_(rec.at("source." + s.name));
+    }
+    const auto vetoed = rec.find("vetoed");
+    ema.update({.vetoed = rec.at("called").item<std::int64_t>() == 0 ||
+                          (vetoed != rec.end() && vetoed->second.item<std::int64_t>() != 0)});
+  }
+}
+
+// The peer's continuation against its own run at the last step L: every model tensor (integers
+// bitwise), every counter equal. Both runs start from one state after step N; the steps N+1..L
+// update it by at most `per_update` + 1 ulps apart each (the diffusers round trip's derivation:
+// emakit's update against the peer's, then the peer's on states that differ by what came before,
+// an update shrinking a difference by d <= 1): (per_update + 1) (L - N) ulps at the largest
+// magnitude the tensor had over those steps.
+// `integers`: for an integer tensor, what the continuation holds instead of the peer's own run
+// (a peer whose integer arithmetic differs from emakit's copy).
+void check_continued(const Dict& continued, const fs::path& dir, std::int64_t n, double per_update, const char* peer,
+                     const Dict& integers = {}) {
+  const std::int64_t last = load_dict(dir / "meta.pt").at("steps").item<std::int64_t>();
+  const Dict reference = load_dict(step_file(dir, "step", last));
+  const double bound = (per_update + 1) * static_cast<double>(last - n);
+  REQUIRE(continued.count("loaded_from_export") == 1);
+  CHECK(continued.at("loaded_from_export").item<std::int64_t>() == 1);
+  std::int64_t compared = 0, counters = 0;
+  double worst = 0;
+  for (const auto& [key, expected] : reference) {
+    INFO(key);
+    if (key.rfind("counter.", 0) == 0) {
+      REQUIRE(continued.count(key) == 1);
+      CHECK(torch::equal(continued.at(key), expected));
+      ++counters;
+      continue;
+    }
+    if (key.rfind("peer.", 0) != 0) continue;
+    REQUIRE(continued.count(key) == 1);
+    const at::Tensor& got = continued.at(key);
+    if (!expected.is_floating_point()) {
+      const auto instead = integers.find(key);
+      CHECK(emakit_test::bitwise_equal(got, instead == integers.end() ? expected : instead->second));
+    } else {
+      const std::string name = key.substr(5);
+      at::Tensor magnitude = emakit_test::operand_magnitude(expected, got);
+      for (std::int64_t step = n; step <= last; ++step) {
+        const Dict rec = load_dict(step_file(dir, "step", step));
+        magnitude = torch::maximum(magnitude, rec.at("source." + name).to(at::kDouble).abs());
+        if (const auto p = rec.find(key); p != rec.end())
+          magnitude = torch::maximum(magnitude, p->second.to(at::kDouble).abs());
+      }
+      const double ulps = ulp_distance(got, expected, magnitude);
+      CHECK(ulps <= bound);
+      worst = std::max(worst, ulps);
+    }
+    ++compared;
+  }
+  CHECK(compared == model_tensors(dir));
+  CHECK(counters > 0);
+  std::cout << peer << " round trip: " << compared << " tensors and " << counters
+            << " counters compared with the peer's own run at step " << last << ", max " << worst << " ulps (bound "
+            << bound << ")" << std::endl;
+}
+
+}  // namespace
+
+// luxonis_peer.py's callback_state: the callback's file after step 15, emakit 16..22, the callback
+// loads the export and goes on 23..30.
+TEST_CASE("luxonis-train EMACallback round trip: saved in Python, continued in C++, loaded back by the callback",
+          "[conformance][interop][luxonis][seed-roundtrip]") {
+  const auto dir = scenario_dir("luxonis_peer", "callback_state");
+  if (!dir) return;
+  constexpr std::int64_t kSaved = 15, kExported = 22;
+  auto sources = sources_from(*dir);
+  auto ema = emakit::luxonis_model_ema(sources, {.decay = 0.99, .decay_tau = 5.0});
+  REQUIRE(emakit::import_state(ema, emakit::Peer::luxonis_callback, step_file(*dir, "state", kSaved)).clean());
+  drive(*dir, sources, ema, kSaved + 1, kExported);
+  CHECK(ema.num_updates() == kExported);
+  const fs::path folder = recipe_folder("luxonis_round_trip");
+  emakit::export_state(ema, emakit::Peer::luxonis_callback, folder / "export.pt");
+  const Dict continued = continued_by_peer("luxonis_callback", *dir, folder / "export.pt", kExported,
+                                           static_cast<std::size_t>(model_tensors(*dir)));
+  check_continued(continued, *dir, kSaved, kLerp, "luxonis_callback");
+  fs::remove_all(folder);
+}
+
+// nvalchemi_peer.py's resume: torch.save(hook.state_dict()) after batch 8 (ctx.step_count 7:
+// batch 2 was vetoed), emakit drives batches 9..14 (batch 10 vetoed), the hook loads the export and
+// drives 15..20.
+TEST_CASE("nvalchemi EMAHook round trip: the hook's own file imports with the trainer's step, loaded back by EMAHook",
+          "[conformance][interop][nvalchemi][seed-roundtrip]") {
+  const auto dir = scenario_dir("nvalchemi_peer", "resume");
+  if (!dir) return;
+  constexpr std::int64_t kSaved = 8, kExported = 14;
+  const emakit::NvalchemiEmaOptions options{.decay = 0.85, .update_every = 3, .start_step = 4, .use_buffers = false};
+  const Dict at_save = load_dict(step_file(*dir, "step", kSaved));
+  const std::int64_t step_count = at_save.at("counter.step_count").item<std::int64_t>();
+  REQUIRE(step_count == 7);
+  auto sources = sources_from(*dir);
+  auto ema = emakit::nvalchemi_ema(sources, options);
+  const fs::path file = step_file(*dir, "state", kSaved);
+  // The hook's dict (pydantic's model_dump, a plain dict) holds its AveragedModel's state_dict(),
+  // an OrderedDict.
+  CHECK_FALSE(saved_an_ordered_dict(file));
+  CHECK(pickles_an_ordered_dict(file));
+  CHECK_THROWS_WITH(emakit::import_state(ema, emakit::Peer::nvalchemi_hook, file),
+                    Catch::Matchers::Contains("an nvalchemi EMAHook state holds no step"));
+  CHECK(ema.num_updates() == 0);
+  REQUIRE(emakit::import_state(ema, emakit::Peer::nvalchemi_hook, file, {.step = step_count}).clean());
+  CHECK(ema.step() == step_count);
+  CHECK(ema.num_updates() == at_save.at("counter.num_updates").item<std::int64_t>());
+  CHECK(ema.num_updates() == 1);  // completed step 6
+  CHECK(ema.last_update_step() == 6);
+  // Bitwise the hook's average as the file holds it (the generator's hook, reloaded at batch 8,
+  // records no peer.* until it remakes its averaged model).
+  const auto saved = emakit::detail::read_pickle_dict(file, "test");
+  const auto averaged_model = saved.at("averaged_model_state").toGenericDict();
+  CHECK(saved.at("model_key").toStringRef() == "main");
+  std::size_t imported = 0;
+  for (const auto& item : ema.averages()) {
+    INFO(item.key());
+    CHECK(emakit_test::bitwise_equal(item.value(), averaged_model.at("module." + item.key()).toTensor()));
+    ++imported;
+  }
+  CHECK(imported == static_cast<std::size_t>(model_tensors(*dir)));
+  CHECK(averaged_model.size() == imported + 1);  // and n_averaged
+
+  drive(*dir, sources, ema, kSaved + 1, kExported);
+  const Dict at_export = load_dict(step_file(*dir, "step", kExported));
+  CHECK(ema.step() == at_export.at("counter.step_count").item<std::int64_t>());
+  CHECK(ema.num_updates() == at_export.at("counter.num_updates").item<std::int64_t>());
+  const fs::path folder = recipe_folder("nvalchemi_round_trip");
+  emakit::export_state(ema, emakit::Peer::nvalchemi_hook, folder / "export.pt");
+  const Dict continued = continued_by_peer("nvalchemi_hook", *dir, folder / "export.pt", kExported,
+                                           static_cast<std::size_t>(model_tensors(*dir)) + 1);  // + n_averaged
+  check_continued(continued, *dir, kSaved, kLerp, "nvalchemi_hook");
+  fs::remove_all(folder);
+}
+
+// lightning_peer.py's roundtrip (EMAWeightAveraging(decay=0.9, update_every_n_steps=2,
+// update_starting_at_step=3, use_buffers=True), 3 epochs of 7 steps): epoch0.ckpt (global_step 7)
+// imported, emakit 8..14, the export merged into the run's epoch1.ckpt and Trainer.fit resumed
+// from it to 21.
+TEST_CASE(
+    "Lightning EMAWeightAveraging round trip: a real checkpoint imported, continued in C++, resumed by Trainer.fit",
+    "[conformance][interop][lightning][seed-roundtrip]") {
+  const auto dir = scenario_dir("lightning_peer", "roundtrip");
+  if (!dir) return;
+  constexpr std::int64_t kSaved = 7, kExported = 14;
+  const emakit::LightningEmaWeightAveragingOptions options{
+      .decay = 0.9, .use_buffers = true, .update_every_n_steps = 2, .update_starting_at_step = 3};
+  auto sources = sources_from(*dir);
+  auto ema = emakit::lightning_ema_weight_averaging(sources, options);
+  REQUIRE(emakit::import_state(ema, emakit::Peer::lightning, *dir / "epoch0.ckpt").clean());
+  const Dict at_save = load_dict(step_file(*dir, "step", kSaved));
+  CHECK(ema.step() == kSaved);
+  CHECK(ema.num_updates() == at_save.at("counter.n_averaged").item<std::int64_t>());
+  CHECK(ema.last_update_step() == at_save.at("counter.latest_update_step").item<std::int64_t>());
+  drive(*dir, sources, ema, kSaved + 1, kExported);
+  const Dict at_export = load_dict(step_file(*dir, "step", kExported));
+  CHECK(ema.num_updates() == at_export.at("counter.n_averaged").item<std::int64_t>());
+  CHECK(ema.last_update_step() == at_export.at("counter.latest_update_step").item<std::int64_t>());
+  const fs::path folder = recipe_folder("lightning_round_trip");
+  emakit::export_state(ema, emakit::Peer::lightning, folder / "export.ckpt");
+  const Dict continued = continued_by_peer("lightning", *dir, folder / "export.ckpt", kExported,
+                                           static_cast<std::size_t>(model_tensors(*dir)) + 1);  // + n_averaged
+
+  // Lightning averages an integer buffer in float and truncates it into the long tensor, where
+  // emakit copies integers (test_lightning_lightly.cpp): the continuation starts from emakit's
+  // num_batches_tracked (the model's count at step 14), so at 21 it holds Lightning's update
+  // applied from there at each update after 14 (decay * v + (1 - decay) * m in float32, then
+  // truncated; ATen's own ops here), not the Python-only run's value.
+  const std::int64_t last = load_dict(*dir / "meta.pt").at("steps").item<std::int64_t>();
+  Dict integers;
+  std::int64_t later_updates = 0;
+  for (const auto& item : ema.averages()) {
+    if (item.value().is_floating_point()) continue;
+    at::Tensor v = item.value().clone();
+    std::int64_t averaged = at_export.at("counter.n_averaged").item<std::int64_t>();
+    later_updates = 0;
+    for (std::int64_t step = kExported + 1; step <= last; ++step) {
+      const Dict rec = load_dict(step_file(*dir, "step", step));
+      const std::int64_t now = rec.at("counter.n_averaged").item<std::int64_t>();
+      if (now == averaged) continue;
+      averaged = now;
+      ++later_updates;
+      v = (options.decay * v + (1.0 - options.decay) * rec.at("source." + item.key())).to(at::kLong);
+    }
+    integers.emplace("peer." + item.key(), v);
+  }
+  CHECK(integers.size() == 1);  // bn.num_batches_tracked
+  CHECK(later_updates > 0);
+  // test_lightning_lightly.cpp's bound for the callback's avg_fn against emakit's update.
+  check_continued(continued, *dir, kSaved, 2.0 + 7.0 * (1.0 - options.decay), "lightning", integers);
+  const Dict own = load_dict(step_file(*dir, "step", last));
+  std::cout << "lightning round trip: num_batches_tracked "
+            << continued.at("peer.bn.num_batches_tracked").item<std::int64_t>() << " after the round trip ("
+            << later_updates << " truncating updates after step " << kExported << "), "
+            << own.at("peer.bn.num_batches_tracked").item<std::int64_t>() << " in the Python-only run, the model's "
+            << own.at("source.bn.num_batches_tracked").item<std::int64_t>() << std::endl;
+  fs::remove_all(folder);
 }
