@@ -1,6 +1,6 @@
 """The Python side of the seed peers' interop round trips (not a generator: a test runs it).
 
-  <seed python> _seed_roundtrip.py PEER SCENARIO_DIR EXPORT FROM_STEP OUT_FILE
+  <seed python> _peer_roundtrip.py PEER SCENARIO_DIR EXPORT FROM_STEP OUT_FILE
 
 A round trip: the Python peer saves its state after step N, emakit imports it and replays steps
 N+1 .. F in C++, exports the peer's state after step F (EXPORT, written by export_state), and this
@@ -66,7 +66,7 @@ scenario's config, on a model holding the recorded source.* of step F):
 Exit 0 when everything above held and OUT_FILE is written; otherwise 1 with a message naming the
 bad value (a missing or extra key, a wrong type, dtype or shape, a load the package refused, a
 state after the load that differs from EXPORT, a resumed fit off the recorded trajectory). The
-self-check, which needs no C++: _seed_roundtrip_check.py."""
+self-check, which needs no C++: _peer_roundtrip_check.py."""
 import glob
 import os
 import sys
@@ -371,4 +371,4 @@ if __name__ == "__main__":
     try:
         main(sys.argv)
     except Failure as e:
-        sys.exit(f"_seed_roundtrip.py: {e}")
+        sys.exit(f"_peer_roundtrip.py: {e}")

@@ -1,14 +1,14 @@
-"""Checks _seed_roundtrip.py without any C++ (run it after changing that script or its generators).
+"""Checks _peer_roundtrip.py without any C++ (run it after changing that script or its generators).
 
-  <seed python> _seed_roundtrip_check.py [ROOT]
+  <seed python> _peer_roundtrip_check.py [ROOT]
 
 ROOT holds the generators' output folders luxonis_peer/, nvalchemi_peer/ and lightning_peer/ (as
 `python <stem>.py ROOT/<stem>` writes them); without ROOT the committed fixtures
 (fixtures/<stem>.tar.xz) are unpacked into a temporary folder and used.
 
-For each peer it makes stand-in exports, in the formats _seed_roundtrip.py documents, from the
+For each peer it makes stand-in exports, in the formats _peer_roundtrip.py documents, from the
 generator's own record of the peer's state after step F (the peer's saved state file at N, or
-peer.* and counter.* of step_F.pt), runs _seed_roundtrip.py on them and requires
+peer.* and counter.* of step_F.pt), runs _peer_roundtrip.py on them and requires
   - exit 0, loaded_from_export 1, and OUT's peer.* and counter.* equal to step L's, bit for bit
     (the same arithmetic on the same values as the generator's run): the largest difference is
     printed;
@@ -28,9 +28,9 @@ import tempfile
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(HERE, "_seed_roundtrip.py")
+SCRIPT = os.path.join(HERE, "_peer_roundtrip.py")
 sys.path.insert(0, HERE)
-import _seed_roundtrip  # noqa: E402 (raw, prefixed: the same helpers)
+import _peer_roundtrip  # noqa: E402 (raw, prefixed: the same helpers)
 
 STEMS = {"luxonis_callback": ("luxonis_peer", "callback_state"), "nvalchemi_hook": ("nvalchemi_peer", "resume"),
          "lightning": ("lightning_peer", "roundtrip")}
@@ -69,7 +69,7 @@ def expect_equal(peer, folder, last, export, from_step, work, name):
     if int(got["loaded_from_export"]) != 1:
         failures.append(f"{name}: loaded_from_export is {int(got['loaded_from_export'])}")
     worst = max(max_difference(got[k], want[k]) for k in want)
-    unequal = sorted(k for k in want if not _seed_roundtrip.same_bits(got[k], want[k]))
+    unequal = sorted(k for k in want if not _peer_roundtrip.same_bits(got[k], want[k]))
     if unequal:
         failures.append(f"{name}: {unequal} differ from step {last}'s (max |difference| {worst:.3g})")
     print(f"ok   {name}: F = {from_step}, L = {last}: OUT equals step {last}'s {len(want)} entries bitwise "
@@ -112,7 +112,7 @@ def luxonis_cases(folder, last, work):
     saved = torch.load(os.path.join(folder, "state_0015.pt"), weights_only=True)
     expect_equal(peer, folder, last, saved, 15, work, "luxonis_from_state_0015")
     at22 = record(folder, 22)
-    export = {"ema_state_dict": _seed_roundtrip.prefixed(at22, "peer."), "updates": int(at22["counter.updates"])}
+    export = {"ema_state_dict": _peer_roundtrip.prefixed(at22, "peer."), "updates": int(at22["counter.updates"])}
     expect_equal(peer, folder, last, export, 22, work, "luxonis_from_step_0022")
     expect_moved(peer, folder, last, export | {"ema_state_dict": moved(export["ema_state_dict"], "lin.weight")}, 22,
                  work, "luxonis_moved")
@@ -143,7 +143,7 @@ def nvalchemi_cases(folder, last, work):
     expect_equal(peer, folder, last, saved, 8, work, "nvalchemi_from_state_0008")
     at14 = record(folder, 14)
     export = dict(nvalchemi_peer.RESUME_CONFIG, num_updates=int(at14["counter.num_updates"]))
-    export["averaged_model_state"] = {"module." + k: v for k, v in _seed_roundtrip.prefixed(at14, "peer.").items()}
+    export["averaged_model_state"] = {"module." + k: v for k, v in _peer_roundtrip.prefixed(at14, "peer.").items()}
     export["averaged_model_state"]["n_averaged"] = at14["counter.n_averaged"].long()
     expect_equal(peer, folder, last, export, 14, work, "nvalchemi_from_step_0014")
     expect_moved(peer, folder, last, export | {"averaged_model_state": moved(export["averaged_model_state"],
@@ -172,7 +172,7 @@ def lightning_cases(folder, last, work):
 
     def standin(step):
         at = record(folder, step)
-        return {"state_dict": _seed_roundtrip.prefixed(at, "peer."),
+        return {"state_dict": _peer_roundtrip.prefixed(at, "peer."),
                 "averaging_state": {"n_averaged": at["counter.n_averaged"].clone()},
                 "callbacks": {"EMAWeightAveraging": {"latest_update_step": int(at["counter.latest_update_step"])}},
                 "global_step": int(at["counter.global_step"])}
@@ -216,8 +216,8 @@ def main():
         expect_failure("luxonis_callback", os.path.join(root, "luxonis_peer", "callback_state"), {}, 31, work,
                        "step_past_the_end", "outside the scenario's steps 1 .. 30")
     if failures:
-        sys.exit("_seed_roundtrip_check.py: FAILED:\n  " + "\n  ".join(failures))
-    print("_seed_roundtrip_check.py: every case held")
+        sys.exit("_peer_roundtrip_check.py: FAILED:\n  " + "\n  ".join(failures))
+    print("_peer_roundtrip_check.py: every case held")
 
 
 if __name__ == "__main__":
