@@ -1,6 +1,12 @@
-"""The Python side of the seed peers' interop round trips (not a generator: a test runs it).
+"""The Python side of emakit's interop round trips with the real Python peers (not a generator:
+a test runs it).
 
-  <seed python> _seed_roundtrip.py PEER SCENARIO_DIR EXPORT FROM_STEP OUT_FILE
+  <python> _peer_roundtrip.py PEER SCENARIO_DIR EXPORT FROM_STEP OUT_FILE
+
+<python>: the venv that holds PEER's package: the seed venv (scripts/requirements-seed.txt) for
+luxonis_callback, lightning and nvalchemi_hook; the first venv (scripts/requirements.txt) for
+ema_pytorch, timm_v3 and averaged_model. The script imports a peer's package only when it runs
+that peer, so that it runs in either venv.
 
 A round trip: the Python peer saves its state after step N, emakit imports it and replays steps
 N+1 .. F in C++, exports the peer's state after step F (EXPORT, written by export_state), and this
@@ -8,7 +14,7 @@ script loads EXPORT into the real Python peer as a user of that package would an
 over steps F+1 .. L of the same recorded trajectory, L being the scenario's last step. The test
 compares OUT_FILE with the generator's record of step L (the run that never left Python).
 
-  PEER          luxonis_callback | lightning | nvalchemi_hook
+  PEER          luxonis_callback | lightning | nvalchemi_hook | ema_pytorch | timm_v3 | averaged_model
   SCENARIO_DIR  the scenario folder the generator wrote (step_KKKK.pt and meta.pt: _common.py's
                 format); its name selects the peer's config:
                   luxonis_callback  luxonis_peer.py's callback_state: N = 15 (state_0015.pt),
@@ -19,6 +25,18 @@ compares OUT_FILE with the generator's record of step L (the run that never left
                   lightning         lightning_peer.py's roundtrip: N = 7 (epoch0.ckpt), F = 14
                                     (epoch1.ckpt: F must be the global_step of an epochE.ckpt in
                                     the folder), L = 21
+                  ema_pytorch       ema_pytorch_peer.py's defaults_with_skips (EMA(model,
+                                    include_online_model=False), ema-pytorch's defaults; steps 7,
+                                    8, 55, 101 not called): N = 120 (state_0120.pt), F any step
+                                    1 .. 160, L = 160
+                  averaged_model    averaged_model_peer.py's ema_no_buffers (AveragedModel(model,
+                                    multi_avg_fn=get_ema_multi_avg_fn(0.95), use_buffers=False);
+                                    steps 4, 5 not called): N = 12 (state_0012.pt), F any step
+                                    1 .. 30, L = 30
+                  timm_v3           timm_peer.py's warmup_with_step (ModelEmaV3(model, decay=0.99,
+                                    min_decay=0.1, update_after_step=2, use_warmup=True,
+                                    warmup_power=3/4), update(model, step=K)): N = 25
+                                    (state_0025.pt), F any step 1 .. 40, L = 40
   EXPORT        emakit's export, read with torch.load(EXPORT, weights_only=True); a plain dict:
                   luxonis_callback  {"ema_state_dict": {<state_dict name>: tensor}, "updates": int}
                                     (what EMACallback.state_dict() returns)
@@ -31,16 +49,28 @@ compares OUT_FILE with the generator's record of step L (the run that never left
                                     {"n_averaged": long tensor}, "callbacks":
                                     {"EMAWeightAveraging": {"latest_update_step": int}},
                                     "global_step": int}
+                  ema_pytorch       {"ema_model.<name>": tensor for each floating entry of the
+                                    model's state_dict() (emakit leaves out the integer buffers,
+                                    bn.num_batches_tracked, which ema-pytorch never updates),
+                                    "step": long tensor, "initted": bool tensor} (0-d counters)
+                  averaged_model    {"module.<name>": tensor for each entry of the model's
+                                    state_dict(), "n_averaged": long tensor}
+                  timm_v3           {"module.<name>": tensor for each entry of the model's
+                                    state_dict()} (no counter: timm's caller passes the step)
                 Exactly these keys and Python types; every tensor of the model's dtype and shape
-                (a load would convert another dtype silently).
+                (a load would convert another dtype silently). For the first venv's peers the
+                export's counters must also be the recorded run's after step F (counter.step and
+                counter.initted, counter.n_averaged of step_F.pt).
   FROM_STEP     F: the step after which EXPORT holds the peer's state.
   OUT_FILE      written with torch.save, a plain dict: peer.<name> = the peer's averaged tensors
                 after step L (the generator's peer.<name>), counter.<c> = its counters after step L
                 (the generator's counter.<c>), loaded_from_export = tensor(1): the peer's state
                 right after the load was checked to equal EXPORT's tensors and counters bitwise.
+                timm_v3's counter.none = tensor(0) is timm_peer.py's placeholder (ModelEmaV3 holds no
+                counter), written because the generator records it.
 
 How each peer loads EXPORT (the package's own restore path, into a fresh peer made with the
-scenario's config, on a model holding the recorded source.* of step F):
+scenario's config, on a model holding the recorded source.* of step F; ema_pytorch: see there):
   luxonis_callback  EMACallback(**config).load_state_dict(EXPORT) (what Lightning calls when it
                     restores a checkpoint), then its on_fit_start(trainer, model), which builds the
                     ModelEma from the model and puts the loaded average and update count in it.
@@ -62,11 +92,26 @@ scenario's config, on a model holding the recorded source.* of step F):
                     trained by Lightning itself. Each optimizer step's module state must equal the
                     recorded source.* bitwise (the scenario's module makes a resumed fit follow the
                     same trajectory: lightning_peer.py), else the script fails naming the step.
+  ema_pytorch       EMA(model, **config) made while the model holds step 0's source.* (the
+                    state the recorded run made its EMA from: ema-pytorch never updates its integer
+                    buffers, so bn.num_batches_tracked keeps the value of the model it copied),
+                    then ema.load_state_dict(EXPORT, strict=False) (the EMA also holds entries the
+                    export leaves out: the load must report exactly the integer buffers
+                    ema_model.<name> missing and nothing unexpected), then the model set to step
+                    F's source.*. Each step K: the model is set to step K's source.*, then
+                    ema.update() if step K's called is 1 (as ema_pytorch_peer.py drives it).
+  averaged_model    AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=...)
+                    .load_state_dict(EXPORT, strict=True). Each step K: the model is set to step
+                    K's source.*, then update_parameters(model) if step K's called is 1.
+  timm_v3           ModelEmaV3(model, **config).load_state_dict(EXPORT, strict=True). Each step K:
+                    the model is set to step K's source.*, then update(model, step=K) if step K's
+                    called is 1 (timm_peer.py's with_step).
 
 Exit 0 when everything above held and OUT_FILE is written; otherwise 1 with a message naming the
 bad value (a missing or extra key, a wrong type, dtype or shape, a load the package refused, a
-state after the load that differs from EXPORT, a resumed fit off the recorded trajectory). The
-self-check, which needs no C++: _seed_roundtrip_check.py."""
+state after the load that differs from EXPORT, a counter that differs from the recorded run's at
+F, a resumed fit off the recorded trajectory). The self-check, which needs no C++:
+_peer_roundtrip_check.py."""
 import glob
 import os
 import sys
@@ -76,10 +121,16 @@ import torch
 
 import _common
 
-PEERS = ("luxonis_callback", "lightning", "nvalchemi_hook")
+PEERS = ("luxonis_callback", "lightning", "nvalchemi_hook", "ema_pytorch", "timm_v3", "averaged_model")
 # luxonis_peer.py's callback_state (that generator runs its scenarios at import: the config is
 # repeated here, and a drift shows as a difference at step L).
 LUXONIS_SCENARIOS = {"callback_state": dict(decay=0.99, decay_tau=5.0)}
+# The first venv's scenarios, repeated for the same reason from ema_pytorch_peer.py,
+# averaged_model_peer.py (decay: get_ema_multi_avg_fn's) and timm_peer.py.
+EMA_PYTORCH_SCENARIOS = {"defaults_with_skips": dict(include_online_model=False)}
+AVERAGED_MODEL_SCENARIOS = {"ema_no_buffers": dict(decay=0.95, use_buffers=False)}
+TIMM_V3_SCENARIOS = {"warmup_with_step": dict(decay=0.99, min_decay=0.1, update_after_step=2, use_warmup=True,
+                                              warmup_power=3 / 4)}
 
 
 class Failure(Exception):
@@ -157,6 +208,32 @@ def check_same(actual, expected, where):
     for name, t in expected.items():
         if not same_bits(actual[name], t):
             fail(f"{where}[{name!r}] after the load differs from the export's tensor")
+
+
+def scenario_config(peer, scenarios, scenario):
+    if scenario not in scenarios:
+        fail(f"{peer}: unknown scenario {scenario!r} (known: {sorted(scenarios)})")
+    return scenarios[scenario]
+
+
+def check_recorded_counter(value, record, name, from_step):
+    """The export's counter `value` (a 0-d tensor) is the recorded run's counter.<name> after F."""
+    recorded = int(record["counter." + name])
+    if int(value) != recorded:
+        fail(f"the export's {name} is {int(value)}, the recorded run's after step {from_step} is {recorded}")
+
+
+def continue_steps(folder, model, from_step, last, update):
+    """Steps F+1 .. L: the model set to step K's source.*, then update(K) where step K's called is 1."""
+    for step in range(from_step + 1, last + 1):
+        record = step_record(folder, step)
+        set_model(model, record, step)
+        if int(record["called"]):
+            update(step)
+
+
+def peer_tensors(state):
+    return {"peer." + k: v.detach().clone() for k, v in state.items()}
 
 
 def check_steps(folder, from_step):
@@ -346,6 +423,89 @@ def lightning(scenario, folder, export, from_step, last):
     return {k: v for k, v in resumed.record.items() if k.startswith(("peer.", "counter."))}
 
 
+def ema_pytorch(scenario, folder, export, from_step, last):
+    from ema_pytorch import EMA
+
+    config = scenario_config("ema_pytorch", EMA_PYTORCH_SCENARIOS, scenario)
+    model = _common.Net()
+    # The state the recorded run made its EMA from (the generator made it at step 0): ema-pytorch
+    # never updates its integer buffers, which the export leaves out, so they keep this copy's.
+    set_model(model, step_record(folder, 0), 0)
+    names = model.state_dict()
+    integers = sorted("ema_model." + k for k, v in names.items() if not v.is_floating_point())
+    expected = {"ema_model." + k: v for k, v in names.items() if v.is_floating_point()}
+    expected |= {"step": torch.tensor(0, dtype=torch.long), "initted": torch.tensor(False)}
+    check_tensors(export, expected, "the export")
+    record = step_record(folder, from_step)
+    check_recorded_counter(export["step"], record, "step", from_step)
+    check_recorded_counter(export["initted"], record, "initted", from_step)
+
+    ema = EMA(model, **config)
+    try:
+        missing, unexpected = ema.load_state_dict(export, strict=False)  # as its users load a file
+    except RuntimeError as e:
+        fail(f"EMA.load_state_dict(export, strict=False) refused the export: {e}")
+    # BatchNorm's loader fills a missing num_batches_tracked with its own (a plain dict has no
+    # version metadata), so the integer buffers may or may not be reported missing.
+    if unexpected or not set(missing) <= set(integers):
+        fail(f"EMA.load_state_dict(export, strict=False) reported missing keys {sorted(missing)} and unexpected "
+             f"keys {sorted(unexpected)}; only the integer buffers {integers} may be missing")
+    state = ema.state_dict()
+    check_same({k: v for k, v in state.items() if k in expected}, export, "the EMA's state")
+    check_same({k: v for k, v in state.items() if k in integers},
+               {"ema_model." + k: v for k, v in names.items() if "ema_model." + k in integers},
+               "the EMA's integer buffers (vs the model it was made from)")
+    set_model(model, record, from_step)
+
+    continue_steps(folder, model, from_step, last, lambda step: ema.update())
+    # ema_pytorch_peer.py's counters: Python ints, recorded as torch.tensor(int).
+    return peer_tensors(ema.ema_model.state_dict()) | \
+        {"counter.step": torch.tensor(int(ema.step.item())), "counter.initted": torch.tensor(int(ema.initted.item()))}
+
+
+def averaged_model(scenario, folder, export, from_step, last):
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    config = scenario_config("averaged_model", AVERAGED_MODEL_SCENARIOS, scenario)
+    record = step_record(folder, from_step)
+    model = _common.Net()
+    set_model(model, record, from_step)
+    expected = {"module." + k: v for k, v in model.state_dict().items()}
+    expected["n_averaged"] = torch.tensor(0, dtype=torch.long)
+    check_tensors(export, expected, "the export")
+    check_recorded_counter(export["n_averaged"], record, "n_averaged", from_step)
+
+    avg = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(config["decay"]), use_buffers=config["use_buffers"])
+    try:
+        avg.load_state_dict(export, strict=True)
+    except RuntimeError as e:
+        fail(f"AveragedModel.load_state_dict(export, strict=True) refused the export: {e}")
+    check_same(dict(avg.state_dict()), export, "the AveragedModel's state")
+
+    continue_steps(folder, model, from_step, last, lambda step: avg.update_parameters(model))
+    return peer_tensors(avg.module.state_dict()) | {"counter.n_averaged": torch.tensor(int(avg.n_averaged.item()))}
+
+
+def timm_v3(scenario, folder, export, from_step, last):
+    from timm.utils.model_ema import ModelEmaV3
+
+    config = scenario_config("timm_v3", TIMM_V3_SCENARIOS, scenario)
+    model = _common.Net()
+    set_model(model, step_record(folder, from_step), from_step)
+    check_tensors(export, {"module." + k: v for k, v in model.state_dict().items()}, "the export")
+
+    ema = ModelEmaV3(model, **config)
+    try:
+        ema.load_state_dict(export, strict=True)
+    except RuntimeError as e:
+        fail(f"ModelEmaV3.load_state_dict(export, strict=True) refused the export: {e}")
+    check_same(dict(ema.state_dict()), export, "the ModelEmaV3's state")
+
+    continue_steps(folder, model, from_step, last, lambda step: ema.update(model, step=step))
+    # counter.none: timm_peer.py's placeholder (ModelEmaV3 holds no counter).
+    return peer_tensors(ema.module.state_dict()) | {"counter.none": torch.tensor(0)}
+
+
 def main(argv):
     if len(argv) != 6:
         fail(f"usage: {argv[0]} PEER SCENARIO_DIR EXPORT FROM_STEP OUT_FILE (PEER: {' | '.join(PEERS)})")
@@ -371,4 +531,4 @@ if __name__ == "__main__":
     try:
         main(sys.argv)
     except Failure as e:
-        sys.exit(f"_seed_roundtrip.py: {e}")
+        sys.exit(f"_peer_roundtrip.py: {e}")
