@@ -18,7 +18,7 @@
 #                                              generators' fixtures they start from
 #
 # roundtrip: test_interop.cpp's "... round trip" tests import a seed peer's recorded file, go on
-# in emakit and export; the real peer (tests/conformance/_seed_roundtrip.py, the seed venv) loads
+# in emakit and export; the real peer (tests/conformance/_peer_roundtrip.py, the seed venv) loads
 # that export and goes on. Recording runs those tests with the seed venv in a configured build
 # ($EMAKIT_BUILD, default build/torch2), which keeps the export and the peer's continuation as
 # fixtures/roundtrip/<peer>.export.pt and <peer>.continued.pt; without the seed venv ctest checks

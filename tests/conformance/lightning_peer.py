@@ -38,7 +38,7 @@ files: epoch0.ckpt (saved at the first epoch's end, global_step 8, to continue f
 The roundtrip scenario (ROUNDTRIP: 3 epochs of 7 optimizer steps, decay 0.9, every second step
 from step_idx 3, use_buffers=True) keeps a real checkpoint at every epoch end: epoch0.ckpt
 (global_step 7: emakit imports it), epoch1.ckpt (global_step 14: the checkpoint of the run that
-_seed_roundtrip.py merges emakit's export into and resumes with Trainer.fit(ckpt_path=...)) and
+_peer_roundtrip.py merges emakit's export into and resumes with Trainer.fit(ckpt_path=...)) and
 last.ckpt (global_step 21). Its module is StepSeededLitNet: LitNet's mask flips come from one
 generator advanced since construction, whose state no checkpoint holds, so a fit resumed from a
 checkpoint would flip other masks than the uninterrupted fit; StepSeededLitNet draws each flip
@@ -47,7 +47,7 @@ trajectory (the data is already the same: an unshuffled loader restarts at the e
 batch, and SGD without momentum has no state). The other scenarios keep LitNet.
 
 The scenarios run under `python lightning_peer.py OUT` (main); importing the module runs none, so
-that _seed_roundtrip.py resumes a fit with the same module, data, trainer options and records.
+that _peer_roundtrip.py resumes a fit with the same module, data, trainer options and records.
 """
 import os
 import sys
@@ -207,7 +207,7 @@ def fit(out, scenario, batches_per_epoch, epochs, accumulate=1, seed=0, keep_che
     print("wrote", folder, trainer.global_step, "optimizer steps")
 
 
-# The roundtrip scenario (see the docstring); _seed_roundtrip.py resumes it from epoch1.ckpt.
+# The roundtrip scenario (see the docstring); _peer_roundtrip.py resumes it from epoch1.ckpt.
 ROUNDTRIP = dict(batches_per_epoch=7, epochs=3, accumulate=1, seed=0, module_class=StepSeededLitNet,
                  options=dict(decay=0.9, update_every_n_steps=2, update_starting_at_step=3, use_buffers=True))
 

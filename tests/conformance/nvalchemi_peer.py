@@ -14,7 +14,7 @@ Each step record also holds
   counter.n_averaged     the AveragedModel's n_averaged (0 before creation)
 
 The scenarios run under `python nvalchemi_peer.py OUT` (main); importing the module runs none, so
-that _seed_roundtrip.py drives a hook with the same Driver, averaged, counters and RESUME_*.
+that _peer_roundtrip.py drives a hook with the same Driver, averaged, counters and RESUME_*.
 """
 import os
 import sys
@@ -62,7 +62,7 @@ def counters(d):
 # first eligible step, applies the pending state there and averages on (n_averaged and
 # num_updates restored). hook_state_0008.pt holds the saved state (averaged_model_state.*,
 # num_updates, step_count) as a plain dict, state_0008.pt the same state as a user saves it:
-# torch.save(hook.state_dict()). _seed_roundtrip.py drives the same scenario from an export.
+# torch.save(hook.state_dict()). _peer_roundtrip.py drives the same scenario from an export.
 RESUME_CONFIG = dict(decay=0.85, update_every=3, start_step=4, use_buffers=False)
 RESUME_VETOES = {2, 10}
 

@@ -700,7 +700,7 @@ TEST_CASE("lightning EMAWeightAveraging: a real checkpoint imports, continues in
 // luxonis-train's EMACallback, Lightning's EMAWeightAveraging and nvalchemi's EMAHook live in the
 // seed venv, which CI does not install. Their round trip: the peer's own file imported after step
 // N, steps N+1..F in emakit alone, the export loaded by the real peer the way its users load a
-// file (tests/conformance/_seed_roundtrip.py), which goes on F+1..L on the recorded model: equal to
+// file (tests/conformance/_peer_roundtrip.py), which goes on F+1..L on the recorded model: equal to
 // the peer's own run at L within the bound, counters equal. It runs live when the environment has
 // EMAKIT_SEED_PYTHON (the seed venv's Python: scripts/test.sh exports it in a seed-packages run,
 // EMAKIT_SEED_PACKAGES=1), and from
@@ -763,16 +763,23 @@ void check_recorded_versions() {
   CHECK(packages >= 2);  // torch and the peers' packages
 }
 
-// What the real `peer` holds at the scenario's last step after it loaded `exported` (emakit's
-// export after step `from`): run now with the seed venv, else the recording, after checking that
-// `exported` is the recorded export (`tensors`: how many tensors it holds).
+// Runs tests/conformance/_peer_roundtrip.py with `python`: the real `peer` loads `exported`
+// (emakit's export after step `from`) and goes on to the scenario's last step, writing `out`.
+int run_round_trip(const std::string& python, const std::string& peer, const fs::path& dir, const fs::path& exported,
+                   std::int64_t from, const fs::path& out) {
+  return emakit_subprocess::run({python, fmt::format("{}/_peer_roundtrip.py", EMAKIT_CONFORMANCE_SCRIPTS), peer,
+                                 dir.string(), exported.string(), std::to_string(from), out.string()});
+}
+
+// What the real seed `peer` holds at the scenario's last step after it loaded `exported`
+// (emakit's export after step `from`): run now with the seed venv, else the recording, after
+// checking that `exported` is the recorded export (`tensors`: how many tensors it holds).
 Dict continued_by_peer(const std::string& peer, const fs::path& dir, const fs::path& exported, std::int64_t from,
                        std::size_t tensors) {
   const char* seed = std::getenv("EMAKIT_SEED_PYTHON");
   if (seed != nullptr && *seed != '\0') {
     const fs::path out = exported.parent_path() / (peer + ".continued.pt");
-    REQUIRE(emakit_subprocess::run({seed, fmt::format("{}/_seed_roundtrip.py", EMAKIT_CONFORMANCE_SCRIPTS), peer,
-                                    dir.string(), exported.string(), std::to_string(from), out.string()}) == 0);
+    REQUIRE(run_round_trip(seed, peer, dir, exported, from, out) == 0);
     if (const char* record = std::getenv("EMAKIT_RECORD_ROUNDTRIP"); record != nullptr && *record != '\0') {
       fs::create_directories(record);
       fs::copy_file(exported, fs::path(record) / (peer + ".export.pt"), fs::copy_options::overwrite_existing);
@@ -807,9 +814,10 @@ Dict continued_by_peer(const std::string& peer, const fs::path& dir, const fs::p
 
 // Sets the sources to the recorded model of steps from..to (inclusive) and updates `ema` after
 // each, vetoed where the peer's trainer vetoed: emakit alone, never reset to the peer's state.
+// `pass_step`: give update() the step, as timm's caller does.
 template <class E>
-void drive(const fs::path& dir, std::vector<emakit::SourceTensor>& sources, E& ema, std::int64_t from,
-           std::int64_t to) {
+void drive(const fs::path& dir, std::vector<emakit::SourceTensor>& sources, E& ema, std::int64_t from, std::int64_t to,
+           bool pass_step = false) {
   for (std::int64_t step = from; step <= to; ++step) {
     const Dict rec = load_dict(step_file(dir, "step", step));
     {
@@ -817,8 +825,10 @@ void drive(const fs::path& dir, std::vector<emakit::SourceTensor>& sources, E& e
       for (auto& s : sources) s.tensor.copy_(rec.at("source." + s.name));
     }
     const auto vetoed = rec.find("vetoed");
-    ema.update({.vetoed = rec.at("called").item<std::int64_t>() == 0 ||
-                          (vetoed != rec.end() && vetoed->second.item<std::int64_t>() != 0)});
+    emakit::StepInfo info{.vetoed = rec.at("called").item<std::int64_t>() == 0 ||
+                                    (vetoed != rec.end() && vetoed->second.item<std::int64_t>() != 0)};
+    if (pass_step) info.step = step;
+    ema.update(info);
   }
 }
 
@@ -1012,4 +1022,65 @@ TEST_CASE(
             << own.at("peer.bn.num_batches_tracked").item<std::int64_t>() << " in the Python-only run, the model's "
             << own.at("source.bn.num_batches_tracked").item<std::int64_t>() << std::endl;
   fs::remove_all(folder);
+}
+
+// ---- The first venv's peers' round trips ----------------------------------------------------
+//
+// ema-pytorch, timm's ModelEmaV3 and torch's AveragedModel are in the first venv, which CI
+// installs: their round trips always run the real package (skipped only in a build without Python).
+namespace {
+
+// The scenario `scenario` of `generator`: its state file after `saved` imported into `ema`, emakit
+// alone to `exported`, the export loaded by the real `peer` and continued to the last step.
+template <class E>
+void first_venv_round_trip(const char* peer, const fs::path& dir, std::vector<emakit::SourceTensor>& sources, E& ema,
+                           emakit::Peer kind, std::int64_t saved, std::int64_t exported, bool pass_step) {
+  REQUIRE(emakit::import_state(ema, kind, step_file(dir, "state", saved)).clean());
+  drive(dir, sources, ema, saved + 1, exported, pass_step);
+  const fs::path folder = recipe_folder(fmt::format("{}_round_trip", peer).c_str());
+  emakit::export_state(ema, kind, folder / "export.pt");
+  const fs::path out = folder / "continued.pt";
+  REQUIRE(run_round_trip(EMAKIT_CONFORMANCE_PYTHON, peer, dir, folder / "export.pt", exported, out) == 0);
+  check_continued(load_dict(out), dir, saved, kLerp, peer);
+  fs::remove_all(folder);
+}
+
+}  // namespace
+
+// ema_pytorch_peer.py's defaults_with_skips (update_after_step 100, update_every 10; steps 7, 8,
+// 55 and 101 not called): saved after 120, emakit 121..140, EMA.load_state_dict and on to 160.
+TEST_CASE("ema-pytorch round trip: saved in Python, continued in C++, loaded back by EMA, equals a Python-only run",
+          "[conformance][interop][ema-pytorch]") {
+  if (!have_python()) EMAKIT_SKIP("no Python (EMAKIT_PYTHON is empty): the round trip runs ema-pytorch");
+  const auto dir = scenario_dir("ema_pytorch_peer", "defaults_with_skips");
+  if (!dir) return;
+  auto sources = sources_from(*dir);
+  auto ema = emakit::ema_pytorch(sources);
+  first_venv_round_trip("ema_pytorch", *dir, sources, ema, emakit::Peer::ema_pytorch, 120, 140, false);
+}
+
+// averaged_model_peer.py's ema_no_buffers (decay 0.95; steps 4 and 5 not called): saved after 12,
+// emakit 13..20, AveragedModel.load_state_dict and on to 30.
+TEST_CASE("AveragedModel round trip: saved in Python, continued in C++, loaded back by AveragedModel",
+          "[conformance][interop][averaged-model]") {
+  if (!have_python()) EMAKIT_SKIP("no Python (EMAKIT_PYTHON is empty): the round trip runs torch");
+  const auto dir = scenario_dir("averaged_model_peer", "ema_no_buffers");
+  if (!dir) return;
+  auto sources = sources_from(*dir);
+  auto ema = emakit::averaged_model_ema(sources, {.decay = 0.95, .use_buffers = false});
+  first_venv_round_trip("averaged_model", *dir, sources, ema, emakit::Peer::averaged_model, 12, 20, false);
+}
+
+// timm_peer.py's warmup_with_step (decay 0.99, min_decay 0.1, update_after_step 2, warmup power
+// 3/4; the step given to update()): saved after 25, emakit 26..32, ModelEmaV3.load_state_dict and
+// on to 40.
+TEST_CASE("timm ModelEmaV3 round trip: saved in Python, continued in C++, loaded back by ModelEmaV3",
+          "[conformance][interop][timm]") {
+  if (!have_python()) EMAKIT_SKIP("no Python (EMAKIT_PYTHON is empty): the round trip runs timm");
+  const auto dir = scenario_dir("timm_peer", "warmup_with_step");
+  if (!dir) return;
+  auto sources = sources_from(*dir);
+  auto ema = emakit::timm_model_ema_v3(
+      sources, {.decay = 0.99, .min_decay = 0.1, .update_after_step = 2, .use_warmup = true, .warmup_power = 0.75});
+  first_venv_round_trip("timm_v3", *dir, sources, ema, emakit::Peer::timm_v3, 25, 32, true);
 }
