@@ -16,6 +16,13 @@
 // params, tensors. bytes_per_second is bytes / time.
 // memory/<layout>/bf16/emakit: the resident memory one update adds (VmHWM after the update minus
 // VmRSS before, /proc/self/clear_refs resetting the peak), as extra_rss_fraction of model + EMA.
+// group<K>/<layout>/<precision>/<implementation>/threads:<n> (CPU): K EMAs of one model (decays
+// 0.999, 0.9999, 0.99, 0.9), each averaging at every update:
+//   emakit_together  emakit::update_together(the K EMAs): the model read once for all of them
+//   emakit_apart     each EMA's update(), one after another
+//   roofline         a plain loop reading the model once and writing the K averages, block by
+//                    block, split evenly over the threads: the speed limit of one pass for K EMAs
+// bytes: 4 + 8K per fp32 element (2 + 8K from bf16): what one pass for K must move.
 // step/<mode>/mlp (CUDA): a synthetic training step (forward, backward, SGD step) with no EMA,
 // the EMA updated inline, or updated on a side stream (EmaOptions::side_stream).
 //
@@ -24,6 +31,7 @@
 //   --emakit_layouts=a,b,...         (default: every layout up to large_256m on CPU; on CUDA
 //                                     many_small,resnet50,vit_b16,llm1b)
 //   --emakit_threads=1,all           (CPU; `all` is every CPU the process may run on)
+//   --emakit_groups=1,2,4            (CPU) the group<K> cases to run (default: none)
 //   --emakit_dump_layouts=FILE       write the layouts as JSON and exit
 #include "layouts.hpp"
 
@@ -94,9 +102,16 @@ struct Fixture {
 
 std::unique_ptr<Fixture> g_fixture;  // one at a time: the cases of one fixture run consecutively
 
+// The K EMAs of a group case, over the fixture's model (made on first use, freed before it).
+struct Group {
+  std::vector<emakit::FixedEma> emas;
+};
+std::map<std::string, Group> g_groups;
+
 Fixture& fixture(const Layout& layout, Precision precision, c10::Device device) {
   const std::string key = layout.name + "/" + name_of(precision) + "/" + device.str();
   if (g_fixture && g_fixture->key == key) return *g_fixture;
+  g_groups.clear();   // bound to the previous model
   g_fixture.reset();  // free the previous buffers first
   auto f = std::make_unique<Fixture>();
   f->key = key;
@@ -183,17 +198,22 @@ auto best_plain_loop() {
   return &plain_loop_baseline<S, Average>;
 }
 
+// The calling OpenMP thread's contiguous share [begin, end) of `total` elements.
+std::pair<std::int64_t, std::int64_t> thread_share(std::int64_t total) {
+#if defined(_OPENMP)
+  const std::int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+  const std::int64_t t = 0, nt = 1;
+#endif
+  return {total * t / nt, total * (t + 1) / nt};
+}
+
 // Each thread takes one contiguous share of the concatenated elements.
 template <class S, bool Average>
 void roofline(const std::vector<Span>& spans, std::int64_t total, int threads) {
 #pragma omp parallel num_threads(threads)
   {
-#if defined(_OPENMP)
-    const std::int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-    const std::int64_t t = 0, nt = 1;
-#endif
-    const std::int64_t begin = total * t / nt, end = total * (t + 1) / nt;
+    const auto [begin, end] = thread_share(total);
     static const auto loop = best_plain_loop<S, Average>();
     std::int64_t offset = 0;
     for (const auto& s : spans) {
@@ -203,6 +223,83 @@ void roofline(const std::vector<Span>& spans, std::int64_t total, int threads) {
       if (offset >= end) break;
     }
   }
+}
+
+// K averages of one model in one pass: each block of the model is read once, then lerped into
+// every average while it is in cache.
+template <class S>
+void group_roofline(const std::vector<std::vector<Span>>& members, std::int64_t total, int threads) {
+  constexpr std::int64_t block = 2048;
+#pragma omp parallel num_threads(threads)
+  {
+    const auto [begin, end] = thread_share(total);
+    static const auto loop = best_plain_loop<S, true>();
+    std::int64_t offset = 0;
+    for (std::size_t i = 0; i < members.front().size(); ++i) {
+      const std::int64_t n = members.front()[i].n;
+      const std::int64_t lo = std::max(begin, offset), hi = std::min(end, offset + n);
+      for (std::int64_t b = lo; b < hi; b += block) {
+        const std::int64_t e = std::min(hi, b + block);
+        for (const auto& m : members)
+          loop(m[i].a + (b - offset), static_cast<const S*>(m[i].x) + (b - offset), e - b, float(kWeight));
+      }
+      offset += n;
+      if (offset >= end) break;
+    }
+  }
+}
+
+Group& group(Fixture& f, int k) {
+  const std::string key = f.key + "/" + std::to_string(k);
+  auto it = g_groups.find(key);
+  if (it != g_groups.end()) return it->second;
+  g_groups.clear();  // one group at a time, as fixtures
+  Group g;
+  const double decays[] = {0.999, 0.9999, 0.99, 0.9};
+  for (int i = 0; i < k; ++i) g.emas.emplace_back(f.model, emakit::Fixed(decays[i % 4]));
+  return g_groups.emplace(key, std::move(g)).first->second;
+}
+
+void run_group(benchmark::State& state, const Layout& layout, Precision precision, int k, const std::string& impl,
+               int threads) {
+  at::set_num_threads(threads);
+  Fixture& f = fixture(layout, precision, c10::Device(c10::kCPU));
+  Group& g = group(f, k);
+  torch::NoGradGuard no_grad;
+  std::function<void()> step;
+  if (impl == "emakit_together") {
+    step = [&g] { emakit::update_together(std::span<emakit::FixedEma>(g.emas)); };
+  } else if (impl == "emakit_apart") {
+    step = [&g] {
+      for (auto& e : g.emas) e.update();
+    };
+  } else if (impl == "roofline") {
+    std::vector<std::vector<Span>> members;
+    for (auto& e : g.emas) {
+      std::vector<Span> m;
+      std::size_t i = 0;
+      for (const auto& item : e.averages()) {
+        m.push_back({item.value().data_ptr<float>(), f.model[i].tensor.data_ptr(), item.value().numel()});
+        ++i;
+      }
+      members.push_back(std::move(m));
+    }
+    const std::int64_t total = f.params();
+    if (precision == Precision::fp32)
+      step = [members, total, threads] { group_roofline<float>(members, total, threads); };
+    else
+      step = [members, total, threads] { group_roofline<std::uint16_t>(members, total, threads); };
+  } else {
+    state.SkipWithError(("unknown implementation " + impl).c_str());
+    return;
+  }
+  step();  // warm
+  for (auto _ : state) step();
+  const std::int64_t bytes = f.params() * (f.source_bytes() + 8 * k);
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * bytes);
+  state.counters["bytes"] = static_cast<double>(bytes);
+  state.counters["params"] = static_cast<double>(f.params());
+  state.counters["emas"] = k;
 }
 
 // ---- the cases -------------------------------------------------------------------------------
@@ -410,7 +507,8 @@ void dump_layouts(const std::string& path) {
   out << "}\n";
 }
 
-void register_cases(const std::vector<Layout>& layouts, const std::vector<int>& threads, c10::Device device) {
+void register_cases(const std::vector<Layout>& layouts, const std::vector<int>& threads, c10::Device device,
+                    const std::vector<int>& groups) {
   for (const auto& layout : layouts) {
     for (Precision precision : {Precision::fp32, Precision::bf16}) {
       for (int t : threads) {
@@ -430,6 +528,20 @@ void register_cases(const std::vector<Layout>& layouts, const std::vector<int>& 
                                      impl + "/threads:" + std::to_string(t);
             auto* b = benchmark::RegisterBenchmark(name.c_str(), [c](benchmark::State& s) { run_case(s, c); });
             b->Unit(benchmark::kMillisecond)->UseRealTime();
+          }
+        }
+        if (device.is_cpu()) {
+          for (int k : groups) {
+            for (const char* impl : {"emakit_together", "emakit_apart", "roofline"}) {
+              const std::string name = "group" + std::to_string(k) + "/" + layout.name + "/" + name_of(precision) +
+                                       "/" + impl + "/threads:" + std::to_string(t);
+              const std::string i = impl;
+              benchmark::RegisterBenchmark(
+                  name.c_str(),
+                  [layout, precision, k, i, t](benchmark::State& s) { run_group(s, layout, precision, k, i, t); })
+                  ->Unit(benchmark::kMillisecond)
+                  ->UseRealTime();
+            }
           }
         }
         if (precision == Precision::bf16 && device.is_cpu()) {
@@ -456,7 +568,7 @@ void register_cases(const std::vector<Layout>& layouts, const std::vector<int>& 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string device_name = "cpu", layouts_arg, threads_arg = "1,all";
+  std::string device_name = "cpu", layouts_arg, threads_arg = "1,all", groups_arg;
   std::vector<char*> rest;
   for (int i = 0; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -471,6 +583,8 @@ int main(int argc, char** argv) {
       layouts_arg = *v2;
     } else if (auto v3 = value("--emakit_threads")) {
       threads_arg = *v3;
+    } else if (auto v5 = value("--emakit_groups")) {
+      groups_arg = *v5;
     } else if (auto v4 = value("--emakit_dump_layouts")) {
       dump_layouts(*v4);
       return 0;
@@ -512,7 +626,16 @@ int main(int argc, char** argv) {
       if (std::find(threads.begin(), threads.end(), n) == threads.end()) threads.push_back(n);
     }
   }
-  register_cases(layouts, threads, cuda ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU));
+  std::vector<int> groups;
+  for (const auto& k : split(groups_arg)) {
+    const int n = std::stoi(k);
+    if (n < 1 || n > 4) {
+      std::fprintf(stderr, "emakit_bench_ema_update: --emakit_groups takes 1 to 4 EMAs, got '%s'\n", k.c_str());
+      return 2;
+    }
+    groups.push_back(n);
+  }
+  register_cases(layouts, threads, cuda ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU), groups);
   benchmark::AddCustomContext("libtorch", TORCH_VERSION);
   benchmark::AddCustomContext("emakit_threads_all", std::to_string(all));
   benchmark::AddCustomContext("emakit_device", device_name);
@@ -521,6 +644,7 @@ int main(int argc, char** argv) {
   if (benchmark::ReportUnrecognizedArguments(rest_argc, rest.data())) return 2;
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
+  g_groups.clear();
   g_fixture.reset();
   return 0;
 }

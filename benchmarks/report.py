@@ -242,6 +242,28 @@ def memory_table(cpp_memory, peer_memory):
     return "\n".join(lines)
 
 
+def group_table(version, runs):
+    """K EMAs of one model (group<K> cases): update_together against each EMA's update() one after
+    another, and against the group's roofline (one plain pass reading the model once)."""
+    keys = sorted({(k[1], k[2], k[4], int(k[0][5:])) for k in runs if k[0].startswith("group")},
+                  key=lambda t: (t[1], t[0], t[2], t[3]))
+    if not keys:
+        return ""
+    rows = [f"**Several EMAs of one model, LibTorch {version}** (bytes per element of one pass: 4 + 8K from fp32, "
+            "2 + 8K from bf16; apart: K times 12, or 10)", "",
+            "| layout | model → EMA | threads | K | together | apart | apart / together | together, of group roofline |",
+            "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for layout, precision, threads, k in keys:
+        get = lambda impl: runs.get((f"group{k}", layout, precision, impl, threads))
+        together, apart, roof = get("emakit_together"), get("emakit_apart"), get("roofline")
+        if not (together and apart and roof):
+            continue
+        rows.append(f"| {layout} | {precision} → fp32 | {threads} | {k} | {fmt_time(together['time_s'])} | "
+                    f"{fmt_time(apart['time_s'])} | {apart['time_s'] / together['time_s']:.2f}× | "
+                    f"{roof['time_s'] / together['time_s']:.0%} |")
+    return "\n".join(rows)
+
+
 def plot(path, versions, peer_runs, threads_list, title):
     import matplotlib
     matplotlib.use("Agg")
@@ -318,6 +340,11 @@ def main():
     for version, runs in versions:
         md.append(table(version, runs, peer_runs, "copy", threads_list))
         md.append("")
+    for version, runs in versions:
+        text = group_table(version, runs)
+        if text:
+            md.append(text)
+            md.append("")
     if cpp_memory or peer_memory:
         md.append(memory_table(cpp_memory, peer_memory))
         md.append("")

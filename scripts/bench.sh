@@ -30,6 +30,7 @@ threads="${EMAKIT_BENCH_THREADS:-1,all}"
 rounds="${EMAKIT_BENCH_ROUNDS:-3}"
 repetitions="${EMAKIT_BENCH_REPETITIONS:-1}"
 min_time="${EMAKIT_BENCH_MIN_TIME:-0.2}"
+groups="${EMAKIT_BENCH_GROUPS:-}"  # e.g. 1,2,4: K EMAs updated together vs apart (group<K> cases)
 
 emakit_apt_ensure "${EMAKIT_DEB_PACKAGES[@]}"
 venv_rc=0
@@ -83,7 +84,7 @@ for ((round = 1; round <= rounds; ++round)); do
   for v in "${variants[@]}"; do
     emakit_say "round $round of $rounds: [$v] emakit_bench_ema_update"
     "${binary[$v]}" --emakit_layouts="$layouts" --emakit_threads="$threads" \
-      --benchmark_repetitions="$repetitions" --benchmark_min_time="$min_time" \
+      --emakit_groups="$groups" --benchmark_repetitions="$repetitions" --benchmark_min_time="$min_time" \
       --benchmark_out="$out/$v-$round.json" --benchmark_out_format=json
     cpp_json+=("$out/$v-$round.json")
   done

@@ -37,57 +37,125 @@ EMAKIT_FUNC void EmaCore::fail_moved_from(const char* what) {
   fail("{}() on a moved-from Ema; use the Ema it was moved into", what);
 }
 
+EMAKIT_FUNC EmaCore::Prepared EmaCore::prepare(const StepInfo& info, const PolicyNames& names, DecideFn decide,
+                                               WeightFn weight) {
+  check_model_not_swapped("update");
+  check_step_in(info);
+  const ema_state::Counters& c = counters_;
+  const ScheduleInput in{c.calls + 1, info.step, c.step, c.num_updates, info.vetoed};
+  const Decision decision = decide(in);
+  check_decision(decision, info, names.schedule);
+  Prepared p{{decision.action, decision.step, std::nan(""), {}}, 0.0, info.vetoed};
+  if (decision.action != Action::skipped) kernel_.check_sources();  // re-plans if a source moved
+  if (decision.action != Action::skipped && options_.skip_non_finite()) {
+    const std::size_t bad = kernel_.first_non_finite(decision.action == Action::copied);
+    if (bad != UpdateKernel::npos) {
+      p.result.non_finite = kernel_.name(bad);
+      return p;
+    }
+  }
+  if (decision.action == Action::copied) {
+    p.result.decay = 0.0;
+  } else if (decision.action == Action::averaged) {
+    const DecayInput d_in{decision.step, c.num_updates + 1, decision.step - c.last_update_step};
+    p.weight = weight(d_in);
+    if (!(p.weight >= 0.0 && p.weight <= 1.0))
+      fail("decay policy {} gave d = {} at step {} (update {}); d must be in [0, 1]", names.decay, 1.0 - p.weight,
+           d_in.step, d_in.update);
+    p.result.decay = 1.0 - p.weight;
+  }
+  return p;
+}
+
+EMAKIT_FUNC UpdateResult EmaCore::finish(const Prepared& p) {
+  ema_state::Counters& c = counters_;
+  UpdateResult result = p.result;
+  if (!result.non_finite.empty()) {
+    TORCH_WARN("emakit: update at step ", result.step, " skipped: '", result.non_finite,
+               "' holds a NaN or an infinity (EmaOptions::skip_non_finite); the average is unchanged");
+    c.calls += 1;
+    c.step = result.step;
+    c.non_finite_updates += 1;
+    last_non_finite_ = result.non_finite;
+    result.action = Action::skipped;
+    return result;
+  }
+  if (options_.switch_every() > 0 && result.action != Action::copied && !p.vetoed &&
+      (result.step - options_.switch_offset()) % options_.switch_every() == 0)
+    switch_model(options_.switch_beta());
+  // Counters change only after the kernel succeeded: a failed update leaves the EMA as it was.
+  c.calls += 1;
+  c.step = result.step;
+  if (result.action != Action::skipped) {
+    c.num_updates += 1;
+    c.last_update_step = result.step;
+    c.last_decay = result.decay;
+  }
+  return result;
+}
+
 EMAKIT_FUNC UpdateResult EmaCore::update(const StepInfo& info, const PolicyNames& names, DecideFn decide,
                                          WeightFn weight) {
   ensure_bound("update");
   check_model_alive("update");
   BusyScope busy(busy_, "update");
-  check_model_not_swapped("update");
-  check_step_in(info);
-  ema_state::Counters& c = counters_;
-  const ScheduleInput in{c.calls + 1, info.step, c.step, c.num_updates, info.vetoed};
-  const Decision decision = decide(in);
-  check_decision(decision, info, names.schedule);
-  UpdateResult result{decision.action, decision.step, std::nan(""), {}};
-  if (decision.action != Action::skipped) kernel_.check_sources();  // re-plans if a source moved
-  if (decision.action != Action::skipped && options_.skip_non_finite()) {
-    const std::size_t bad = kernel_.first_non_finite(decision.action == Action::copied);
-    if (bad != UpdateKernel::npos) result.non_finite = kernel_.name(bad);
-    if (!result.non_finite.empty()) {
-      TORCH_WARN("emakit: update at step ", decision.step, " skipped: '", result.non_finite,
-                 "' holds a NaN or an infinity (EmaOptions::skip_non_finite); the average is unchanged");
-      c.calls += 1;
-      c.step = decision.step;
-      c.non_finite_updates += 1;
-      last_non_finite_ = result.non_finite;
-      result.action = Action::skipped;
-      return result;
+  const Prepared p = prepare(info, names, decide, weight);
+  if (applies(p)) {
+    if (p.result.action == Action::copied) {
+      kernel_.copy();
+    } else {
+      kernel_.average(p.weight);
     }
   }
-  if (decision.action == Action::copied) {
-    kernel_.copy();
-    result.decay = 0.0;
-  } else if (decision.action == Action::averaged) {
-    const DecayInput d_in{decision.step, c.num_updates + 1, decision.step - c.last_update_step};
-    const double w = weight(d_in);
-    if (!(w >= 0.0 && w <= 1.0))
-      fail("decay policy {} gave d = {} at step {} (update {}); d must be in [0, 1]", names.decay, 1.0 - w, d_in.step,
-           d_in.update);
-    kernel_.average(w);
-    result.decay = 1.0 - w;
+  return finish(p);
+}
+
+EMAKIT_FUNC bool EmaCore::same_model(const EmaCore& other) const {
+  if (model_owned_ && other.model_owned_)
+    return !model_.owner_before(other.model_) && !other.model_.owner_before(model_);
+  for (const auto& a : sources_)
+    for (const auto& b : other.sources_)
+      if (a.is_same(b)) return true;
+  return false;
+}
+
+EMAKIT_FUNC std::vector<UpdateResult> EmaCore::update_together(std::span<const Member> members, const StepInfo& info) {
+  std::vector<UpdateResult> results;
+  if (members.empty()) return results;
+  for (std::size_t i = 0; i < members.size(); ++i) {
+    EmaCore& m = *members[i].core;
+    m.ensure_bound("update_together");
+    m.check_model_alive("update_together");
+    for (std::size_t j = 0; j < i; ++j)
+      if (members[j].core == members[i].core)
+        fail("update_together: the same Ema is given twice (members {} and {}); each EMA updates once per step", j, i);
+    if (i > 0 && !members[0].core->same_model(m))
+      fail("update_together: member {} is bound to another model than member 0 (they hold no model tensor in "
+           "common); update_together reads one model once for EMAs of that model: update each model's EMAs apart",
+           i);
+    if (m.options_.switch_every() > 0)
+      fail("update_together: member {} writes the model after its update (EmaOptions::switch_model), which the "
+           "other members would read in the same step; update it on its own, after the others",
+           i);
   }
-  if (options_.switch_every() > 0 && decision.action != Action::copied && !info.vetoed &&
-      (decision.step - options_.switch_offset()) % options_.switch_every() == 0)
-    switch_model(options_.switch_beta());
-  // Counters change only after the kernel succeeded: a failed update leaves the EMA as it was.
-  c.calls += 1;
-  c.step = decision.step;
-  if (decision.action != Action::skipped) {
-    c.num_updates += 1;
-    c.last_update_step = decision.step;
-    c.last_decay = result.decay;
+  std::vector<std::unique_ptr<BusyScope>> busy;
+  busy.reserve(members.size());
+  for (const auto& m : members) busy.push_back(std::make_unique<BusyScope>(m.core->busy_, "update_together"));
+  std::vector<Prepared> prepared;
+  prepared.reserve(members.size());
+  for (const auto& m : members) {
+    const auto decide = [&m](const ScheduleInput& in) { return m.decide(m.policies, in); };
+    const auto weight = [&m](const DecayInput& in) { return m.weight(m.policies, in); };
+    prepared.push_back(m.core->prepare(info, m.names, decide, weight));
   }
-  return result;
+  std::vector<UpdateKernel::Work> work;
+  for (std::size_t i = 0; i < members.size(); ++i)
+    if (members[i].core->applies(prepared[i]))
+      work.push_back({&members[i].core->kernel_, prepared[i].result.action == Action::averaged, prepared[i].weight});
+  UpdateKernel::run_together(work);
+  results.reserve(members.size());
+  for (std::size_t i = 0; i < members.size(); ++i) results.push_back(members[i].core->finish(prepared[i]));
+  return results;
 }
 
 EMAKIT_FUNC void EmaCore::wait_for_model_reads() const {

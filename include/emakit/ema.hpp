@@ -152,6 +152,24 @@ class EmaCore {
   EMAKIT_FUNC ~EmaCore();
 
   EMAKIT_FUNC UpdateResult update(const StepInfo& info, const PolicyNames& names, DecideFn decide, WeightFn weight);
+
+  // One member of update_together(): its core and the calls into its policies (`policies`: the
+  // Ema, passed back to them).
+  struct Member {
+    EmaCore* core;
+    PolicyNames names;
+    void* policies;
+    Decision (*decide)(void*, const ScheduleInput&);
+    double (*weight)(void*, const DecayInput&);
+  };
+  // Updates several EMAs of one model as their own update() calls would, one after another, with
+  // each CPU source tensor read once for all of them (the members whose whole update is the
+  // fused CPU pass); bitwise the same averages, counters and results. Refuses before anything
+  // changes: an Ema given twice, members bound to different models, a member whose update writes
+  // the model (EmaOptions::switch_model), and what update() refuses (a swap open, an update
+  // running, a step going back).
+  EMAKIT_FUNC static std::vector<UpdateResult> update_together(std::span<const Member> members, const StepInfo& info);
+
   EMAKIT_FUNC void wait_for_model_reads() const;
   EMAKIT_FUNC void wait_for_update() const;
   // wait_for_update() without the moved-from check (storage() of a moved-from Ema reads its policy).
@@ -202,6 +220,25 @@ class EmaCore {
   // must not share memory with the model; the model is not changed.
   EMAKIT_FUNC void bind(const torch::nn::Module* model, std::vector<SourceTensor> tensors,
                         std::string_view storage_name, CreateFn create);
+
+  // An update in three parts, for update() and update_together(): prepare() checks and decides and
+  // changes nothing; apply() runs the kernel (for a copy or an average); finish() moves the
+  // counters (and switches the model, EmaOptions::switch_model). A failed part leaves the counters
+  // as they were.
+  struct Prepared {
+    UpdateResult result;  // action, step, decay; non_finite: the tensor that skips it
+    double weight = 0.0;  // w = 1 - d of an average
+    bool vetoed = false;
+  };
+  EMAKIT_FUNC Prepared prepare(const StepInfo& info, const PolicyNames& names, DecideFn decide, WeightFn weight);
+  bool applies(const Prepared& p) const noexcept {
+    return p.result.action != Action::skipped && p.result.non_finite.empty();
+  }
+  EMAKIT_FUNC UpdateResult finish(const Prepared& p);
+
+  // Whether `other` is bound to the model this EMA is bound to: the same owned module, or, for a
+  // module not owned by a shared_ptr or a list of tensors, a model tensor in common.
+  EMAKIT_FUNC bool same_model(const EmaCore& other) const;
 
   // The one way a swap opens (swap_into, swap_gathered_into): backs up `targets`, opens this
   // Ema's swap over them (update() is refused until its guards end) and writes `values` into them.
@@ -299,6 +336,19 @@ class Ema {
         return 1.0 - static_cast<double>(decay_.decay(in));
     };
     return core_.update(info, policy_names(), decide, weight);
+  }
+
+  // This Ema as a member of emakit::update_together() (together.hpp).
+  detail::EmaCore::Member together_member() {
+    return {&core_, policy_names(), this,
+            [](void* self, const ScheduleInput& in) { return static_cast<Ema*>(self)->schedule_.decide(in); },
+            [](void* self, const DecayInput& in) {
+              const Decay& decay = static_cast<Ema*>(self)->decay_;
+              if constexpr (HasLerpWeight<Decay>)
+                return static_cast<double>(decay.weight(in));
+              else
+                return 1.0 - static_cast<double>(decay.decay(in));
+            }};
   }
 
   // The side-stream protocol (EmaOptions::side_stream): update() may return before the update has

@@ -12,6 +12,7 @@
 #include <emakit/state.hpp>
 #include <emakit/swap.hpp>
 #include <emakit/ema.hpp>
+#include <emakit/together.hpp>
 #include <emakit/recipe.hpp>
 #include <emakit/checkpoint.hpp>
 #include <emakit/aliases.hpp>

@@ -44,4 +44,70 @@ EMAKIT_FUNC std::int64_t CpuPass::element_at(const Segment& s, std::int64_t c) n
   return std::min(s.n, aligned);
 }
 
+EMAKIT_FUNC void GroupPass::build(std::span<const std::pair<const CpuPass*, double>> passes) {
+  groups_.clear();
+  entries_.clear();
+  total_ = 0;
+  // Groups in the order their input first appears; a segment joins the group of its input.
+  struct Found {
+    const void* key;
+    std::size_t group;
+  };
+  std::vector<Found> found;
+  std::vector<std::vector<Entry>> pending;
+  for (const auto& [pass, weight] : passes) {
+    for (const auto& seg : pass->segments()) {
+      const void* key = seg.input != nullptr ? static_cast<const void*>(seg.input->unsafeGetTensorImpl()) : seg.x;
+      std::size_t g = groups_.size();
+      for (const auto& f : found)
+        if (f.key == key && groups_[f.group].n == seg.n) g = f.group;
+      if (g == groups_.size()) {
+        found.push_back({key, g});
+        groups_.push_back(Group{seg.input, seg.x, seg.n, 0, 0, 0, 0});
+        pending.emplace_back();
+      }
+      groups_[g].cost += seg.cost;
+      pending[g].push_back(Entry{seg.fn, seg.average, seg.a, weight});
+    }
+  }
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    groups_[g].begin = total_;
+    groups_[g].first = entries_.size();
+    groups_[g].count = pending[g].size();
+    entries_.insert(entries_.end(), pending[g].begin(), pending[g].end());
+    total_ += groups_[g].n * groups_[g].cost;
+  }
+}
+
+EMAKIT_FUNC void GroupPass::run(std::int64_t grain) const {
+  if (groups_.empty()) return;
+  at::parallel_for(0, total_, grain, [&](std::int64_t begin, std::int64_t end) { run_share(begin, end); });
+}
+
+EMAKIT_FUNC void GroupPass::run_share(std::int64_t c0, std::int64_t c1) const {
+  auto it =
+      std::upper_bound(groups_.begin(), groups_.end(), c0, [](std::int64_t c, const Group& g) { return c < g.begin; });
+  if (it != groups_.begin()) --it;
+  for (; it != groups_.end() && it->begin < c1; ++it) {
+    const std::int64_t lo = element_at(*it, c0);
+    const std::int64_t hi = element_at(*it, c1);
+    if (lo >= hi) continue;
+    const void* x = it->input != nullptr ? read_ptr(*it->input) : it->x;
+    for (std::int64_t b = lo; b < hi; b += block_elements) {
+      const std::int64_t e = std::min(hi, b + block_elements);
+      for (std::size_t k = it->first; k < it->first + it->count; ++k) {
+        const Entry& entry = entries_[k];
+        entry.fn(entry.average != nullptr ? entry.average->data_ptr() : entry.a, x, b, e, entry.weight);
+      }
+    }
+  }
+}
+
+EMAKIT_FUNC std::int64_t GroupPass::element_at(const Group& g, std::int64_t c) noexcept {
+  if (c <= g.begin) return 0;
+  const std::int64_t e = (c - g.begin + g.cost - 1) / g.cost;
+  const std::int64_t aligned = (e + CpuPass::align_elements - 1) / CpuPass::align_elements * CpuPass::align_elements;
+  return std::min(g.n, aligned);
+}
+
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

@@ -134,6 +134,28 @@ EMAKIT_FUNC void UpdateKernel::run_cpu(bool averaging, double weight) {
   }
 }
 
+EMAKIT_FUNC void UpdateKernel::run_together(std::span<const Work> work) {
+  c10::NoGradGuard no_grad;
+  std::vector<std::pair<const CpuPass*, double>> passes;
+  for (const Work& w : work) {
+    if (w.kernel->cpu_pass_only()) {
+      w.kernel->join_host();
+      passes.emplace_back(w.averaging ? &w.kernel->plan_.average_pass : &w.kernel->plan_.copy_pass, w.weight);
+    } else {
+      w.kernel->run(w.averaging, w.weight);
+    }
+  }
+  if (passes.size() == 1) {
+    passes.front().first->run(passes.front().second, chunk_elements * 12);
+  } else if (passes.size() > 1) {
+    thread_local GroupPass group;  // keeps its buffers' capacity from call to call
+    group.build(passes);
+    group.run(chunk_elements * 12);
+    sync_counts().fused_calls += 1;
+    sync_counts().fused_kernels += passes.size();
+  }
+}
+
 EMAKIT_FUNC void UpdateKernel::stage_copy(Slot& s) {
   // Non-blocking only into pinned memory: the host waits for the lane before reading it.
   const bool non_blocking = s.staging.is_cpu() && s.source.is_cuda() && s.staging.is_pinned();

@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <exception>
 #include <future>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -40,9 +41,13 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 // How often this thread went through the kernel's two doors, wait_for_update() and wait_for_model_reads(): tests
 // check with it that every accessor of the averages settles, and how often.
+// It also counts the update_together() calls that ran a GroupPass, and over how many kernels:
+// tests check with it that the members were fused.
 struct SyncCounts {
   std::uint64_t settles = 0;
   std::uint64_t waits = 0;
+  std::uint64_t fused_calls = 0;
+  std::uint64_t fused_kernels = 0;
 };
 inline SyncCounts& sync_counts() noexcept {
   thread_local SyncCounts counts;
@@ -126,6 +131,22 @@ class UpdateKernel {
 
   // ema = model for every slot.
   void copy() { run(/*averaging=*/false, 1.0); }
+
+  // What update_together() asks of one kernel: average with `weight`, or copy.
+  struct Work {
+    UpdateKernel* kernel;
+    bool averaging;
+    double weight;
+  };
+  // Each kernel's average() or copy(), as if run one after another: the kernels whose whole
+  // update is the fused CPU pass run as one GroupPass (each input read once for all of them);
+  // the others (foreach lists on CUDA, staged or generic CPU slots, offload) run their own.
+  static void run_together(std::span<const Work> work);
+  // Whether this kernel's whole update is its fused CPU pass.
+  bool cpu_pass_only() const noexcept {
+    return plan_.lists.empty() && plan_.staged.empty() && plan_.generic.empty() && plan_.generic_copies.empty() &&
+           plan_.offload_lanes.empty() && lanes_.empty();
+  }
 
   // The first slot, in slot order, whose source the next update reads (copying: every slot;
   // averaging: averaged slots and copies that follow averages) and that holds a NaN or an

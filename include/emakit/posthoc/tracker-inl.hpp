@@ -13,11 +13,8 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 EMAKIT_FUNC PostHocUpdate PostHocEma::update(StepInfo info) {
   if (!folder_checked_) check_folder();
-  UpdateResult first;
-  for (std::size_t i = 0; i < emas_.size(); ++i) {
-    const auto r = emas_[i].update(info);
-    if (i == 0) first = r;
-  }
+  // Every profile in one pass over the model (update_together: bitwise each one's update()).
+  const UpdateResult first = update_together(std::span<Tracked>(emas_), info).front();
   PostHocUpdate out{first.action, first.step, false};
   const auto every = options_.snapshot_every();
   if (every > 0 && first.step > 0 && first.step % every == 0 && emas_.front().num_updates() > 0 &&

@@ -21,6 +21,7 @@
 #include <emakit/options.hpp>
 #include <emakit/posthoc/options.hpp>
 #include <emakit/posthoc/snapshot_folder.hpp>
+#include <emakit/together.hpp>
 #include <emakit/posthoc/synthesis.hpp>
 #include <emakit/schedule.hpp>
 #include <emakit/storage.hpp>
@@ -69,11 +70,10 @@ class PostHocEma {
     for (double g : options_.gammas()) emas_.emplace_back(tensors, PowerFunction(g), schedule(), ema_options);
   }
 
-  // Call after each optimizer step: updates every profile and writes snapshots at multiples of
-  // snapshot_every. A failed snapshot write throws (naming the file) after the update was applied.
-  // The first call (and the first after load_state_dict) checks the folder first: another run's
-  // snapshots there are refused, before anything changes, or moved aside
-  // (PostHocOptions::existing_snapshots).
+  // Call after each optimizer step: updates every profile (in one pass over the model, update_together) and writes
+  // snapshots at multiples of snapshot_every. A failed snapshot write throws (naming the file) after the update was
+  // applied. The first call (and the first after load_state_dict) checks the folder first: another run's snapshots
+  // there are refused, before anything changes, or moved aside (PostHocOptions::existing_snapshots).
   PostHocUpdate update(StepInfo info = {});
 
   // Writes a snapshot of every profile now; returns the files. Needs at least one applied update.

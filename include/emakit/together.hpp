@@ -1,0 +1,65 @@
+// Several EMAs of one model updated in one pass: a fast and a slow EMA, the profiles of post-hoc
+// EMA, a fixed and a warmup EMA side by side. Each keeps its own decay, schedule, options,
+// counters and checkpoint, and decides for itself whether this step skips, copies or averages;
+// the result is exactly (bitwise, with the same UpdateResults) that of calling each one's
+// update() in turn, but on CPU the model is read once for all of them instead of once each:
+//
+//   emakit::Ema<emakit::Fixed> fast(*model, emakit::Fixed(0.99)), slow(*model, emakit::Fixed(0.9999));
+//   ...
+//   optimizer.step();
+//   emakit::update_together(fast, slow);                 // or (emakit::StepInfo{.vetoed = true}, fast, slow)
+//
+// An fp32 update reads 4 bytes of the model and reads and writes 8 of the average per element:
+// K EMAs updated apart move 12K bytes per element, together 4 + 8K (1.2x less for K = 2, 1.33x
+// for K = 4; a bf16 model into fp32 averages: 10K against 2 + 8K; docs/performance.md). The members whose
+// whole update is the fused CPU pass (CPU averages of the dtype pairs it reads) share the pass;
+// any other member (CUDA: ATen has no op that writes several outputs from one read; offloaded,
+// staged or rare-dtype CPU tensors) runs its own update's kernel in the same call, with the same
+// result. Refused, before anything changes: an Ema given twice, members bound to different
+// models, a member with EmaOptions::switch_model (it writes the model the others read), and what
+// update() refuses for any member (a swap open, an update running, a step going back).
+#pragma once
+
+#include <emakit/detail/config.hpp>
+#include <emakit/ema.hpp>
+
+#include <array>
+#include <span>
+#include <type_traits>
+#include <vector>
+
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
+
+namespace detail {
+template <class E>
+concept TogetherMember = requires(E& e) {
+  { e.together_member() } -> std::same_as<EmaCore::Member>;
+};
+}  // namespace detail
+
+// update_together(info, a, b, ...): each EMA's update(info), in one pass.
+template <detail::TogetherMember... E>
+  requires(sizeof...(E) >= 1)
+std::array<UpdateResult, sizeof...(E)> update_together(const StepInfo& info, E&... emas) {
+  const std::array<detail::EmaCore::Member, sizeof...(E)> members{emas.together_member()...};
+  std::vector<UpdateResult> results = detail::EmaCore::update_together(members, info);
+  std::array<UpdateResult, sizeof...(E)> out;
+  for (std::size_t i = 0; i < out.size(); ++i) out[i] = std::move(results[i]);
+  return out;
+}
+
+// update_together(a, b, ...): each EMA's update(), in one pass.
+template <detail::TogetherMember... E>
+  requires(sizeof...(E) >= 1)
+std::array<UpdateResult, sizeof...(E)> update_together(E&... emas) { return update_together(StepInfo{}, emas...); }
+
+// A range of EMAs of one type (a std::vector<Ema<...>>): each one's update(info), in one pass.
+template <detail::TogetherMember E>
+std::vector<UpdateResult> update_together(std::span<E> emas, const StepInfo& info = {}) {
+  std::vector<detail::EmaCore::Member> members;
+  members.reserve(emas.size());
+  for (E& e : emas) members.push_back(e.together_member());
+  return detail::EmaCore::update_together(members, info);
+}
+
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
