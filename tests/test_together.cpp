@@ -18,7 +18,6 @@
 #include <bit>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -119,11 +118,7 @@ void move_sources(const Case& c, int step) {
 
 // The same dtype, shape and bytes (NaNs included: a non-finite step reaches the average when the
 // member does not skip it).
-bool same_bits(const at::Tensor& a, const at::Tensor& b) {
-  if (a.scalar_type() != b.scalar_type() || !a.sizes().equals(b.sizes())) return false;
-  const at::Tensor x = a.contiguous(), y = b.contiguous();
-  return std::memcmp(x.data_ptr(), y.data_ptr(), static_cast<std::size_t>(x.numel()) * x.element_size()) == 0;
-}
+bool same_bits(const at::Tensor& a, const at::Tensor& b) { return emakit::detail::bitwise_equal(a, b); }
 
 // Every tensor and counter of `a` equals `b`'s, bitwise; returns the number of tensors compared.
 std::size_t require_same(const Member& a, const Member& b) {

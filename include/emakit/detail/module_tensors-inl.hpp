@@ -53,7 +53,8 @@ EMAKIT_FUNC bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type() || !a.sizes().equals(b.sizes())) return false;
   const at::Tensor x = a.detach().cpu().contiguous();
   const at::Tensor y = b.detach().cpu().contiguous();
-  return x.nbytes() == y.nbytes() && std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
+  // memcmp's pointers must not be null, even for 0 bytes: an empty tensor may have none.
+  return x.nbytes() == y.nbytes() && (x.nbytes() == 0 || std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0);
 }
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
