@@ -4,6 +4,7 @@
 // ops each update dispatches counted (RecordFunction).
 #include <emakit/aliases.hpp>
 #include <emakit/detail/cpu_pass.hpp>
+#include <emakit/detail/module_tensors.hpp>
 #include <emakit/detail/simd.hpp>
 #include <emakit/detail/update_kernel.hpp>
 
@@ -27,6 +28,8 @@
 #include <new>
 #include <cstdio>
 #include <fstream>
+#include <functional>
+#include <limits>
 #include <map>
 #include <random>
 #include <string>
@@ -375,29 +378,107 @@ TEST_CASE("The side-stream option changes nothing for a CPU model", "[kernel]") 
   for (const auto& item : plain.averages()) CHECK(torch::equal(item.value(), side.average(item.key())));
 }
 
-TEST_CASE("The AVX2 copies of the segment loops round exactly like the baseline ones", "[kernel]") {
-#if EMAKIT_AVX2_CLONES
-  if (!emakit::detail::use_avx2()) EMAKIT_SKIP("this CPU has no AVX2: only the baseline loops run");
-  torch::manual_seed(8);
-  const std::int64_t n = 1000 + 13;
-  for (auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
-    INFO(c10::toString(dtype));
-    const auto x = torch::randn({n}).to(dtype);
-    for (double w : {1e-3, 0.7}) {
-      auto base = torch::randn({n});
-      auto avx2 = base.clone();
-      emakit::detail::dispatch_pair(torch::kFloat, dtype, [&](auto* a_tag, auto* s_tag) {
+namespace {
+// A source or average of `n` elements of `dtype` with the values a loop must round alike in every
+// copy: normals of both signs and many magnitudes, zeros, subnormals, infinities and a NaN.
+torch::Tensor awkward(std::int64_t n, c10::ScalarType dtype) {
+  auto t = (torch::randn({n}, torch::kDouble) * torch::pow(2.0, torch::randint(-20, 20, {n}, torch::kDouble)));
+  t.index_put_({0}, 0.0);
+  t.index_put_({1}, -0.0);
+  t.index_put_({2}, std::numeric_limits<double>::infinity());
+  t.index_put_({3}, std::numeric_limits<double>::quiet_NaN());
+  t.index_put_({4}, dtype == torch::kDouble ? 1e-310 : (dtype == torch::kHalf ? 1e-7 : 1e-40));  // subnormal
+  return t.to(dtype);
+}
+}  // namespace
+
+TEST_CASE("Every instruction set's copy of the segment loops rounds exactly like the baseline one", "[kernel]") {
+  using emakit::detail::SegmentFn;
+  // The baseline and each copy, for a fused pair given at run time.
+  const auto fns_of = [](auto pick) {
+    return [pick](c10::ScalarType a, c10::ScalarType s) {
+      std::pair<SegmentFn, SegmentFn> out;
+      emakit::detail::dispatch_pair(a, s, [&](auto* a_tag, auto* s_tag) {
         using A = std::remove_pointer_t<decltype(a_tag)>;
         using S = std::remove_const_t<std::remove_pointer_t<decltype(s_tag)>>;
-        emakit::detail::lerp_segment<A, S>(base.data_ptr(), x.data_ptr(), 0, n, w);
-        emakit::detail::lerp_segment_avx2<A, S>(avx2.data_ptr(), x.data_ptr(), 0, n, w);
+        out = pick(static_cast<A*>(nullptr), static_cast<S*>(nullptr));
       });
-      CHECK(torch::equal(base, avx2));
+      return out;
+    };
+  };
+  const auto baseline = fns_of([](auto* a, auto* s) -> std::pair<SegmentFn, SegmentFn> {
+    using A = std::remove_pointer_t<decltype(a)>;
+    using S = std::remove_pointer_t<decltype(s)>;
+    return {&emakit::detail::lerp_segment<A, S>, &emakit::detail::copy_segment<A, S>};
+  });
+  std::vector<std::pair<std::string, std::function<std::pair<SegmentFn, SegmentFn>(c10::ScalarType, c10::ScalarType)>>>
+      copies;
+  std::string best = "baseline";
+#if EMAKIT_AVX2_CLONES
+  if (emakit::detail::use_avx2()) {
+    copies.emplace_back("AVX2", fns_of([](auto* a, auto* s) -> std::pair<SegmentFn, SegmentFn> {
+                          using A = std::remove_pointer_t<decltype(a)>;
+                          using S = std::remove_pointer_t<decltype(s)>;
+                          return {&emakit::detail::lerp_segment_avx2<A, S>, &emakit::detail::copy_segment_avx2<A, S>};
+                        }));
+    best = "AVX2";
+  }
+#endif
+#if EMAKIT_AVX512_CLONES
+  if (emakit::detail::use_avx512()) {
+    copies.emplace_back(
+        "AVX-512", fns_of([](auto* a, auto* s) -> std::pair<SegmentFn, SegmentFn> {
+          using A = std::remove_pointer_t<decltype(a)>;
+          using S = std::remove_pointer_t<decltype(s)>;
+          return {&emakit::detail::lerp_segment_avx512<A, S>, &emakit::detail::copy_segment_avx512<A, S>};
+        }));
+    best = "AVX-512";
+  }
+#endif
+  // The plan takes the best copy this CPU runs.
+  const auto planned = emakit::detail::segment_fns<float, c10::BFloat16>();
+  const auto expected = copies.empty() ? baseline(torch::kFloat, torch::kBFloat16)
+                                       : copies.back().second(torch::kFloat, torch::kBFloat16);
+  INFO("best: " << best);
+  CHECK(planned == expected);
+  if (copies.empty()) EMAKIT_SKIP("no copy of the segment loops for another instruction set runs in this build here");
+
+  torch::manual_seed(8);
+  const std::int64_t n = 1000 + 13;  // vector bodies and scalar tails
+  const std::vector<std::pair<c10::ScalarType, c10::ScalarType>> pairs = {
+      {torch::kFloat, torch::kFloat},   {torch::kFloat, torch::kBFloat16}, {torch::kFloat, torch::kHalf},
+      {torch::kDouble, torch::kDouble}, {torch::kDouble, torch::kFloat},   {torch::kBFloat16, torch::kBFloat16},
+      {torch::kHalf, torch::kHalf}};
+  std::size_t compared = 0;
+  for (const auto& [name, fns] : copies) {
+    for (const auto& [a_type, s_type] : pairs) {
+      INFO(name << ": " << c10::toString(a_type) << " from " << c10::toString(s_type));
+      const auto x = awkward(n, s_type);
+      const auto [base_lerp, base_copy] = baseline(a_type, s_type);
+      const auto [lerp, copy] = fns(a_type, s_type);
+      for (const auto& [begin, end] : {std::pair<std::int64_t, std::int64_t>{0, n}, {3, n - 5}}) {
+        // Both of ATen's branches (|w| < 0.5 and not), and w = 1, which only the second computes.
+        for (double w : {1e-3, 0.3, 0.7, 1.0}) {
+          INFO("w " << w << ", elements [" << begin << ", " << end << ")");
+          const auto start = awkward(n, a_type);
+          auto want = start.clone(), got = start.clone();
+          base_lerp(want.data_ptr(), x.data_ptr(), begin, end, w);
+          lerp(got.data_ptr(), x.data_ptr(), begin, end, w);
+          CHECK(emakit::detail::bitwise_equal(got, want));
+          CHECK_FALSE(emakit::detail::bitwise_equal(got, start));  // the loop ran
+          ++compared;
+        }
+        const auto start = awkward(n, a_type);
+        auto want = start.clone(), got = start.clone();
+        base_copy(want.data_ptr(), x.data_ptr(), begin, end, 0.0);
+        copy(got.data_ptr(), x.data_ptr(), begin, end, 0.0);
+        CHECK(emakit::detail::bitwise_equal(got, want));
+        CHECK(emakit::detail::bitwise_equal(got.slice(0, begin, end), x.slice(0, begin, end).to(a_type)));
+        ++compared;
+      }
     }
   }
-#else
-  EMAKIT_SKIP("no AVX2 copies in this build (not x86-64, or the baseline already has AVX2)");
-#endif
+  CHECK(compared == copies.size() * pairs.size() * 2 * 5);
 }
 
 namespace {

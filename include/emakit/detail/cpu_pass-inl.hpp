@@ -47,35 +47,37 @@ EMAKIT_FUNC std::int64_t CpuPass::element_at(const Segment& s, std::int64_t c) n
 EMAKIT_FUNC void GroupPass::build(std::span<const std::pair<const CpuPass*, double>> passes) {
   groups_.clear();
   entries_.clear();
+  index_.clear();
+  group_of_.clear();
   total_ = 0;
   // Groups in the order their input first appears; a segment joins the group of its input.
-  struct Found {
-    const void* key;
-    std::size_t group;
-  };
-  std::vector<Found> found;
-  std::vector<std::vector<Entry>> pending;
   for (const auto& [pass, weight] : passes) {
     for (const auto& seg : pass->segments()) {
-      const void* key = seg.input != nullptr ? static_cast<const void*>(seg.input->unsafeGetTensorImpl()) : seg.x;
-      std::size_t g = groups_.size();
-      for (const auto& f : found)
-        if (f.key == key && groups_[f.group].n == seg.n) g = f.group;
-      if (g == groups_.size()) {
-        found.push_back({key, g});
-        groups_.push_back(Group{seg.input, seg.x, seg.n, 0, 0, 0, 0});
-        pending.emplace_back();
-      }
-      groups_[g].cost += seg.cost;
-      pending[g].push_back(Entry{seg.fn, seg.average, seg.a, weight});
+      const void* input = seg.input != nullptr ? static_cast<const void*>(seg.input->unsafeGetTensorImpl()) : seg.x;
+      const auto [it, added] = index_.try_emplace(Key{input, seg.n}, groups_.size());
+      if (added) groups_.push_back(Group{seg.input, seg.x, seg.n, 0, 0, 0, 0});
+      Group& g = groups_[it->second];
+      g.cost += seg.cost;
+      ++g.count;
+      group_of_.push_back(it->second);
     }
   }
-  for (std::size_t g = 0; g < groups_.size(); ++g) {
-    groups_[g].begin = total_;
-    groups_[g].first = entries_.size();
-    groups_[g].count = pending[g].size();
-    entries_.insert(entries_.end(), pending[g].begin(), pending[g].end());
-    total_ += groups_[g].n * groups_[g].cost;
+  // Each group's entries side by side, in the order of `passes`.
+  std::size_t first = 0;
+  for (Group& g : groups_) {
+    g.begin = total_;
+    g.first = first;
+    first += g.count;
+    g.count = 0;
+    total_ += g.n * g.cost;
+  }
+  entries_.resize(first);
+  std::size_t k = 0;
+  for (const auto& [pass, weight] : passes) {
+    for (const auto& seg : pass->segments()) {
+      Group& g = groups_[group_of_[k++]];
+      entries_[g.first + g.count++] = Entry{seg.fn, seg.average, seg.a, weight};
+    }
   }
 }
 

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -58,35 +59,35 @@ void dispatch_pair(c10::ScalarType a, c10::ScalarType s, F&& f) {
 // Work on one tensor: fn(a, x, begin, end, weight) over elements [begin, end).
 using SegmentFn = void (*)(void*, const void*, std::int64_t, std::int64_t, double) noexcept;
 
-template <class A, class S>
-void lerp_segment(void* a, const void* x, std::int64_t begin, std::int64_t end, double w) noexcept {
-  lerp_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin,
-                   static_cast<opmath_t<A>>(w));
-}
+// The segment functions, once per instruction set: lerp_segment<A, S> / copy_segment<A, S> for
+// the build's baseline, and the _avx2 and _avx512 copies where detail/simd.hpp builds them.
+#define EMAKIT_SEGMENT_FNS(suffix, target)                                                                          \
+  template <class A, class S>                                                                                       \
+  target EMAKIT_NO_CONTRACT void lerp_segment##suffix(void* a, const void* x, std::int64_t begin, std::int64_t end, \
+                                                      double w) noexcept {                                          \
+    lerp_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin,                     \
+                     static_cast<opmath_t<A>>(w));                                                                  \
+  }                                                                                                                 \
+  template <class A, class S>                                                                                       \
+  target void copy_segment##suffix(void* a, const void* x, std::int64_t begin, std::int64_t end, double) noexcept { \
+    copy_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin);                    \
+  }
 
-template <class A, class S>
-void copy_segment(void* a, const void* x, std::int64_t begin, std::int64_t end, double) noexcept {
-  copy_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin);
-}
-
+EMAKIT_SEGMENT_FNS(, )
 #if EMAKIT_AVX2_CLONES
-template <class A, class S>
-__attribute__((target("avx2"))) void lerp_segment_avx2(void* a, const void* x, std::int64_t begin, std::int64_t end,
-                                                       double w) noexcept {
-  lerp_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin,
-                   static_cast<opmath_t<A>>(w));
-}
-
-template <class A, class S>
-__attribute__((target("avx2"))) void copy_segment_avx2(void* a, const void* x, std::int64_t begin, std::int64_t end,
-                                                       double) noexcept {
-  copy_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin);
-}
+EMAKIT_SEGMENT_FNS(_avx2, __attribute__((target("avx2"))))
 #endif
+#if EMAKIT_AVX512_CLONES
+EMAKIT_SEGMENT_FNS(_avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))))
+#endif
+#undef EMAKIT_SEGMENT_FNS
 
-// The segment functions of a fused pair, for the best ISA this CPU runs.
+// The segment functions of a fused pair, for the best instruction set this CPU runs.
 template <class A, class S>
 std::pair<SegmentFn, SegmentFn> segment_fns() noexcept {
+#if EMAKIT_AVX512_CLONES
+  if (use_avx512()) return {&lerp_segment_avx512<A, S>, &copy_segment_avx512<A, S>};
+#endif
 #if EMAKIT_AVX2_CLONES
   if (use_avx2()) return {&lerp_segment_avx2<A, S>, &copy_segment_avx2<A, S>};
 #endif
@@ -175,11 +176,10 @@ class GroupPass {
   // 2048 elements: 8 KB of an fp32 source, which stays in L1 while each member reads it.
   static constexpr std::int64_t block_elements = 2048;
 
-  // Groups the segments of `passes`, each run with its weight; keeps its buffers' capacity.
+  // Groups the segments of `passes`, each run with its weight, in time linear in the segments
+  // (a hash of the inputs); keeps its buffers' capacity, so that a thread_local GroupPass
+  // allocates nothing once it has seen the model.
   void build(std::span<const std::pair<const CpuPass*, double>> passes);
-  std::size_t groups() const noexcept { return groups_.size(); }
-  std::size_t entries() const noexcept { return entries_.size(); }
-  std::int64_t total_cost() const noexcept { return total_; }
   void run(std::int64_t grain) const;
 
  private:
@@ -195,11 +195,24 @@ class GroupPass {
     std::int64_t n, cost, begin;
     std::size_t first, count;  // entries_[first, first + count)
   };
+  // A group's input: the tensor (or, without tensors, the raw pointer) and its element count.
+  struct Key {
+    const void* input;
+    std::int64_t n;
+    bool operator==(const Key&) const = default;
+  };
+  struct KeyHash {
+    std::size_t operator()(const Key& k) const noexcept {
+      return std::hash<const void*>()(k.input) ^ (std::hash<std::int64_t>()(k.n) * 0x9e3779b97f4a7c15ull);
+    }
+  };
   void run_share(std::int64_t c0, std::int64_t c1) const;
   static std::int64_t element_at(const Group& g, std::int64_t c) noexcept;
 
   std::vector<Group> groups_;
   std::vector<Entry> entries_;
+  std::unordered_map<Key, std::size_t, KeyHash> index_;  // input -> its group
+  std::vector<std::size_t> group_of_;                    // per segment, in the order of `passes`
   std::int64_t total_ = 0;
 };
 

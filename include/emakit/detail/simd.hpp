@@ -1,6 +1,6 @@
 // The element loops of the fused CPU pass: a = lerp(a, x, w) and a = x over one range, written
 // so that the compiler vectorises them (`omp simd`), reading a bf16/fp16 source through
-// branch-free integer widening (no F16C needed), and the choice of an AVX2 copy at run time.
+// branch-free integer widening (no F16C needed), and the choice of an AVX2 or AVX-512 copy at run time.
 // The arithmetic is ATen's lerp: a + w*(x-a) for |w| < 0.5, else x + (w-1)*(x-a), in float for
 // float/half/bf16 averages and double for double averages.
 #pragma once
@@ -32,13 +32,37 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 #define EMAKIT_ALWAYS_INLINE inline
 #endif
 
-// x86-64 builds for a baseline below AVX2 (the default -march=x86-64 has SSE2 only) also compile
-// each segment loop for AVX2, and the kernel picks that copy at plan time when the CPU has it:
-// widening a bf16 source in cache runs twice as fast. No FMA: both copies round identically.
+// x86-64 builds also compile each segment loop for the instruction sets above their baseline
+// (the default -march=x86-64 has SSE2 only): AVX2, and AVX-512 (F, BW, VL), and the kernel picks
+// the best copy this CPU runs at plan time: widening a bf16 source in cache runs twice as fast
+// with AVX2, and AVX-512 moves a cache line per instruction. Every copy rounds identically: no
+// FMA, which AVX-512F brings with it and which GCC (any -std) and clang (-ffp-contract=on, its
+// default) would otherwise fuse a*b + c into (EMAKIT_NO_CONTRACT below, and the pragma in the
+// loops). A build whose baseline already has a set compiles no copy for it.
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__)) && !defined(__AVX2__)
 #define EMAKIT_AVX2_CLONES 1
 #else
 #define EMAKIT_AVX2_CLONES 0
+#endif
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__)) && \
+    !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__))
+#define EMAKIT_AVX512_CLONES 1
+#else
+#define EMAKIT_AVX512_CLONES 0
+#endif
+
+// GCC contracts a*b + c into an FMA whenever the target has one (-ffp-contract=fast is its
+// default for C++ in every -std); this keeps each segment function's arithmetic as written, so
+// that all copies, and ATen's lerp, round alike. (clang: the pragma inside the loops.)
+#if defined(__GNUC__) && !defined(__clang__)
+#define EMAKIT_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define EMAKIT_NO_CONTRACT
+#endif
+#if defined(__clang__)
+#define EMAKIT_PRAGMA_NO_CONTRACT _Pragma("clang fp contract(off)")
+#else
+#define EMAKIT_PRAGMA_NO_CONTRACT
 #endif
 
 // Whether the AVX2 copies of the segment loops are built and this CPU can run them.
@@ -47,6 +71,21 @@ inline bool use_avx2() noexcept {
   static const bool has = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
+// Whether the AVX-512 copies are built and this CPU (and its OS, which must save the zmm
+// registers: __builtin_cpu_supports checks that too) runs them.
+inline bool use_avx512() noexcept {
+#if EMAKIT_AVX512_CLONES
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0 && __builtin_cpu_supports("avx512bw") != 0 &&
+           __builtin_cpu_supports("avx512vl") != 0;
   }();
   return has;
 #else
@@ -106,10 +145,11 @@ struct Load<c10::Half> {
 };
 
 // a = lerp(a, x, w) over n elements, in ATen's formula, as one pass. Inlined into each segment
-// function, so that the AVX2 copies compile the loop for AVX2.
+// function, so that the AVX2 and AVX-512 copies compile the loop for their instruction set.
 template <class A, class S>
 EMAKIT_ALWAYS_INLINE void lerp_range(A* __restrict a, const S* __restrict x, std::int64_t n, opmath_t<A> w) noexcept {
-  using T = opmath_t<A>;
+  EMAKIT_PRAGMA_NO_CONTRACT  // first in the body: clang takes the pragma only there
+      using T = opmath_t<A>;
   using L = Load<S>;
   const auto* __restrict xr = reinterpret_cast<const typename L::raw*>(x);
   if (std::abs(w) < T(0.5)) {
