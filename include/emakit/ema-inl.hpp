@@ -13,6 +13,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <unordered_set>
+
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 [[noreturn]] EMAKIT_FUNC void fail_model_destroyed(const char* what) {
@@ -113,9 +116,13 @@ EMAKIT_FUNC UpdateResult EmaCore::update(const StepInfo& info, const PolicyNames
 EMAKIT_FUNC bool EmaCore::same_model(const EmaCore& other) const {
   if (model_owned_ && other.model_owned_)
     return !model_.owner_before(other.model_) && !other.model_.owner_before(model_);
-  for (const auto& a : sources_)
-    for (const auto& b : other.sources_)
-      if (a.is_same(b)) return true;
+  // EMAs of one model list its tensors in the same order: the first position decides at once.
+  for (std::size_t k = 0; k < std::min(sources_.size(), other.sources_.size()); ++k)
+    if (sources_[k].is_same(other.sources_[k])) return true;
+  std::unordered_set<const void*> mine;
+  for (const auto& a : sources_) mine.insert(a.unsafeGetTensorImpl());
+  for (const auto& b : other.sources_)
+    if (mine.contains(b.unsafeGetTensorImpl())) return true;
   return false;
 }
 

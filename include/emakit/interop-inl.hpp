@@ -233,18 +233,23 @@ EMAKIT_FUNC c10::impl::GenericDict luxonis_tensors(const c10::impl::GenericDict&
   return inner->value().toGenericDict();
 }
 
+// dict[key] of a peer's file, or an error naming the file, the key and how such a file is written.
+EMAKIT_FUNC const c10::IValue& required_entry(const c10::impl::GenericDict& dict, const char* key,
+                                              const std::string& where, const char* written_how) {
+  const auto it = dict.find(key);
+  if (it == dict.end()) fail("{} has no '{}': {}; nothing was loaded", where, key, written_how);
+  return it->value();
+}
+
 // ---- Lightning EMAWeightAveraging ----------------------------------------------------------
 
 EMAKIT_FUNC c10::impl::GenericDict lightning_tensors(const c10::impl::GenericDict& dict, const std::string& path,
                                                      LightningCounters& counters) {
   const std::string where = fmt::format("import_state: '{}'", path);
   const auto value = [&](const char* key) -> const c10::IValue& {
-    const auto it = dict.find(key);
-    if (it == dict.end())
-      fail("{} has no '{}': not a Lightning checkpoint (save it with trainer.save_checkpoint(path) while the "
-           "EMAWeightAveraging callback runs); nothing was loaded",
-           where, key);
-    return it->value();
+    return required_entry(dict, key, where,
+                          "not a Lightning checkpoint (save it with trainer.save_checkpoint(path) while the "
+                          "EMAWeightAveraging callback runs)");
   };
   const c10::IValue& state = value("state_dict");
   if (!state.isGenericDict())
@@ -345,12 +350,8 @@ EMAKIT_FUNC c10::impl::GenericDict nvalchemi_tensors(const c10::impl::GenericDic
                                                      const NvalchemiConfig& config, std::int64_t& num_updates) {
   const std::string where = fmt::format("import_state: '{}'", path);
   const auto value = [&](const char* key) -> const c10::IValue& {
-    const auto it = dict.find(key);
-    if (it == dict.end())
-      fail("{} has no '{}': not an nvalchemi EMAHook state (save it with torch.save(hook.state_dict(), path)); "
-           "nothing was loaded",
-           where, key);
-    return it->value();
+    return required_entry(dict, key, where,
+                          "not an nvalchemi EMAHook state (save it with torch.save(hook.state_dict(), path))");
   };
   const auto integer = [&](const char* key) {
     const c10::IValue& v = value(key);
