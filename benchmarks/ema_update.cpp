@@ -4,9 +4,11 @@
 // the EMA's averages. Names are  <op>/<layout>/<precision>/<implementation>/threads:<n>:
 //   op              average (ema = lerp(ema, model, w)) or copy (ema = model)
 //   implementation  emakit        Ema::update() (the fused CPU pass; foreach ops on CUDA)
-//                   roofline      a plain fused loop over the same buffers, split evenly over the
-//                                 threads: the speed limit of one pass (CPU); on CUDA, one
-//                                 device-to-device copy of the same bytes
+//                   roofline_<isa>  (CPU) a plain fused loop over the same buffers, split evenly
+//                                 over the threads, compiled for one instruction set (baseline,
+//                                 avx2, avx512: those this CPU runs); report.py's roofline is the
+//                                 fastest of them and of the aten_* cases of the row
+//                   roofline      (CUDA) one device-to-device copy of the same bytes
 //                   aten_lerp     Tensor::lerp_ per tensor (fp32)
 //                   aten_mul_add  Tensor::mul_ + Tensor::add_ per tensor (the 30-line loop)
 //                   aten_foreach  emakit's device path run on CPU tensors (_foreach_lerp_ on
@@ -20,8 +22,9 @@
 // 0.999, 0.9999, 0.99, 0.9), each averaging at every update:
 //   emakit_together  emakit::update_together(the K EMAs): the model read once for all of them
 //   emakit_apart     each EMA's update(), one after another
-//   roofline         a plain loop reading the model once and writing the K averages, block by
-//                    block, split evenly over the threads: the speed limit of one pass for K EMAs
+//   roofline_<isa>   a plain loop reading the model once and writing the K averages, block by
+//                    block, split evenly over the threads, per instruction set: the fastest is
+//                    the speed limit of one pass for K EMAs
 // bytes: 4 + 8K per fp32 element (2 + 8K from bf16): what one pass for K must move.
 // step/<mode>/mlp (CUDA): a synthetic training step (forward, backward, SGD step) with no EMA,
 // the EMA updated inline, or updated on a side stream (EmaOptions::side_stream).
@@ -174,8 +177,13 @@ template <class S, bool Average>
   }
 }
 
-// The roofline is the best plain loop this CPU runs: on x86-64 also compiled for AVX2 (as
-// emakit's segments are) and picked at run time.
+// The roofline is the best of several plain loops, one per instruction set this CPU runs (the
+// build's baseline, and on x86-64 copies for AVX2 and AVX-512, as emakit's segments have), and
+// of ATen's own ops on the same buffers: each is a case of its own (roofline_<isa>), and
+// report.py takes the fastest of them and of aten_lerp / aten_copy / aten_foreach for that row.
+template <class S>
+using PlainLoop = void (*)(float*, const S*, std::int64_t, float);
+
 template <class S, bool Average>
 void plain_loop_baseline(float* a, const S* x, std::int64_t n, float w) {
   plain_loop<S, Average>(a, x, n, w);
@@ -185,15 +193,38 @@ template <class S, bool Average>
 __attribute__((target("avx2"))) void plain_loop_avx2(float* a, const S* x, std::int64_t n, float w) {
   plain_loop<S, Average>(a, x, n, w);
 }
-bool cpu_has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") != 0;
+#endif
+#if defined(__x86_64__) && !defined(__AVX512F__)
+template <class S, bool Average>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void plain_loop_avx512(float* a, const S* x, std::int64_t n,
+                                                                            float w) {
+  plain_loop<S, Average>(a, x, n, w);
 }
 #endif
+
+// The instruction sets with a plain loop that this CPU runs, by the name of their case.
+std::vector<std::string> roofline_isas() {
+  std::vector<std::string> out = {"baseline"};
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+#if !defined(__AVX2__)
+  if (__builtin_cpu_supports("avx2")) out.push_back("avx2");
+#endif
+#if !defined(__AVX512F__)
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+    out.push_back("avx512");
+#endif
+#endif
+  return out;
+}
+
 template <class S, bool Average>
-auto best_plain_loop() {
+PlainLoop<S> plain_loop_for(const std::string& isa) {
 #if defined(__x86_64__) && !defined(__AVX2__)
-  if (cpu_has_avx2()) return &plain_loop_avx2<S, Average>;
+  if (isa == "avx2") return &plain_loop_avx2<S, Average>;
+#endif
+#if defined(__x86_64__) && !defined(__AVX512F__)
+  if (isa == "avx512") return &plain_loop_avx512<S, Average>;
 #endif
   return &plain_loop_baseline<S, Average>;
 }
@@ -209,12 +240,11 @@ std::pair<std::int64_t, std::int64_t> thread_share(std::int64_t total) {
 }
 
 // Each thread takes one contiguous share of the concatenated elements.
-template <class S, bool Average>
-void roofline(const std::vector<Span>& spans, std::int64_t total, int threads) {
+template <class S>
+void roofline(PlainLoop<S> loop, const std::vector<Span>& spans, std::int64_t total, int threads) {
 #pragma omp parallel num_threads(threads)
   {
     const auto [begin, end] = thread_share(total);
-    static const auto loop = best_plain_loop<S, Average>();
     std::int64_t offset = 0;
     for (const auto& s : spans) {
       const std::int64_t lo = std::max(begin, offset), hi = std::min(end, offset + s.n);
@@ -228,12 +258,11 @@ void roofline(const std::vector<Span>& spans, std::int64_t total, int threads) {
 // K averages of one model in one pass: each block of the model is read once, then lerped into
 // every average while it is in cache.
 template <class S>
-void group_roofline(const std::vector<std::vector<Span>>& members, std::int64_t total, int threads) {
+void group_roofline(PlainLoop<S> loop, const std::vector<std::vector<Span>>& members, std::int64_t total, int threads) {
   constexpr std::int64_t block = 2048;
 #pragma omp parallel num_threads(threads)
   {
     const auto [begin, end] = thread_share(total);
-    static const auto loop = best_plain_loop<S, true>();
     std::int64_t offset = 0;
     for (std::size_t i = 0; i < members.front().size(); ++i) {
       const std::int64_t n = members.front()[i].n;
@@ -273,7 +302,8 @@ void run_group(benchmark::State& state, const Layout& layout, Precision precisio
     step = [&g] {
       for (auto& e : g.emas) e.update();
     };
-  } else if (impl == "roofline") {
+  } else if (impl.starts_with("roofline_")) {
+    const std::string isa = impl.substr(std::string("roofline_").size());
     std::vector<std::vector<Span>> members;
     for (auto& e : g.emas) {
       std::vector<Span> m;
@@ -286,9 +316,13 @@ void run_group(benchmark::State& state, const Layout& layout, Precision precisio
     }
     const std::int64_t total = f.params();
     if (precision == Precision::fp32)
-      step = [members, total, threads] { group_roofline<float>(members, total, threads); };
+      step = [loop = plain_loop_for<float, true>(isa), members, total, threads] {
+        group_roofline<float>(loop, members, total, threads);
+      };
     else
-      step = [members, total, threads] { group_roofline<std::uint16_t>(members, total, threads); };
+      step = [loop = plain_loop_for<std::uint16_t, true>(isa), members, total, threads] {
+        group_roofline<std::uint16_t>(loop, members, total, threads);
+      };
   } else {
     state.SkipWithError(("unknown implementation " + impl).c_str());
     return;
@@ -328,18 +362,19 @@ void run_case(benchmark::State& state, const Case& c) {
   if (c.impl == "emakit") {
     auto& ema = f.ema(c.op);
     step = [&ema] { ema.update(); };
-  } else if (c.impl == "roofline" && c.device.is_cpu()) {
+  } else if (c.impl.starts_with("roofline_") && c.device.is_cpu()) {
+    const std::string isa = c.impl.substr(std::string("roofline_").size());
     auto s = spans(f, c.op);
     const std::int64_t total = f.params();
     const int threads = c.threads;
+    const auto bind = [&](auto loop) -> std::function<void()> {
+      return [loop, s, total, threads] { roofline(loop, s, total, threads); };
+    };
     if (c.precision == Precision::fp32)
-      step = c.op == Op::average
-                 ? std::function<void()>([s, total, threads] { roofline<float, true>(s, total, threads); })
-                 : std::function<void()>([s, total, threads] { roofline<float, false>(s, total, threads); });
+      step = c.op == Op::average ? bind(plain_loop_for<float, true>(isa)) : bind(plain_loop_for<float, false>(isa));
     else
-      step = c.op == Op::average
-                 ? std::function<void()>([s, total, threads] { roofline<std::uint16_t, true>(s, total, threads); })
-                 : std::function<void()>([s, total, threads] { roofline<std::uint16_t, false>(s, total, threads); });
+      step = c.op == Op::average ? bind(plain_loop_for<std::uint16_t, true>(isa))
+                                 : bind(plain_loop_for<std::uint16_t, false>(isa));
   } else if (c.impl == "roofline") {  // CUDA: one device-to-device copy of the update's bytes
     if (!f.flat_a.defined()) {
       const std::int64_t n = (f.bytes(c.op) / 2 + 3) / 4;  // bytes read = bytes written
@@ -513,14 +548,16 @@ void register_cases(const std::vector<Layout>& layouts, const std::vector<int>& 
     for (Precision precision : {Precision::fp32, Precision::bf16}) {
       for (int t : threads) {
         for (Op op : {Op::average, Op::copy}) {
-          std::vector<std::string> impls = {"emakit", "roofline"};
+          std::vector<std::string> impls = {"emakit"};
           if (device.is_cpu()) {
+            for (const auto& isa : roofline_isas()) impls.push_back("roofline_" + isa);
             if (op == Op::average && precision == Precision::fp32)
               impls.insert(impls.end(), {"aten_lerp", "aten_foreach"});
             if (op == Op::average) impls.push_back("aten_mul_add");
             if (op == Op::copy) impls.push_back("aten_copy");
-          } else if (op == Op::copy) {
-            impls.push_back("aten_copy");
+          } else {
+            impls.push_back("roofline");
+            if (op == Op::copy) impls.push_back("aten_copy");
           }
           for (const auto& impl : impls) {
             const Case c{layout, precision, op, impl, t, device};
@@ -532,7 +569,9 @@ void register_cases(const std::vector<Layout>& layouts, const std::vector<int>& 
         }
         if (device.is_cpu()) {
           for (int k : groups) {
-            for (const char* impl : {"emakit_together", "emakit_apart", "roofline"}) {
+            std::vector<std::string> group_impls = {"emakit_together", "emakit_apart"};
+            for (const auto& isa : roofline_isas()) group_impls.push_back("roofline_" + isa);
+            for (const auto& impl : group_impls) {
               const std::string name = "group" + std::to_string(k) + "/" + layout.name + "/" + name_of(precision) +
                                        "/" + impl + "/threads:" + std::to_string(t);
               const std::string i = impl;

@@ -14,6 +14,13 @@ bf16 model, fp32 EMA: ema-pytorch with an fp32 ema_model and coerce_dtype=True, 
 dtype=torch.float32; AveragedModel groups its tensors by dtype and cannot pair an fp32 average
 with a bf16 model (recorded as unsupported).
 
+group<K>/<layout>/<precision>/<peer>/threads:<n> (--groups 2,4): K EMAs of one model, as the
+Python users who keep several run them:
+  posthoc_ema          ema-pytorch PostHocEMA with K sigma_rels (update_every=1, no checkpoints):
+                       its update() updates each KarrasEMA in turn (fp32 only: its ema_model holds
+                       the model's dtype, and lerp_ cannot read bf16 into fp32)
+  timm_v3              K timm ModelEmaV3(foreach=True), updated one after another
+
 Each case is timed like Google Benchmark's real time: calls are repeated until --min-time seconds
 have passed, --repetitions times; the JSON holds every repetition's time per call (seconds).
 On CUDA every call is followed by torch.cuda.synchronize(), as in the C++ benchmark.
@@ -75,6 +82,36 @@ def make_peer(peer, model, precision):
     raise ValueError(peer)
 
 
+# ema-pytorch's default pair, and four profiles spread over the same range.
+SIGMA_RELS = {2: (0.05, 0.28), 4: (0.05, 0.1, 0.2, 0.28)}
+GROUP_PEERS = ("posthoc_ema", "timm_v3")
+
+
+def make_group_peer(peer, model, precision, k, folder):
+    """Returns update() of K EMAs of model, or raises NotImplementedError."""
+    if peer == "posthoc_ema":
+        if precision != "fp32":
+            raise NotImplementedError("PostHocEMA keeps the model's dtype: no fp32 EMA of a bf16 model")
+        if k not in SIGMA_RELS:
+            raise NotImplementedError(f"PostHocEMA keeps 2 or more EMAs, not {k}")
+        from ema_pytorch import PostHocEMA
+        ema = PostHocEMA(model, sigma_rels=SIGMA_RELS[k], update_every=1, checkpoint_every_num_steps="manual",
+                         checkpoint_folder=folder)
+        ema.update()  # the first update copies
+        return ema.update
+    if peer == "timm_v3":
+        from timm.utils.model_ema import ModelEmaV3
+        emas = [ModelEmaV3(model, decay=(0.999, 0.9999, 0.99, 0.9)[i % 4], foreach=True,  # as the C++ group's
+                           dtype=torch.float32 if precision == "bf16" else None) for i in range(k)]
+
+        def update():
+            for ema in emas:
+                ema.update(model)
+
+        return update
+    raise ValueError(peer)
+
+
 def measure(fn, sync, min_time, repetitions):
     def once():
         fn()
@@ -128,6 +165,7 @@ def main():
                     help="layouts to run, comma-separated")
     ap.add_argument("--threads", default="1,all")
     ap.add_argument("--peers", default=",".join(PEERS))
+    ap.add_argument("--groups", default="", help="K values of the group<K> cases, comma-separated (CPU)")
     ap.add_argument("--min-time", type=float, default=0.5)
     ap.add_argument("--repetitions", type=int, default=3)
     args = ap.parse_args()
@@ -193,6 +231,24 @@ def main():
                         print(f"  {rec['name']}: {rec['time_s'] * 1e3:.3f} ms, "
                               f"{rec['bytes'] / rec['time_s'] / 1e9:.1f} GB/s", flush=True)
                 del average, copy_
+            for k in (int(g) for g in args.groups.split(",") if g and not cuda):
+                for peer in GROUP_PEERS:
+                    try:
+                        update = make_group_peer(peer, model, precision, k,
+                                                 os.path.join(os.path.dirname(os.path.abspath(args.out)), "posthoc-ckpt"))
+                    except NotImplementedError as e:
+                        out["unsupported"].append({"peer": f"{peer} x{k}", "layout": name, "precision": precision,
+                                                   "error": str(e)})
+                        continue
+                    for t in threads:
+                        torch.set_num_threads(t)
+                        times, n = measure(update, sync, args.min_time, args.repetitions)
+                        rec = {"name": f"group{k}/{name}/{precision}/{peer}/threads:{t}",
+                               "time_s": statistics.median(times), "times_s": times, "iterations": n,
+                               "bytes": params * (src_bytes + 8 * k), "params": params, "tensors": len(shapes)}
+                        out["results"].append(rec)
+                        print(f"  {rec['name']}: {rec['time_s'] * 1e3:.3f} ms", flush=True)
+                    del update
             del model
             if cuda:
                 torch.cuda.empty_cache()

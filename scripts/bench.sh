@@ -14,7 +14,8 @@
 # Knobs: EMAKIT_BENCH_OUT, EMAKIT_BENCH_VARIANTS ("torch1.13 torch2"), EMAKIT_BENCH_LAYOUTS
 # (many_small,large_16m,resnet50,large_64m,vit_b16,large_256m), EMAKIT_BENCH_THREADS (1,all),
 # EMAKIT_BENCH_ROUNDS (3), EMAKIT_BENCH_REPETITIONS (per round, 1), EMAKIT_BENCH_MIN_TIME (seconds
-# per repetition, 0.2),
+# per repetition, 0.2), EMAKIT_BENCH_GROUPS (none; e.g. 1,2,4: K EMAs of one model updated
+# together and apart, and the Python peers keeping K, peers.py --groups),
 # EMAKIT_BENCH_MACHINE (the machine's description in the report; default from lscpu),
 # EMAKIT_BENCH_PUBLISH=1 (copy the table and plot to benchmarks/results/cpu.{md,png}).
 # The numbers are only as quiet as the machine: run it when nothing else does (see `uptime`).
@@ -30,7 +31,7 @@ threads="${EMAKIT_BENCH_THREADS:-1,all}"
 rounds="${EMAKIT_BENCH_ROUNDS:-3}"
 repetitions="${EMAKIT_BENCH_REPETITIONS:-1}"
 min_time="${EMAKIT_BENCH_MIN_TIME:-0.2}"
-groups="${EMAKIT_BENCH_GROUPS:-}"  # e.g. 1,2,4: K EMAs updated together vs apart (group<K> cases)
+groups="${EMAKIT_BENCH_GROUPS:-}"
 
 emakit_apt_ensure "${EMAKIT_DEB_PACKAGES[@]}"
 venv_rc=0
@@ -79,7 +80,7 @@ cpp_json=()
 for ((round = 1; round <= rounds; ++round)); do
   emakit_say "round $round of $rounds: Python peers (torch $("$python" -c 'import torch; print(torch.__version__)'))"
   "$python" benchmarks/peers.py --layouts "$out/layouts.json" --out "$out/peers-$round.json" --names "$layouts" \
-    --threads "$threads" --min-time "$min_time" --repetitions "$repetitions"
+    --threads "$threads" --min-time "$min_time" --repetitions "$repetitions" --groups "$groups"
   peers_json+=("$out/peers-$round.json")
   for v in "${variants[@]}"; do
     emakit_say "round $round of $rounds: [$v] emakit_bench_ema_update"
