@@ -199,6 +199,7 @@ TEST_CASE("update_together of different Ema types, and PostHocEma's profiles, ru
   emakit::Ema<emakit::Fixed> fast2(*model, emakit::Fixed(0.9));
   emakit::Ema<emakit::InversePowerWarmup> warm2(*model);
   emakit::Ema<emakit::Uniform> mean2(*model);
+  const auto groupings = emakit::detail::sync_counts().fused_groupings;
   for (int step = 1; step <= 5; ++step) {
     emakit_test::perturb(*model);
     const auto calls = emakit::detail::sync_counts().fused_calls;
@@ -212,6 +213,13 @@ TEST_CASE("update_together of different Ema types, and PostHocEma's profiles, ru
   CHECK(emakit_test::same_averages(warm.averages(), emakit_test::snapshot(warm2.averages())));
   CHECK(emakit_test::same_averages(mean.averages(), emakit_test::snapshot(mean2.averages())));
   CHECK(fast.num_updates() == 5);
+  // The members' segments were grouped at the first call only (their plans did not change); the
+  // later calls took the grouping with their new weights (warm's and mean's change every step).
+  CHECK(emakit::detail::sync_counts().fused_groupings == groupings + 1);
+  // Another set of members is grouped anew, and so is the first set after it.
+  emakit::update_together(fast2, warm2);
+  emakit::update_together(fast, warm, mean);
+  CHECK(emakit::detail::sync_counts().fused_groupings == groupings + 3);
 }
 
 TEST_CASE("update_together refuses, before anything changes, what one pass cannot update", "[together][errors]") {

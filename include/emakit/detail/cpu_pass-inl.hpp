@@ -45,6 +45,16 @@ EMAKIT_FUNC std::int64_t CpuPass::element_at(const Segment& s, std::int64_t c) n
 }
 
 EMAKIT_FUNC void GroupPass::build(std::span<const std::pair<const CpuPass*, double>> passes) {
+  reused_ = passes.size() == built_from_.size() &&
+            std::equal(passes.begin(), passes.end(), built_from_.begin(), [](const auto& p, const auto& b) {
+              return p.first == b.first && p.first->generation() == b.second;
+            });
+  if (reused_) {
+    for (Entry& e : entries_) e.weight = passes[e.pass].second;
+    return;
+  }
+  built_from_.clear();
+  for (const auto& [pass, weight] : passes) built_from_.emplace_back(pass, pass->generation());
   groups_.clear();
   entries_.clear();
   index_.clear();
@@ -55,7 +65,7 @@ EMAKIT_FUNC void GroupPass::build(std::span<const std::pair<const CpuPass*, doub
     for (const auto& seg : pass->segments()) {
       const void* input = seg.input != nullptr ? static_cast<const void*>(seg.input->unsafeGetTensorImpl()) : seg.x;
       const auto [it, added] = index_.try_emplace(Key{input, seg.n}, groups_.size());
-      if (added) groups_.push_back(Group{seg.input, seg.x, seg.n, 0, 0, 0, 0});
+      if (added) groups_.push_back(Group{seg.input, seg.x, seg.n, 0, 0, 0, 0, 0});
       Group& g = groups_[it->second];
       g.cost += seg.cost;
       ++g.count;
@@ -70,13 +80,15 @@ EMAKIT_FUNC void GroupPass::build(std::span<const std::pair<const CpuPass*, doub
     first += g.count;
     g.count = 0;
     total_ += g.n * g.cost;
+    const std::int64_t fit = block_bytes / g.cost / CpuPass::align_elements * CpuPass::align_elements;
+    g.block = std::clamp(fit, min_block_elements, max_block_elements);
   }
   entries_.resize(first);
   std::size_t k = 0;
-  for (const auto& [pass, weight] : passes) {
-    for (const auto& seg : pass->segments()) {
+  for (std::size_t p = 0; p < passes.size(); ++p) {
+    for (const auto& seg : passes[p].first->segments()) {
       Group& g = groups_[group_of_[k++]];
-      entries_[g.first + g.count++] = Entry{seg.fn, seg.average, seg.a, weight};
+      entries_[g.first + g.count++] = Entry{seg.fn, seg.average, seg.a, passes[p].second, p};
     }
   }
 }
@@ -95,8 +107,8 @@ EMAKIT_FUNC void GroupPass::run_share(std::int64_t c0, std::int64_t c1) const {
     const std::int64_t hi = element_at(*it, c1);
     if (lo >= hi) continue;
     const void* x = it->input != nullptr ? read_ptr(*it->input) : it->x;
-    for (std::int64_t b = lo; b < hi; b += block_elements) {
-      const std::int64_t e = std::min(hi, b + block_elements);
+    for (std::int64_t b = lo; b < hi; b += it->block) {
+      const std::int64_t e = std::min(hi, b + it->block);
       for (std::size_t k = it->first; k < it->first + it->count; ++k) {
         const Entry& entry = entries_[k];
         entry.fn(entry.average != nullptr ? entry.average->data_ptr() : entry.a, x, b, e, entry.weight);

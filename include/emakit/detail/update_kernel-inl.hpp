@@ -153,6 +153,7 @@ EMAKIT_FUNC void UpdateKernel::run_together(std::span<const Work> work) {
     group.run(chunk_elements * 12);
     sync_counts().fused_calls += 1;
     sync_counts().fused_kernels += passes.size();
+    sync_counts().fused_groupings += group.reused() ? 0 : 1;
   }
 }
 

@@ -48,6 +48,7 @@ struct SyncCounts {
   std::uint64_t waits = 0;
   std::uint64_t fused_calls = 0;
   std::uint64_t fused_kernels = 0;
+  std::uint64_t fused_groupings = 0;  // of those calls, the ones that grouped the segments anew
 };
 inline SyncCounts& sync_counts() noexcept {
   thread_local SyncCounts counts;
