@@ -188,13 +188,13 @@ template <class S, bool Average>
 void plain_loop_baseline(float* a, const S* x, std::int64_t n, float w) {
   plain_loop<S, Average>(a, x, n, w);
 }
-#if defined(__x86_64__) && !defined(__AVX2__)
+#if EMAKIT_AVX2_CLONES
 template <class S, bool Average>
 __attribute__((target("avx2"))) void plain_loop_avx2(float* a, const S* x, std::int64_t n, float w) {
   plain_loop<S, Average>(a, x, n, w);
 }
 #endif
-#if defined(__x86_64__) && !defined(__AVX512F__)
+#if EMAKIT_AVX512_CLONES
 template <class S, bool Average>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void plain_loop_avx512(float* a, const S* x, std::int64_t n,
                                                                             float w) {
@@ -202,28 +202,21 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void plain_loop_avx512(floa
 }
 #endif
 
-// The instruction sets with a plain loop that this CPU runs, by the name of their case.
+// The instruction sets with a plain loop that this CPU runs, by the name of their case: those
+// emakit builds copies of its segment loops for and picks (detail/simd.hpp).
 std::vector<std::string> roofline_isas() {
   std::vector<std::string> out = {"baseline"};
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-#if !defined(__AVX2__)
-  if (__builtin_cpu_supports("avx2")) out.push_back("avx2");
-#endif
-#if !defined(__AVX512F__)
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-    out.push_back("avx512");
-#endif
-#endif
+  if (emakit::detail::use_avx2()) out.push_back("avx2");
+  if (emakit::detail::use_avx512()) out.push_back("avx512");
   return out;
 }
 
 template <class S, bool Average>
 PlainLoop<S> plain_loop_for(const std::string& isa) {
-#if defined(__x86_64__) && !defined(__AVX2__)
+#if EMAKIT_AVX2_CLONES
   if (isa == "avx2") return &plain_loop_avx2<S, Average>;
 #endif
-#if defined(__x86_64__) && !defined(__AVX512F__)
+#if EMAKIT_AVX512_CLONES
   if (isa == "avx512") return &plain_loop_avx512<S, Average>;
 #endif
   return &plain_loop_baseline<S, Average>;
