@@ -4,6 +4,8 @@
 // the EMA's averages. Names are  <op>/<layout>/<precision>/<implementation>/threads:<n>:
 //   op              average (ema = lerp(ema, model, w)) or copy (ema = model)
 //   implementation  emakit        Ema::update() (the fused CPU pass; foreach ops on CUDA)
+//                   emakit_drift  the same with EmaOptions::drift_every(1): the drift measured at
+//                                 every update (average only; report.py: drift on / off)
 //                   roofline_<isa>  (CPU) a plain fused loop over the same buffers, split evenly
 //                                 over the threads, compiled for one instruction set (baseline,
 //                                 avx2, avx512: those this CPU runs); report.py's roofline is the
@@ -88,6 +90,7 @@ struct Fixture {
   std::vector<emakit::SourceTensor> model;
   std::unique_ptr<emakit::FixedEma> averaging;
   std::unique_ptr<emakit::FixedEma> copying;
+  std::unique_ptr<emakit::FixedEma> drifting;  // averaging, drift measured at every update; built on first use
   std::unique_ptr<emakit::detail::UpdateKernel> foreach_kernel;  // fp32 only, built on first use
   at::Tensor flat_a, flat_b;                                     // CUDA roofline buffers, built on first use
 
@@ -355,6 +358,12 @@ void run_case(benchmark::State& state, const Case& c) {
   if (c.impl == "emakit") {
     auto& ema = f.ema(c.op);
     step = [&ema] { ema.update(); };
+  } else if (c.impl == "emakit_drift") {
+    if (!f.drifting)
+      f.drifting = std::make_unique<emakit::FixedEma>(f.model, emakit::Fixed(1.0 - kWeight), emakit::StepSchedule(),
+                                                      emakit::EmaOptions().drift_every(1));
+    auto& ema = *f.drifting;
+    step = [&ema] { ema.update(); };
   } else if (c.impl.starts_with("roofline_") && c.device.is_cpu()) {
     const std::string isa = c.impl.substr(std::string("roofline_").size());
     auto s = spans(f, c.op);
@@ -542,6 +551,7 @@ void register_cases(const std::vector<Layout>& layouts, const std::vector<int>& 
       for (int t : threads) {
         for (Op op : {Op::average, Op::copy}) {
           std::vector<std::string> impls = {"emakit"};
+          if (op == Op::average) impls.push_back("emakit_drift");
           if (device.is_cpu()) {
             for (const auto& isa : roofline_isas()) impls.push_back("roofline_" + isa);
             if (op == Op::average && precision == Precision::fp32)

@@ -245,6 +245,17 @@ def targets(version, runs, peer_runs, memory, threads_list):
         if worst_group:
             out.append((f"K = {k} together ≥ 90% of the group roofline (large fp32): lowest {worst_group[0]:.0%} "
                         f"({worst_group[1]})", worst_group[0] >= 0.90))
+    worst_drift = None
+    for layout in layouts_in(runs):
+        for precision in ("fp32", "bf16"):
+            for t in threads_list:
+                on = runs.get(("average", layout, precision, "emakit_drift", t))
+                off = runs.get(("average", layout, precision, "emakit", t))
+                if layout in LARGE and on and off and (worst_drift is None or on["time_s"] / off["time_s"] > worst_drift[0]):
+                    worst_drift = (on["time_s"] / off["time_s"], f"{layout} {precision} {t} thr")
+    if worst_drift:
+        out.append((f"drift measured at every update at most 5% slower than off (large layouts): highest on/off "
+                    f"{worst_drift[0]:.3f}× ({worst_drift[1]})", worst_drift[0] <= 1.05))
     if memory:
         worst = max(memory.items(), key=lambda kv: kv[1])
         out.append((f"bf16 model, fp32 EMA: one update adds < 1% resident memory: at most "
@@ -295,6 +306,29 @@ def memory_table(cpp_memory, peer_memory):
             row.append("n/a" if v is None else f"{v:.2%}")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def drift_table(version, runs, threads_list):
+    """Ema::update() with the drift measured at every update (EmaOptions::drift_every(1)) against
+    the same update without it, per layout and thread count."""
+    rows = []
+    for layout in layouts_in(runs):
+        for precision in ("fp32", "bf16"):
+            cells = []
+            for t in threads_list:
+                on = runs.get(("average", layout, precision, "emakit_drift", t))
+                off = runs.get(("average", layout, precision, "emakit", t))
+                cells.append(f"{fmt_time(off['time_s'])} → {fmt_time(on['time_s'])} ({on['time_s'] / off['time_s']:.3f}×)"
+                             if on and off else "n/a")
+            if any(c != "n/a" for c in cells):
+                rows.append(f"| {layout} | {precision} → fp32 | " + " | ".join(cells) + " |")
+    if not rows:
+        return ""
+    head = [f"**Drift measured at every update, LibTorch {version}** (EmaOptions::drift_every(1); time off → on, "
+            "and on / off)", "",
+            "| layout | model → EMA | " + " | ".join(f"{t} thread{'s' * (t > 1)}" for t in threads_list) + " |",
+            "|---|---|" + "---:|" * len(threads_list)]
+    return "\n".join(head + rows)
 
 
 def group_table(version, runs, peer_runs):
@@ -399,6 +433,11 @@ def main():
     for version, runs in versions:
         md.append(table(version, runs, peer_runs, "copy", threads_list))
         md.append("")
+    for version, runs in versions:
+        text = drift_table(version, runs, threads_list)
+        if text:
+            md.append(text)
+            md.append("")
     for version, runs in versions:
         text = group_table(version, runs, peer_runs)
         if text:

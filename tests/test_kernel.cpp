@@ -262,7 +262,7 @@ TEST_CASE("The vectorised bf16 and fp16 widening equals c10's conversion for all
 
 namespace {
 // Counts how often each element is visited: a segment function over int32 counters.
-void count_visits(void* a, const void*, std::int64_t begin, std::int64_t end, double) noexcept {
+void count_visits(void* a, const void*, std::int64_t begin, std::int64_t end, double, double*) noexcept {
   for (std::int64_t i = begin; i < end; ++i) ++static_cast<std::int32_t*>(a)[i];
 }
 }  // namespace
@@ -471,16 +471,32 @@ TEST_CASE("Every instruction set's copy of the segment loops rounds exactly like
           INFO("w " << w << ", elements [" << begin << ", " << end << ")");
           const auto start = awkward(n, a_type);
           auto want = start.clone(), got = start.clone();
-          base_lerp(want.data_ptr(), x.data_ptr(), begin, end, w);
-          lerp(got.data_ptr(), x.data_ptr(), begin, end, w);
+          base_lerp(want.data_ptr(), x.data_ptr(), begin, end, w, nullptr);
+          lerp(got.data_ptr(), x.data_ptr(), begin, end, w, nullptr);
           CHECK(same_bits_any_nan(got, want));
           CHECK_FALSE(emakit::detail::bitwise_equal(got, start));  // the loop ran
+          // Measuring the drift on the way writes the same averages; the sums of two copies differ
+          // only in their order (the vector lanes), within 2 x (drift_chunk + 3) roundings.
+          auto measured = start.clone(), base_measured = start.clone();
+          double sums[2] = {0, 0}, base_sums[2] = {0, 0};
+          lerp(measured.data_ptr(), x.data_ptr(), begin, end, w, sums);
+          base_lerp(base_measured.data_ptr(), x.data_ptr(), begin, end, w, base_sums);
+          CHECK(same_bits_any_nan(measured, want));
+          CHECK(same_bits_any_nan(base_measured, want));
+          const double u = std::ldexp(1.0, a_type == torch::kDouble ? -53 : -24);
+          for (int k = 0; k < 2; ++k) {
+            INFO("sum " << k << ": " << sums[k] << " and " << base_sums[k]);
+            const bool both_nan = std::isnan(sums[k]) && std::isnan(base_sums[k]);
+            CHECK((both_nan || sums[k] == base_sums[k] ||
+                   std::abs(sums[k] - base_sums[k]) <=
+                       2 * (emakit::detail::drift_chunk + 3) * u * std::abs(base_sums[k])));
+          }
           ++compared;
         }
         const auto start = awkward(n, a_type);
         auto want = start.clone(), got = start.clone();
-        base_copy(want.data_ptr(), x.data_ptr(), begin, end, 0.0);
-        copy(got.data_ptr(), x.data_ptr(), begin, end, 0.0);
+        base_copy(want.data_ptr(), x.data_ptr(), begin, end, 0.0, nullptr);
+        copy(got.data_ptr(), x.data_ptr(), begin, end, 0.0, nullptr);
         CHECK(same_bits_any_nan(got, want));
         CHECK(same_bits_any_nan(got.slice(0, begin, end), x.slice(0, begin, end).to(a_type)));
         ++compared;

@@ -5,6 +5,10 @@
 // between threads and blocks), members with their own decay, schedule (start, every, offset,
 // warmup mode), buffer and dtype options, vetoed steps and non-finite steps; against the same
 // members updated one by one, on the same model.
+// And the drift the same passes measure (EmaOptions::drift_every, emakit::Drift): over generated
+// tensors of every dtype pair and layout, on the fused pass and the foreach path, the sums are
+// those of the averages as written, against a double reference, and measuring them changes no
+// average.
 #include <emakit/emakit.hpp>
 
 #include "helpers.hpp"
@@ -16,6 +20,7 @@
 #include <catch2/catch.hpp>
 
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <random>
@@ -74,12 +79,14 @@ Case generate(std::uint64_t seed, int steps) {
         .buffers(std::vector<emakit::BufferMode>{emakit::BufferMode::average, emakit::BufferMode::copy,
                                                  emakit::BufferMode::ignore}[below(3)])
         .keep_model_dtype(below(3) == 0)
-        .skip_non_finite(below(2) == 0);
-    c.text += fmt::format("| member {}: beta {:.3f} warmup {} start {} every {} offset {} mode {} buffers {} keep {} "
-                          "skip_non_finite {} ",
-                          m, decay.beta(), decay.warmup(), schedule.start_step(), schedule.update_every(),
-                          schedule.every_offset(), static_cast<int>(schedule.warmup()),
-                          static_cast<int>(options.buffers()), options.keep_model_dtype(), options.skip_non_finite());
+        .skip_non_finite(below(2) == 0)
+        .drift_every(below(3));
+    c.text +=
+        fmt::format("| member {}: beta {:.3f} warmup {} start {} every {} offset {} mode {} buffers {} keep {} "
+                    "skip_non_finite {} drift_every {} ",
+                    m, decay.beta(), decay.warmup(), schedule.start_step(), schedule.update_every(),
+                    schedule.every_offset(), static_cast<int>(schedule.warmup()), static_cast<int>(options.buffers()),
+                    options.keep_model_dtype(), options.skip_non_finite(), options.drift_every());
     c.policies.emplace_back(decay, schedule);
     c.options.push_back(options);
   }
@@ -139,9 +146,30 @@ std::size_t require_same(const Member& a, const Member& b) {
   return compared;
 }
 
+// The bound of a drift sum (lerp_drift_range): a chunk of drift_chunk terms summed in float, each
+// term within 3 roundings (the difference, its square, and the widening of a bf16/fp16 average
+// is exact), relative to the exact sum; the chunks' and shares' sums in double add nothing that
+// counts. Two measurements of one state are within twice that of each other.
+constexpr double drift_roundings = static_cast<double>(emakit::detail::drift_chunk) + 3;
+double drift_bound(double exact, c10::ScalarType average) {
+  return drift_roundings * std::ldexp(1.0, average == at::kDouble ? -53 : -24) * std::abs(exact);
+}
+
+// Two drifts of the same averages within 2 x (drift_roundings) float roundings (the relative
+// distances are square roots of a ratio of two sums: half the sums' relative error each); NaN as NaN.
+bool close_drift(double a, double b) {
+  if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b);
+  if (std::isinf(a) || std::isinf(b)) return a == b;
+  return std::abs(a - b) <= 2 * drift_roundings * 0x1.0p-24 * std::max(std::abs(a), std::abs(b));
+}
+
 bool same_result(const emakit::UpdateResult& a, const emakit::UpdateResult& b) {
+  const bool drift =
+      a.drift.has_value() == b.drift.has_value() &&
+      (!a.drift || (a.drift->step == b.drift->step && close_drift(a.drift->relative, b.drift->relative) &&
+                    close_drift(a.drift->farthest_relative, b.drift->farthest_relative)));
   return a.action == b.action && a.step == b.step && a.non_finite == b.non_finite &&
-         std::bit_cast<std::uint64_t>(a.decay) == std::bit_cast<std::uint64_t>(b.decay);
+         std::bit_cast<std::uint64_t>(a.decay) == std::bit_cast<std::uint64_t>(b.decay) && drift;
 }
 
 }  // namespace
@@ -151,7 +179,7 @@ TEST_CASE("update_together is bitwise each member's own update(), over generated
   const char* env = std::getenv("EMAKIT_TOGETHER_CASES");  // more cases on demand
   const std::uint64_t cases = env != nullptr ? std::stoull(env) : 40;
   constexpr int kSteps = 12;
-  std::size_t tensors_compared = 0, results_compared = 0, fused_cases = 0, fallback_cases = 0;
+  std::size_t tensors_compared = 0, results_compared = 0, fused_cases = 0, fallback_cases = 0, drifts_compared = 0;
   for (std::uint64_t seed = 1; seed <= cases; ++seed) {
     torch::manual_seed(seed);
     Case c = generate(seed, kSteps);
@@ -171,6 +199,7 @@ TEST_CASE("update_together is bitwise each member's own update(), over generated
         const auto own = apart[m].update(info);
         REQUIRE(same_result(results[m], own));
         ++results_compared;
+        drifts_compared += own.drift ? 1 : 0;
       }
       for (std::size_t m = 0; m < apart.size(); ++m) tensors_compared += require_same(together[m], apart[m]);
     }
@@ -186,9 +215,10 @@ TEST_CASE("update_together is bitwise each member's own update(), over generated
   CHECK(tensors_compared > results_compared);
   CHECK(fused_cases > cases / 3);  // the fused path ran (most generated cases have every source contiguous)
   CHECK(fallback_cases > 0);       // and so did the members' own kernels (transposed sources)
+  CHECK(drifts_compared > results_compared / 10);  // members measured their drift (drift_every 1 or 2)
   std::cout << "update_together: " << cases << " cases, " << results_compared << " results and " << tensors_compared
-            << " tensors compared bitwise; " << fused_cases << " cases fused, " << fallback_cases
-            << " with a member's own kernel" << std::endl;
+            << " tensors compared bitwise (" << drifts_compared << " drifts within their bound); " << fused_cases
+            << " cases fused, " << fallback_cases << " with a member's own kernel" << std::endl;
 }
 
 TEST_CASE("update_together of different Ema types, and PostHocEma's profiles, run one fused pass", "[together]") {
@@ -258,4 +288,166 @@ TEST_CASE("update_together refuses, before anything changes, what one pass canno
   CHECK(c.step() == 5);
   CHECK(d.step() == 6);
   CHECK(emakit_test::same_averages(c.averages(), before));
+}
+
+namespace {
+using emakit::detail::CpuPath;
+using emakit::detail::Slot;
+using emakit::detail::UpdateKernel;
+
+// Averaged and copied slots of every dtype pair the kernel reads (fused pairs, and pairs only
+// ATen's lerp_ takes: a bf16 or fp16 average of an fp32 source), of sizes around the chunk, block
+// and parallel grain, some transposed (staged); averages start elsewhere than their sources.
+std::vector<Slot> drift_slots(std::uint64_t seed, std::string& text) {
+  std::mt19937_64 rng(seed);
+  const auto below = [&](int n) { return static_cast<int>(rng() % static_cast<std::uint64_t>(n)); };
+  const std::vector<std::pair<c10::ScalarType, c10::ScalarType>> pairs = {
+      {at::kFloat, at::kFloat},   {at::kFloat, at::kBFloat16}, {at::kFloat, at::kHalf},
+      {at::kDouble, at::kDouble}, {at::kDouble, at::kFloat},   {at::kBFloat16, at::kBFloat16},
+      {at::kHalf, at::kHalf},     {at::kHalf, at::kFloat},     {at::kBFloat16, at::kFloat}};
+  std::vector<Slot> slots;
+  const int n_slots = 1 + below(6);
+  for (int i = 0; i < n_slots; ++i) {
+    const auto [a_type, s_type] = pairs[static_cast<std::size_t>(below(static_cast<int>(pairs.size())))];
+    const std::int64_t n = std::vector<std::int64_t>{0, 1, 7, 1025, 2049, 40000, 70001}[below(7)];
+    Slot s;
+    s.name = "t" + std::to_string(i);
+    s.source = at::randn({n}).to(s_type);
+    if (n > 1 && below(4) == 0) s.source = at::randn({2, n}).to(s_type).t();  // strided: staged
+    s.average = (at::randn(s.source.sizes()) * (1 + below(3)) + s.source.to(at::kFloat)).to(a_type).contiguous();
+    s.averaged = below(6) != 0;
+    if (!s.averaged) s.average = at::zeros(s.source.sizes(), s.source.options()).contiguous();
+    text += fmt::format("{}{} <- {}[{}]{} ", s.averaged ? "" : "copied ", c10::toString(s.average.scalar_type()),
+                        c10::toString(s_type), n, s.source.is_contiguous() ? "" : " strided");
+    slots.push_back(std::move(s));
+  }
+  return slots;
+}
+
+std::vector<Slot> clone_slots(const std::vector<Slot>& slots) {
+  std::vector<Slot> out;
+  for (const auto& s : slots) {
+    Slot c;
+    c.name = s.name;
+    c.source = s.source;  // the same model tensor
+    c.average = s.average.clone();
+    c.averaged = s.averaged;
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+}  // namespace
+
+TEST_CASE("Drift sums are those of the averages as written, on the fused pass and the foreach path, and change no "
+          "average",
+          "[together][drift]") {
+  std::size_t sums_compared = 0, outside = 0, in_pass = 0;
+  for (std::uint64_t seed = 1; seed <= 40; ++seed) {
+    torch::manual_seed(seed);
+    std::string text;
+    const std::vector<Slot> slots = drift_slots(seed, text);
+    INFO("seed " << seed << ": " << text);
+    for (const CpuPath path : {CpuPath::fused, CpuPath::foreach}) {
+      INFO((path == CpuPath::fused ? "fused pass" : "foreach path"));
+      for (const double w : {0.01, 0.7}) {  // both of the lerp's branches
+        INFO("w " << w);
+        UpdateKernel measured(clone_slots(slots), path), plain(clone_slots(slots), path);
+        measured.average(w, /*drift=*/true);
+        plain.average(w);
+        for (std::size_t i = 0; i < slots.size(); ++i) {
+          const Slot& s = measured.slots()[i];
+          INFO(s.name);
+          REQUIRE(same_bits(s.average, plain.slots()[i].average));  // measuring changes nothing
+          const double got_d2 = measured.drift_sums()[2 * i], got_x2 = measured.drift_sums()[2 * i + 1];
+          if (!s.averaged) {
+            CHECK(got_d2 == 0.0);
+            CHECK(got_x2 == 0.0);
+            continue;
+          }
+          const at::Tensor a = s.average.to(at::kDouble), x = s.source.to(at::kDouble);
+          const double d2 = (a - x).square().sum().item<double>(), x2 = x.square().sum().item<double>();
+          INFO("d2 " << got_d2 << " (exact " << d2 << "), x2 " << got_x2 << " (exact " << x2 << ")");
+          CHECK(std::abs(got_d2 - d2) <= drift_bound(d2, s.average.scalar_type()));
+          CHECK(std::abs(got_x2 - x2) <= drift_bound(x2, s.average.scalar_type()));
+          ++sums_compared;
+        }
+      }
+    }
+    // Which slots the fused pass measures itself, and which the ATen ops after it (non-fused pairs).
+    const UpdateKernel fused(clone_slots(slots), CpuPath::fused);
+    for (const auto& s : fused.slots()) {
+      if (!s.averaged || s.average.numel() == 0) continue;
+      (emakit::detail::fused_pair(s.average.scalar_type(), s.source.scalar_type()) ? in_pass : outside) += 1;
+    }
+  }
+  INFO("sums compared " << sums_compared);
+  CHECK(sums_compared >= 200);
+  CHECK(in_pass >= 20);  // both kinds of slot of the fused path were measured
+  CHECK(outside >= 5);
+}
+
+TEST_CASE("drift_every measures on every n-th averaging update: the result, last_drift(), describe() and the "
+          "farthest tensor",
+          "[together][drift]") {
+  torch::manual_seed(3);
+  std::vector<emakit::SourceTensor> model = {{"near", at::randn({3000})},
+                                             {"far", at::randn({500})},
+                                             {"half", at::randn({70001}).to(at::kHalf)},
+                                             {"steps", at::zeros({1}, at::kLong), /*buffer=*/true}};
+  // The exact relative distance of the averages from the model, and of one tensor.
+  const auto exact = [&](const auto& ema, const std::string& only) {
+    double d2 = 0, x2 = 0;
+    for (const auto& s : model) {
+      if (!s.tensor.is_floating_point() || (!only.empty() && s.name != only)) continue;
+      const at::Tensor a = ema.average(s.name).to(at::kDouble), x = s.tensor.to(at::kDouble);
+      d2 += (a - x).square().sum().item<double>();
+      x2 += x.square().sum().item<double>();
+    }
+    return std::sqrt(d2 / x2);
+  };
+  emakit::Ema<emakit::Fixed> ema(model, emakit::Fixed(0.9), {}, emakit::EmaOptions().drift_every(2));
+  emakit::Ema<emakit::Fixed> off(model, emakit::Fixed(0.9));
+  CHECK_FALSE(ema.last_drift().has_value());
+  std::size_t measured = 0;
+  for (int step = 1; step <= 7; ++step) {
+    INFO("step " << step);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& s : model)
+        if (s.tensor.is_floating_point()) s.tensor.add_(at::randn(s.tensor.sizes()).to(s.tensor.scalar_type()), 0.1);
+      model[1].tensor.add_(at::randn({500}), 3.0);  // "far" jumps every step
+    }
+    const auto r = ema.update();
+    off.update();
+    CHECK(emakit_test::same_averages(ema.averages(), emakit_test::snapshot(off.averages())));
+    const bool due = r.action == emakit::Action::averaged && ema.num_updates() % 2 == 0;
+    REQUIRE(r.drift.has_value() == due);
+    if (!due) continue;
+    ++measured;
+    CHECK(r.drift->step == step);
+    CHECK(close_drift(r.drift->relative, exact(ema, "")));
+    CHECK(r.drift->farthest == "far");
+    CHECK(close_drift(r.drift->farthest_relative, exact(ema, "far")));
+    REQUIRE(ema.last_drift().has_value());
+    CHECK(ema.last_drift()->relative == r.drift->relative);
+    CHECK_THAT(fmt::format("{}", r), Contains(fmt::format(", drift {:.4g} (farthest 'far'", r.drift->relative)));
+    CHECK_THAT(fmt::format("{}", ema),
+               Contains(fmt::format("drift={:.4g} at step {} (farthest 'far'", r.drift->relative, step)) &&
+                   Contains("window=10 steps"));
+  }
+  CHECK(measured == 3);  // updates 2, 4 and 6 averaged (the first copies)
+  CHECK_THAT(fmt::format("{}", off), !Contains("drift="));
+
+  // A NaN that reaches the average makes the drift NaN and its tensor the farthest.
+  {
+    torch::NoGradGuard no_grad;
+    model[0].tensor[5] = std::nan("");
+  }
+  emakit::Ema<emakit::Fixed> every(model, emakit::Fixed(0.9), {}, emakit::EmaOptions().drift_every(1));
+  every.update();  // a copy: not measured
+  const auto r = every.update();
+  REQUIRE(r.drift.has_value());
+  CHECK(std::isnan(r.drift->relative));
+  CHECK(r.drift->farthest == "near");
+  CHECK_THROWS_WITH(emakit::EmaOptions().drift_every(-1), Contains("EmaOptions::drift_every"));
 }

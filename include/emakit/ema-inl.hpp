@@ -14,6 +14,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <unordered_set>
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
@@ -66,13 +68,47 @@ EMAKIT_FUNC EmaCore::Prepared EmaCore::prepare(const StepInfo& info, const Polic
       fail("decay policy {} gave d = {} at step {} (update {}); d must be in [0, 1]", names.decay, 1.0 - p.weight,
            d_in.step, d_in.update);
     p.result.decay = 1.0 - p.weight;
+    p.drift = options_.drift_every() > 0 && (c.num_updates + 1) % options_.drift_every() == 0;
   }
   return p;
+}
+
+EMAKIT_FUNC Drift EmaCore::drift_of_kernel(std::int64_t step) const {
+  // A distance relative to a norm of 0: 0 if the distance is 0 too, else infinity.
+  const auto relative = [](double d2, double x2) {
+    if (x2 > 0.0) return std::sqrt(d2 / x2);
+    return d2 == 0.0 ? 0.0 : (std::isnan(d2) ? d2 : std::numeric_limits<double>::infinity());
+  };
+  const std::span<const double> sums = kernel_.drift_sums();
+  const auto& slots = kernel_.slots();
+  Drift out;
+  out.step = step;
+  double d2 = 0.0, x2 = 0.0;
+  std::size_t far = UpdateKernel::npos;
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    if (!slots[i].averaged) continue;
+    d2 += sums[2 * i];
+    x2 += sums[2 * i + 1];
+    const double r = relative(sums[2 * i], sums[2 * i + 1]);
+    // The first largest; a NaN is the farthest of all (the first one).
+    const bool nan_before = far != UpdateKernel::npos && std::isnan(out.farthest_relative);
+    if (far == UpdateKernel::npos || (!nan_before && (std::isnan(r) || r > out.farthest_relative))) {
+      far = i;
+      out.farthest_relative = r;
+    }
+  }
+  out.relative = relative(d2, x2);
+  if (far != UpdateKernel::npos) out.farthest = slots[far].name;
+  return out;
 }
 
 EMAKIT_FUNC UpdateResult EmaCore::finish(const Prepared& p) {
   ema_state::Counters& c = counters_;
   UpdateResult result = p.result;
+  if (p.drift && applies(p)) {
+    result.drift = drift_of_kernel(result.step);
+    last_drift_ = result.drift;
+  }
   if (!result.non_finite.empty()) {
     TORCH_WARN("emakit: update at step ", result.step, " skipped: '", result.non_finite,
                "' holds a NaN or an infinity (EmaOptions::skip_non_finite); the average is unchanged");
@@ -107,7 +143,7 @@ EMAKIT_FUNC UpdateResult EmaCore::update(const StepInfo& info, const PolicyNames
     if (p.result.action == Action::copied) {
       kernel_.copy();
     } else {
-      kernel_.average(p.weight);
+      kernel_.average(p.weight, p.drift);
     }
   }
   return finish(p);
@@ -158,7 +194,8 @@ EMAKIT_FUNC std::vector<UpdateResult> EmaCore::update_together(std::span<const M
   std::vector<UpdateKernel::Work> work;
   for (std::size_t i = 0; i < members.size(); ++i)
     if (members[i].core->applies(prepared[i]))
-      work.push_back({&members[i].core->kernel_, prepared[i].result.action == Action::averaged, prepared[i].weight});
+      work.push_back({&members[i].core->kernel_, prepared[i].result.action == Action::averaged, prepared[i].weight,
+                      prepared[i].drift});
   UpdateKernel::run_together(work);
   results.reserve(members.size());
   for (std::size_t i = 0; i < members.size(); ++i) results.push_back(members[i].core->finish(prepared[i]));

@@ -79,14 +79,29 @@ struct StepInfo {
   bool vetoed = false;
 };
 
+// How far the EMA is from the model (EmaOptions::drift_every), measured right after an averaging
+// update: `relative` = ||average - model|| / ||model|| over every averaged tensor together (the
+// 2-norm of all their elements, the average as stored), and the averaged tensor whose own relative
+// distance is largest. A relative distance with ||model|| = 0 is 0 if the average is 0 too, else
+// infinity. A healthy EMA sits near a level set by its window (about 1/(1 - d) steps of the
+// model's movement); one that grows without bound, or a NaN, means the EMA is diverging from the
+// model (a sign error, a wrong decay, a model that jumps).
+struct Drift {
+  std::int64_t step = 0;           // the step of the update that measured it
+  double relative = 0.0;           // ||average - model|| / ||model||, every averaged tensor
+  std::string farthest = {};       // the averaged tensor farthest from its model tensor (relative)
+  double farthest_relative = 0.0;  // its ||average - model|| / ||model||
+};
+
 // What update() did, the step it completed, and the decay it used (0 for a copy, NaN for a skip).
 // With EmaOptions::skip_non_finite, `non_finite` names the first source tensor that held a NaN or
-// an infinity; the update was then skipped.
+// an infinity; the update was then skipped. `drift`: measured by this update (EmaOptions::drift_every).
 struct UpdateResult {
   Action action = Action::skipped;
   std::int64_t step = 0;
   double decay = std::nan("");
   std::string non_finite = {};
+  std::optional<Drift> drift = std::nullopt;
 };
 
 // The version of the state-dict layout (detail::formats::ema_state); stored as "emakit.format".
@@ -182,6 +197,7 @@ class EmaCore {
   double decay() const noexcept { return counters_.last_decay; }
   std::int64_t non_finite_updates() const noexcept { return counters_.non_finite_updates; }
   const std::string& last_non_finite() const noexcept { return last_non_finite_; }
+  const std::optional<Drift>& last_drift() const noexcept { return last_drift_; }
   const EmaOptions& options() const noexcept { return options_; }
 
   EMAKIT_FUNC StateDict averages() const;
@@ -229,12 +245,15 @@ class EmaCore {
     UpdateResult result;  // action, step, decay; non_finite: the tensor that skips it
     double weight = 0.0;  // w = 1 - d of an average
     bool vetoed = false;
+    bool drift = false;  // the average measures the drift (EmaOptions::drift_every)
   };
   EMAKIT_FUNC Prepared prepare(const StepInfo& info, const PolicyNames& names, DecideFn decide, WeightFn weight);
   bool applies(const Prepared& p) const noexcept {
     return p.result.action != Action::skipped && p.result.non_finite.empty();
   }
   EMAKIT_FUNC UpdateResult finish(const Prepared& p);
+  // The Drift of the kernel's drift sums.
+  EMAKIT_FUNC Drift drift_of_kernel(std::int64_t step) const;
 
   // Whether `other` is bound to the model this EMA is bound to: the same owned module, or, for a
   // module not owned by a shared_ptr or a list of tensors, a model tensor in common.
@@ -288,6 +307,7 @@ class EmaCore {
   BusyFlag busy_;
   ema_state::Counters counters_;
   std::string last_non_finite_;
+  std::optional<Drift> last_drift_;
   BoundFlag bound_;
 };
 
@@ -379,6 +399,9 @@ class Ema {
   // and the tensor named by the last of them.
   std::int64_t non_finite_updates() const noexcept { return core_.non_finite_updates(); }
   const std::string& last_non_finite() const noexcept { return core_.last_non_finite(); }
+  // The drift measured by the last update that measured it (EmaOptions::drift_every); empty before
+  // the first. Not saved: a loaded EMA has none until it measures again.
+  const std::optional<Drift>& last_drift() const noexcept { return core_.last_drift(); }
 
   const Decay& decay_policy() const noexcept { return decay_; }
   const Schedule& schedule() const noexcept { return schedule_; }

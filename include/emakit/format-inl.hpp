@@ -40,10 +40,19 @@ EMAKIT_FUNC std::string describe_ema(const EmaSummary& e) {
   if (e.frozen_mode != BufferMode::average)
     frozen = fmt::format(" ({} frozen parameter{} {})", e.frozen, e.frozen == 1 ? "" : "s",
                          e.frozen_mode == BufferMode::copy ? "copied" : "left out");
+  // The window: an average over about 1/(1 - d) steps (after an update; d = 1 never forgets).
+  std::string window;
+  if (e.updates > 0 && e.decay_now >= 0.0 && e.decay_now <= 1.0)
+    window = fmt::format(", window={:.4g} steps", 1.0 / (1.0 - e.decay_now));
+  std::string drift;
+  if (e.drift)
+    drift = fmt::format(", drift={:.4g} at step {} (farthest '{}' {:.4g})", e.drift->relative, e.drift->step,
+                        e.drift->farthest, e.drift->farthest_relative);
   return fmt::format(
       "Ema(decay={}, schedule={}, storage={}, tensors={} averaged + {} copied{}, calls={}, step={}, updates={}, "
-      "decay_now={})",
-      e.decay, e.schedule, e.storage, e.averaged, e.copied, frozen, e.calls, e.step, e.updates, e.decay_now);
+      "decay_now={}{}{})",
+      e.decay, e.schedule, e.storage, e.averaged, e.copied, frozen, e.calls, e.step, e.updates, e.decay_now, window,
+      drift);
 }
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

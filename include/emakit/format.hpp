@@ -62,6 +62,7 @@ struct EmaSummary {
   BufferMode frozen_mode = BufferMode::average;
   std::int64_t calls = 0, step = 0, updates = 0;
   double decay_now = 0;
+  std::optional<Drift> drift;  // the last measured (EmaOptions::drift_every)
 };
 EMAKIT_FUNC std::string describe_ema(const EmaSummary& e);
 
@@ -86,7 +87,7 @@ std::string describe(const Ema<D, S, St>& ema) {
                                detail::describe_policy(ema.storage()), ema.names(Role::average).size(),
                                ema.names(Role::copy).size(), ema.frozen_parameters().size(),
                                ema.options().frozen_parameters(), ema.calls(), ema.step(), ema.num_updates(),
-                               ema.decay()});
+                               ema.decay(), ema.last_drift()});
 }
 
 // Compiled mode (detail/config.hpp): the flat aliases' descriptions come from the library.
@@ -130,7 +131,11 @@ struct fmt::formatter<emakit::UpdateResult, char> {
   constexpr auto parse(fmt::format_parse_context& ctx) { return ctx.begin(); }
   template <class Context>
   auto format(const emakit::UpdateResult& r, Context& ctx) const {
-    return fmt::format_to(ctx.out(), "{} at step {} (decay {})", emakit::to_string(r.action), r.step, r.decay);
+    auto out = fmt::format_to(ctx.out(), "{} at step {} (decay {})", emakit::to_string(r.action), r.step, r.decay);
+    if (r.drift)
+      out = fmt::format_to(out, ", drift {:.4g} (farthest '{}' {:.4g})", r.drift->relative, r.drift->farthest,
+                           r.drift->farthest_relative);
+    return out;
   }
 };
 

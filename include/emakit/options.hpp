@@ -99,6 +99,17 @@ class EmaOptions {
     skip_non_finite_ = value;
     return *this;
   }
+  // Measure how far the EMA is from the model (emakit::Drift) on every n-th update that averages
+  // (num_updates() a multiple of n); 0 = never (default). The result is in UpdateResult::drift and
+  // Ema::last_drift(), and describe() prints it. On the fused CPU pass it costs arithmetic only
+  // (the pass holds both values as it writes the average); elsewhere (GPU foreach lists), ATen
+  // ops over the averaged tensors in chunks of at most staging_bytes() and one host sync.
+  std::int64_t drift_every() const noexcept { return drift_every_; }
+  EmaOptions& drift_every(std::int64_t n) {
+    detail::check_non_negative_int(n, "EmaOptions::drift_every");
+    drift_every_ = n;
+    return *this;
+  }
   const std::vector<std::string>& copy_only() const noexcept { return copy_only_; }
   EmaOptions& copy_only(std::vector<std::string> names) {
     copy_only_ = std::move(names);
@@ -233,6 +244,7 @@ class EmaOptions {
   BufferMode non_floating_ = BufferMode::copy;
   bool ignored_follow_copies_ = false;
   std::int64_t switch_every_ = 0;
+  std::int64_t drift_every_ = 0;
   std::int64_t switch_offset_ = 0;
   double switch_beta_ = 0.0;
 };

@@ -18,12 +18,13 @@ EMAKIT_FUNC void CpuPass::add(SegmentFn fn, std::size_t slot, std::int64_t n, st
   total_ += n * cost;
 }
 
-EMAKIT_FUNC void CpuPass::run(double weight, std::int64_t grain) const {
+EMAKIT_FUNC void CpuPass::run(double weight, std::int64_t grain, double* drift) const {
   if (segments_.empty()) return;
-  at::parallel_for(0, total_, grain, [&](std::int64_t begin, std::int64_t end) { run_share(begin, end, weight); });
+  at::parallel_for(0, total_, grain,
+                   [&](std::int64_t begin, std::int64_t end) { run_share(begin, end, weight, drift); });
 }
 
-EMAKIT_FUNC void CpuPass::run_share(std::int64_t c0, std::int64_t c1, double weight) const {
+EMAKIT_FUNC void CpuPass::run_share(std::int64_t c0, std::int64_t c1, double weight, double* drift) const {
   auto it = std::upper_bound(segments_.begin(), segments_.end(), c0,
                              [](std::int64_t c, const Segment& s) { return c < s.begin; });
   if (it != segments_.begin()) --it;
@@ -33,7 +34,13 @@ EMAKIT_FUNC void CpuPass::run_share(std::int64_t c0, std::int64_t c1, double wei
     if (lo >= hi) continue;
     void* a = it->average != nullptr ? it->average->data_ptr() : it->a;
     const void* x = it->input != nullptr ? read_ptr(*it->input) : it->x;
-    it->fn(a, x, lo, hi, weight);
+    if (drift == nullptr) {
+      it->fn(a, x, lo, hi, weight, nullptr);
+    } else {
+      double sums[2] = {0.0, 0.0};
+      it->fn(a, x, lo, hi, weight, sums);
+      add_drift(drift + 2 * it->slot, sums, /*shared=*/lo > 0 || hi < it->n);
+    }
   }
 }
 
@@ -44,25 +51,28 @@ EMAKIT_FUNC std::int64_t CpuPass::element_at(const Segment& s, std::int64_t c) n
   return std::min(s.n, aligned);
 }
 
-EMAKIT_FUNC void GroupPass::build(std::span<const std::pair<const CpuPass*, double>> passes) {
+EMAKIT_FUNC void GroupPass::build(std::span<const Input> passes) {
   reused_ = passes.size() == built_from_.size() &&
-            std::equal(passes.begin(), passes.end(), built_from_.begin(), [](const auto& p, const auto& b) {
-              return p.first == b.first && p.first->generation() == b.second;
+            std::equal(passes.begin(), passes.end(), built_from_.begin(), [](const Input& p, const auto& b) {
+              return p.pass == b.first && p.pass->generation() == b.second;
             });
   if (reused_) {
-    for (Entry& e : entries_) e.weight = passes[e.pass].second;
+    for (Entry& e : entries_) {
+      e.weight = passes[e.pass].weight;
+      e.drift = passes[e.pass].drift != nullptr ? passes[e.pass].drift + 2 * e.slot : nullptr;
+    }
     return;
   }
   built_from_.clear();
-  for (const auto& [pass, weight] : passes) built_from_.emplace_back(pass, pass->generation());
+  for (const Input& p : passes) built_from_.emplace_back(p.pass, p.pass->generation());
   groups_.clear();
   entries_.clear();
   index_.clear();
   group_of_.clear();
   total_ = 0;
   // Groups in the order their input first appears; a segment joins the group of its input.
-  for (const auto& [pass, weight] : passes) {
-    for (const auto& seg : pass->segments()) {
+  for (const Input& p : passes) {
+    for (const auto& seg : p.pass->segments()) {
       const void* input = seg.input != nullptr ? static_cast<const void*>(seg.input->unsafeGetTensorImpl()) : seg.x;
       const auto [it, added] = index_.try_emplace(Key{input, seg.n}, groups_.size());
       if (added) groups_.push_back(Group{seg.input, seg.x, seg.n, 0, 0, 0, 0, 0});
@@ -86,9 +96,10 @@ EMAKIT_FUNC void GroupPass::build(std::span<const std::pair<const CpuPass*, doub
   entries_.resize(first);
   std::size_t k = 0;
   for (std::size_t p = 0; p < passes.size(); ++p) {
-    for (const auto& seg : passes[p].first->segments()) {
+    for (const auto& seg : passes[p].pass->segments()) {
       Group& g = groups_[group_of_[k++]];
-      entries_[g.first + g.count++] = Entry{seg.fn, seg.average, seg.a, passes[p].second, p};
+      double* drift = passes[p].drift != nullptr ? passes[p].drift + 2 * seg.slot : nullptr;
+      entries_[g.first + g.count++] = Entry{seg.fn, seg.average, seg.a, passes[p].weight, drift, seg.slot, p};
     }
   }
 }
@@ -107,13 +118,30 @@ EMAKIT_FUNC void GroupPass::run_share(std::int64_t c0, std::int64_t c1) const {
     const std::int64_t hi = element_at(*it, c1);
     if (lo >= hi) continue;
     const void* x = it->input != nullptr ? read_ptr(*it->input) : it->x;
+    // Each member's drift sums over this share, added once after it (at most the few members that
+    // measure drift this step; more than fit here add theirs per block).
+    constexpr std::size_t kept = 8;
+    double sums[kept][2] = {};
+    const bool shared = lo > 0 || hi < it->n;  // another share has part of this group
     for (std::int64_t b = lo; b < hi; b += it->block) {
       const std::int64_t e = std::min(hi, b + it->block);
       for (std::size_t k = it->first; k < it->first + it->count; ++k) {
         const Entry& entry = entries_[k];
-        entry.fn(entry.average != nullptr ? entry.average->data_ptr() : entry.a, x, b, e, entry.weight);
+        void* a = entry.average != nullptr ? entry.average->data_ptr() : entry.a;
+        const std::size_t j = k - it->first;
+        if (entry.drift == nullptr) {
+          entry.fn(a, x, b, e, entry.weight, nullptr);
+        } else if (j < kept) {
+          entry.fn(a, x, b, e, entry.weight, sums[j]);
+        } else {
+          double block_sums[2] = {0.0, 0.0};
+          entry.fn(a, x, b, e, entry.weight, block_sums);
+          add_drift(entry.drift, block_sums, shared);
+        }
       }
     }
+    for (std::size_t k = it->first; k < it->first + std::min(it->count, kept); ++k)
+      if (entries_[k].drift != nullptr) add_drift(entries_[k].drift, sums[k - it->first], shared);
   }
 }
 

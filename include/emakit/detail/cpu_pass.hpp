@@ -57,20 +57,28 @@ void dispatch_pair(c10::ScalarType a, c10::ScalarType s, F&& f) {
   fail("internal: no fused CPU pass for {} from {}", c10::toString(a), c10::toString(s));
 }
 
-// Work on one tensor: fn(a, x, begin, end, weight) over elements [begin, end).
-using SegmentFn = void (*)(void*, const void*, std::int64_t, std::int64_t, double) noexcept;
+// Work on one tensor: fn(a, x, begin, end, weight, drift) over elements [begin, end). A lerp
+// given `drift` (not null) also adds the drift sums of what it wrote to drift[0] and drift[1]
+// (lerp_drift_range); copies ignore it.
+using SegmentFn = void (*)(void*, const void*, std::int64_t, std::int64_t, double, double*) noexcept;
 
 // The segment functions, once per instruction set: lerp_segment<A, S> / copy_segment<A, S> for
 // the build's baseline, and the _avx2 and _avx512 copies where detail/simd.hpp builds them.
 #define EMAKIT_SEGMENT_FNS(suffix, target)                                                                          \
   template <class A, class S>                                                                                       \
   target EMAKIT_NO_CONTRACT void lerp_segment##suffix(void* a, const void* x, std::int64_t begin, std::int64_t end, \
-                                                      double w) noexcept {                                          \
-    lerp_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin,                     \
-                     static_cast<opmath_t<A>>(w));                                                                  \
+                                                      double w, double* drift) noexcept {                           \
+    if (drift == nullptr) {                                                                                         \
+      lerp_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin,                   \
+                       static_cast<opmath_t<A>>(w));                                                                \
+    } else {                                                                                                        \
+      lerp_drift_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin,             \
+                             static_cast<opmath_t<A>>(w), drift);                                                   \
+    }                                                                                                               \
   }                                                                                                                 \
   template <class A, class S>                                                                                       \
-  target void copy_segment##suffix(void* a, const void* x, std::int64_t begin, std::int64_t end, double) noexcept { \
+  target void copy_segment##suffix(void* a, const void* x, std::int64_t begin, std::int64_t end, double,            \
+                                   double*) noexcept {                                                              \
     copy_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin);                    \
   }
 
@@ -97,7 +105,7 @@ std::pair<SegmentFn, SegmentFn> segment_fns() noexcept {
 
 // Same-dtype copy of any element type, as bytes (element size E).
 template <std::size_t E>
-void byte_copy_segment(void* a, const void* x, std::int64_t begin, std::int64_t end, double) noexcept {
+void byte_copy_segment(void* a, const void* x, std::int64_t begin, std::int64_t end, double, double*) noexcept {
   std::memcpy(static_cast<char*>(a) + begin * static_cast<std::int64_t>(E),
               static_cast<const char*>(x) + begin * static_cast<std::int64_t>(E),
               static_cast<std::size_t>(end - begin) * E);
@@ -111,6 +119,18 @@ inline SegmentFn byte_copy_fn(std::size_t element_size) {
     case 8: return &byte_copy_segment<8>;
     case 16: return &byte_copy_segment<16>;
     default: return nullptr;
+  }
+}
+
+// sums[0..1] += add[0..1]: atomically when `shared` (a slot cut between shares, which threads add
+// to at once), else plainly (a slot that one share holds whole: only its thread writes its sums).
+inline void add_drift(double* sums, const double* add, bool shared) noexcept {
+  if (shared) {
+    std::atomic_ref<double>(sums[0]).fetch_add(add[0], std::memory_order_relaxed);
+    std::atomic_ref<double>(sums[1]).fetch_add(add[1], std::memory_order_relaxed);
+  } else {
+    sums[0] += add[0];
+    sums[1] += add[1];
   }
 }
 
@@ -156,10 +176,14 @@ class CpuPass {
   // on the calling thread (a parallel region costs a few microseconds).
   // (Compiled with the library's OpenMP flags in compiled mode: at::parallel_for's
   // `#pragma omp parallel` is expanded where this is compiled.)
-  void run(double weight, std::int64_t grain) const;
+  // `drift` (null: not measured): two sums per slot, [2 * slot] += sum((a' - x)^2) and
+  // [2 * slot + 1] += sum(x^2) over each lerp segment of the slot (lerp_drift_range); the caller
+  // zeroes them. Threads add their shares' sums atomically: their order, and so the last bits of
+  // a sum, follow the split.
+  void run(double weight, std::int64_t grain, double* drift = nullptr) const;
 
   // The segments' work between cost units [c0, c1).
-  void run_share(std::int64_t c0, std::int64_t c1, double weight) const;
+  void run_share(std::int64_t c0, std::int64_t c1, double weight, double* drift = nullptr) const;
 
  private:
   // The first element of `s` at or after cost unit c, rounded up to align_elements: the same
@@ -194,7 +218,14 @@ class GroupPass {
   // (a hash of the inputs); keeps its buffers' capacity. Given the same passes again, unchanged
   // (their generations), it keeps the grouping and only takes the new weights: a thread_local
   // GroupPass neither allocates nor hashes once it has seen the members.
-  void build(std::span<const std::pair<const CpuPass*, double>> passes);
+  // A pass's drift sums (CpuPass::run's `drift`; null: not measured) may change from call to call
+  // like its weight.
+  struct Input {
+    const CpuPass* pass;
+    double weight;
+    double* drift = nullptr;
+  };
+  void build(std::span<const Input> passes);
   // Whether the last build() kept the grouping of the one before (for tests).
   bool reused() const noexcept { return reused_; }
   void run(std::int64_t grain) const;
@@ -205,7 +236,9 @@ class GroupPass {
     const at::Tensor* average;
     void* a;
     double weight;
-    std::size_t pass;  // index into build()'s passes, whose weight it takes
+    double* drift;     // this slot's two drift sums, or null
+    std::size_t slot;  // in its pass's kernel
+    std::size_t pass;  // index into build()'s passes, whose weight and drift sums it takes
   };
   struct Group {
     const at::Tensor* input;

@@ -10,6 +10,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -22,9 +23,12 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 // that need a scalar epilogue, and `omp simd` (the target builds with -fopenmp) lifts that.
 #if defined(_OPENMP)
 #define EMAKIT_SIMD _Pragma("omp simd")
+#define EMAKIT_SIMD_REDUCE(a, b) _Pragma(EMAKIT_STRINGIFY(omp simd reduction(+ : a, b)))
 #else
 #define EMAKIT_SIMD
+#define EMAKIT_SIMD_REDUCE(a, b)
 #endif
+#define EMAKIT_STRINGIFY(x) #x
 
 #if defined(__GNUC__) || defined(__clang__)
 #define EMAKIT_ALWAYS_INLINE [[gnu::always_inline]] inline
@@ -166,6 +170,55 @@ EMAKIT_ALWAYS_INLINE void lerp_range(A* __restrict a, const S* __restrict x, std
       a[i] = static_cast<A>(xi + c * (xi - static_cast<T>(a[i])));
     }
   }
+}
+
+// lerp_range, and the drift of the result: adds sum((a' - x)^2) and sum(x^2) over the n elements
+// (a' the average as stored, in its dtype) to sums[0] and sums[1]. The averages are computed by
+// the same expressions as lerp_range's, so they are bitwise the same; the sums are taken in
+// opmath_t<A> over chunks of drift_chunk elements (`omp simd` reduces them in vector lanes), each
+// chunk's sum added in double: a sum is within drift_chunk + 2 roundings of opmath_t<A> of the
+// exact one, relative to it.
+inline constexpr std::int64_t drift_chunk = 1024;
+template <class A, class S>
+EMAKIT_ALWAYS_INLINE void lerp_drift_range(A* __restrict a, const S* __restrict x, std::int64_t n, opmath_t<A> w,
+                                           double* __restrict sums) noexcept {
+  EMAKIT_PRAGMA_NO_CONTRACT  // first in the body: clang takes the pragma only there
+      using T = opmath_t<A>;
+  using L = Load<S>;
+  const auto* __restrict xr = reinterpret_cast<const typename L::raw*>(x);
+  const bool low = std::abs(w) < T(0.5);
+  const T c = w - T(1);
+  double dd = 0, xx = 0;
+  for (std::int64_t b = 0; b < n; b += drift_chunk) {
+    const std::int64_t e = std::min(n, b + drift_chunk);
+    T d2 = 0, x2 = 0;
+    if (low) {
+      EMAKIT_SIMD_REDUCE(d2, x2)
+      for (std::int64_t i = b; i < e; ++i) {
+        const T ai = static_cast<T>(a[i]);
+        const T xi = L::template at<T>(xr, i);
+        const A r = static_cast<A>(ai + w * (xi - ai));
+        a[i] = r;
+        const T d = static_cast<T>(r) - xi;
+        d2 += d * d;
+        x2 += xi * xi;
+      }
+    } else {
+      EMAKIT_SIMD_REDUCE(d2, x2)
+      for (std::int64_t i = b; i < e; ++i) {
+        const T xi = L::template at<T>(xr, i);
+        const A r = static_cast<A>(xi + c * (xi - static_cast<T>(a[i])));
+        a[i] = r;
+        const T d = static_cast<T>(r) - xi;
+        d2 += d * d;
+        x2 += xi * xi;
+      }
+    }
+    dd += static_cast<double>(d2);
+    xx += static_cast<double>(x2);
+  }
+  sums[0] += dd;
+  sums[1] += xx;
 }
 
 // a = x over n elements (a conversion when the dtypes differ).

@@ -23,6 +23,8 @@ EMAKIT_FUNC UpdateKernel& UpdateKernel::operator=(UpdateKernel&& other) noexcept
   lanes_ = std::move(other.lanes_);
   finite_checks_[0] = std::move(other.finite_checks_[0]);
   finite_checks_[1] = std::move(other.finite_checks_[1]);
+  drift_sums_ = std::move(other.drift_sums_);
+  drift_outside_ = std::move(other.drift_outside_);
   return *this;
 }
 
@@ -63,11 +65,23 @@ EMAKIT_FUNC void UpdateKernel::plan() {
   for (const auto& dev : plan_.lanes) lanes_.emplace_back(dev, side_stream_);
   finite_checks_[0] = NonFiniteCheck(slots_, /*copying=*/false, cpu_path_);
   finite_checks_[1] = NonFiniteCheck(slots_, /*copying=*/true, cpu_path_);
+  drift_sums_.assign(2 * slots_.size(), 0.0);
+  std::vector<bool> in_pass(slots_.size(), false);
+  // The pass measures a slot against what it reads: the source itself, or a staging copy in the
+  // source's dtype (strided, offloaded). A copy converted to a narrower average's dtype (an fp32
+  // model with a bf16 average) is not the model: such slots are measured against the source after.
+  for (const auto& seg : plan_.average_pass.segments())
+    in_pass[seg.slot] = slots_[seg.slot].input().scalar_type() == slots_[seg.slot].source.scalar_type();
+  drift_outside_.clear();
+  for (std::size_t i = 0; i < slots_.size(); ++i)
+    if (slots_[i].averaged && !in_pass[i] && slots_[i].average.numel() > 0) drift_outside_.push_back(i);
 }
 
-EMAKIT_FUNC void UpdateKernel::run(bool averaging, double weight) {
+EMAKIT_FUNC void UpdateKernel::run(bool averaging, double weight, bool drift) {
   c10::NoGradGuard no_grad;
   join_host();  // the previous offloaded pass must finish before this one touches its buffers
+  drift = drift && averaging;
+  if (drift) begin_drift();
   for (std::size_t k = 0; k < lanes_.size(); ++k) {
     run_lists(averaging, weight, k, /*current=*/true);  // buffers, before the side stream starts
     Lane& lane = lanes_[k];
@@ -78,17 +92,64 @@ EMAKIT_FUNC void UpdateKernel::run(bool averaging, double weight) {
   run_lists(averaging, weight, no_lane, /*current=*/true);  // CPU foreach path, devices without streams
   run_lists(averaging, weight, no_lane, /*current=*/false);
   if (plan_.offload_lanes.empty()) {
-    run_cpu(averaging, weight);
+    run_cpu(averaging, weight, drift);
   } else if (side_stream_) {
     // The host waits for the device-to-host copies on a thread of its own, then runs the pass.
-    host_ = std::async(std::launch::async, [this, averaging, weight] {
+    host_ = std::async(std::launch::async, [this, averaging, weight, drift] {
       c10::NoGradGuard no_grad_here;
       for (auto k : plan_.offload_lanes) lanes_[k].synchronize_host();
-      run_cpu(averaging, weight);
+      run_cpu(averaging, weight, drift);
     });
   } else {
     for (auto k : plan_.offload_lanes) lanes_[k].synchronize_host();
-    run_cpu(averaging, weight);
+    run_cpu(averaging, weight, drift);
+  }
+  if (drift) measure_drift_outside();
+}
+
+EMAKIT_FUNC void UpdateKernel::measure_drift_outside() {
+  wait_for_update();  // the sums of the pass (a host thread's, offloaded) and the averages the others wrote
+  if (drift_outside_.empty()) return;
+  // Per slot, chunks of whole rows (flat for a 0-d tensor) of at most staging_bytes of the four float
+  // temporaries (average, source, difference, its square); each chunk's two sums stay on the device
+  // until one copy per device brings them all.
+  std::vector<std::pair<std::size_t, at::Tensor>> parts;  // slot, [2] in double on the average's device
+  for (auto i : drift_outside_) {
+    const Slot& s = slots_[i];
+    drift_sums_[2 * i] = drift_sums_[2 * i + 1] = 0.0;  // what the pass summed against a converted copy
+    const auto type = s.average.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    const std::int64_t rows = s.average.dim() == 0 ? 1 : s.average.size(0);
+    const std::int64_t row = rows == 0 ? 1 : std::max<std::int64_t>(1, s.average.numel() / rows);
+    const std::int64_t per_chunk = std::max<std::int64_t>(1, staging_bytes_ / (4 * 4) / row);
+    for (std::int64_t r = 0; r < rows; r += per_chunk) {
+      const std::int64_t count = std::min(per_chunk, rows - r);
+      const at::Tensor a = s.average.dim() == 0 ? s.average : s.average.narrow(0, r, count);
+      const at::Tensor x = s.source.dim() == 0 ? s.source : s.source.narrow(0, r, count);
+      const at::Tensor xs = x.to(a.device(), type);
+      const at::Tensor d = a.to(type) - xs;
+      parts.emplace_back(i, at::stack({(d * d).sum(at::kDouble), (xs * xs).sum(at::kDouble)}));
+    }
+  }
+  std::vector<bool> done(parts.size(), false);
+  for (std::size_t p = 0; p < parts.size(); ++p) {
+    if (done[p]) continue;
+    const c10::Device dev = parts[p].second.device();
+    std::vector<at::Tensor> same;
+    std::vector<std::size_t> which;
+    for (std::size_t q = p; q < parts.size(); ++q) {
+      if (!done[q] && parts[q].second.device() == dev) {
+        same.push_back(parts[q].second);
+        which.push_back(q);
+        done[q] = true;
+      }
+    }
+    const at::Tensor host = at::stack(same).cpu().contiguous();
+    const double* v = host.data_ptr<double>();
+    for (std::size_t k = 0; k < which.size(); ++k) {
+      const std::size_t slot = parts[which[k]].first;
+      drift_sums_[2 * slot] += v[2 * k];
+      drift_sums_[2 * slot + 1] += v[2 * k + 1];
+    }
   }
 }
 
@@ -122,8 +183,9 @@ EMAKIT_FUNC void UpdateKernel::run_lists(bool averaging, double weight, std::siz
   }
 }
 
-EMAKIT_FUNC void UpdateKernel::run_cpu(bool averaging, double weight) {
-  (averaging ? plan_.average_pass : plan_.copy_pass).run(weight, chunk_elements * 12);
+EMAKIT_FUNC void UpdateKernel::run_cpu(bool averaging, double weight, bool drift) {
+  (averaging ? plan_.average_pass : plan_.copy_pass)
+      .run(weight, chunk_elements * 12, drift ? drift_sums_.data() : nullptr);
   if (averaging) {
     for (auto i : plan_.generic) slots_[i].average.lerp_(slots_[i].input(), weight);
     for (auto i : plan_.generic_copies)
@@ -136,17 +198,20 @@ EMAKIT_FUNC void UpdateKernel::run_cpu(bool averaging, double weight) {
 
 EMAKIT_FUNC void UpdateKernel::run_together(std::span<const Work> work) {
   c10::NoGradGuard no_grad;
-  std::vector<std::pair<const CpuPass*, double>> passes;
+  std::vector<GroupPass::Input> passes;
   for (const Work& w : work) {
     if (w.kernel->cpu_pass_only()) {
       w.kernel->join_host();
-      passes.emplace_back(w.averaging ? &w.kernel->plan_.average_pass : &w.kernel->plan_.copy_pass, w.weight);
+      const bool drift = w.drift && w.averaging;
+      if (drift) w.kernel->begin_drift();
+      passes.push_back({w.averaging ? &w.kernel->plan_.average_pass : &w.kernel->plan_.copy_pass, w.weight,
+                        drift ? w.kernel->drift_sums_.data() : nullptr});
     } else {
-      w.kernel->run(w.averaging, w.weight);
+      w.kernel->run(w.averaging, w.weight, w.drift);
     }
   }
   if (passes.size() == 1) {
-    passes.front().first->run(passes.front().second, chunk_elements * 12);
+    passes.front().pass->run(passes.front().weight, chunk_elements * 12, passes.front().drift);
   } else if (passes.size() > 1) {
     thread_local GroupPass group;  // keeps its buffers' capacity from call to call
     group.build(passes);

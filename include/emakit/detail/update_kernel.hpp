@@ -29,6 +29,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <exception>
 #include <future>
@@ -127,17 +128,19 @@ class UpdateKernel {
   // dtype or got new memory.
   void check_sources();
 
-  // ema = lerp(ema, model, weight) for averaged slots; copy for the copied ones.
-  void average(double weight) { run(/*averaging=*/true, weight); }
+  // ema = lerp(ema, model, weight) for averaged slots; copy for the copied ones. With `drift`, the
+  // update also measures how far each averaged slot ends from its source (drift_sums()).
+  void average(double weight, bool drift = false) { run(/*averaging=*/true, weight, drift); }
 
   // ema = model for every slot.
   void copy() { run(/*averaging=*/false, 1.0); }
 
-  // What update_together() asks of one kernel: average with `weight`, or copy.
+  // What update_together() asks of one kernel: average with `weight` (and measure the drift), or copy.
   struct Work {
     UpdateKernel* kernel;
     bool averaging;
     double weight;
+    bool drift = false;
   };
   // Each kernel's average() or copy(), as if run one after another: the kernels whose whole
   // update is the fused CPU pass run as one GroupPass (each input read once for all of them);
@@ -149,6 +152,16 @@ class UpdateKernel {
            plan_.offload_lanes.empty() && lanes_.empty();
   }
 
+  // The drift sums of the last update that measured them, two per slot: [2i] = sum((average -
+  // source)^2) and [2i + 1] = sum(source^2) over slot i's elements, for averaged slots (0 for the
+  // others), the average as stored after the update, both in opmath (float; double for double
+  // averages). Slots of the fused CPU pass are measured inside it, as it writes them (arithmetic
+  // only: no extra read of memory); the others (foreach lists, generic CPU slots, and a pass slot
+  // that reads its source converted to a narrower average's dtype) by ATen ops in
+  // chunks of at most staging_bytes of float temporaries, after the update is waited for (one
+  // host sync per device).
+  std::span<const double> drift_sums() const noexcept { return drift_sums_; }
+
   // The first slot, in slot order, whose source the next update reads (copying: every slot;
   // averaging: averaged slots and copies that follow averages) and that holds a NaN or an
   // infinity; npos if none. Call after check_sources(): the checks are those of the last plan
@@ -158,13 +171,19 @@ class UpdateKernel {
  private:
   void plan();
 
-  void run(bool averaging, double weight);
+  void run(bool averaging, double weight, bool drift = false);
+
+  // Zeroes the drift sums before an update that measures them.
+  void begin_drift() noexcept { std::fill(drift_sums_.begin(), drift_sums_.end(), 0.0); }
+  // The drift sums of the averaged slots that the fused CPU pass does not write (drift_outside_),
+  // once the update is finished.
+  void measure_drift_outside();
 
   // On the current stream (current = true) or the lane's stream: offload staging copies and the
   // foreach lists of lane k (no_lane: of no lane).
   void run_lists(bool averaging, double weight, std::size_t k, bool current);
 
-  void run_cpu(bool averaging, double weight);
+  void run_cpu(bool averaging, double weight, bool drift);
 
   static void stage_copy(Slot& s);
 
@@ -178,9 +197,11 @@ class UpdateKernel {
   bool side_stream_ = false;
   std::int64_t staging_bytes_ = default_staging_bytes;
   UpdatePlan plan_;
-  mutable std::vector<Lane> lanes_;  // one per CUDA device of the plan (plan_.lanes), in its order
-  mutable std::future<void> host_;   // the CPU pass of an offloaded side-stream update
-  NonFiniteCheck finite_checks_[2];  // [0] for averaging updates, [1] for copies
+  mutable std::vector<Lane> lanes_;         // one per CUDA device of the plan (plan_.lanes), in its order
+  mutable std::future<void> host_;          // the CPU pass of an offloaded side-stream update
+  NonFiniteCheck finite_checks_[2];         // [0] for averaging updates, [1] for copies
+  std::vector<double> drift_sums_;          // two per slot (drift_sums()); sized by plan()
+  std::vector<std::size_t> drift_outside_;  // averaged slots whose drift the fused CPU pass does not measure
 };
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
