@@ -7,6 +7,7 @@
 #include <emakit/detail/module_tensors.hpp>
 #include <emakit/detail/simd.hpp>
 #include <emakit/detail/update_kernel.hpp>
+#include <emakit/together.hpp>
 
 #include "helpers.hpp"
 #include "op_census.hpp"
@@ -220,11 +221,20 @@ TEST_CASE("An update allocates no tensor memory, for fp32 and bf16 models", "[ke
     emakit_test::TinyNet model;
     emakit_test::cast_floats(*model, dtype);
     emakit::WarmupEma ema(*model);
+    // Measuring the drift in the pass, and two EMAs updated together, allocate nothing either.
+    emakit::WarmupEma drifting(*model, {}, {}, emakit::EmaOptions().drift_every(1));
+    emakit::Ema<emakit::Fixed> fast(*model, emakit::Fixed(0.9)), slow(*model, emakit::Fixed(0.99));
     ema.update();  // first update: any lazy set-up happens here
+    drifting.update();
+    emakit::update_together(fast, slow);
     CountingAllocator counter(c10::GetCPUAllocator());
     {
       InstallAllocator installed(&counter);
-      for (int i = 0; i < 10; ++i) ema.update();
+      for (int i = 0; i < 10; ++i) {
+        ema.update();
+        CHECK(drifting.update().drift.has_value());
+        emakit::update_together(fast, slow);
+      }
       // The counter sees allocations: this one must be counted, or the test proves nothing.
       const int before = counter.count.load();
       auto probe = torch::empty({16});
@@ -232,6 +242,8 @@ TEST_CASE("An update allocates no tensor memory, for fp32 and bf16 models", "[ke
     }
     CHECK(counter.count.load() == 1);  // only the probe
     CHECK(ema.num_updates() == 11);
+    CHECK(drifting.num_updates() == 11);
+    CHECK(slow.num_updates() == 11);
   }
 }
 

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -250,6 +251,36 @@ TEST_CASE("update_together of different Ema types, and PostHocEma's profiles, ru
   emakit::update_together(fast2, warm2);
   emakit::update_together(fast, warm, mean);
   CHECK(emakit::detail::sync_counts().fused_groupings == groupings + 3);
+}
+
+namespace {
+// A schedule that, when it decides, calls another Ema's update(): what a second thread would do
+// while update_together runs.
+struct Intruding {
+  std::function<void()> intrude;
+  emakit::Decision decide(const emakit::ScheduleInput& in) const {
+    if (intrude) intrude();
+    return {emakit::Action::averaged, in.given_step.value_or(in.previous_step + 1)};
+  }
+};
+}  // namespace
+
+TEST_CASE("update_together holds every member's update until it is done, and gives them back after a refusal",
+          "[together][errors]") {
+  emakit_test::TinyNet model;
+  emakit::Ema<emakit::Fixed> first(*model, emakit::Fixed(0.9)), second(*model, emakit::Fixed(0.9));
+  emakit::Ema<emakit::Fixed, Intruding> intruder(*model, emakit::Fixed(0.9), Intruding{[&] { second.update(); }});
+  CHECK_THROWS_WITH(emakit::update_together(first, second, intruder),
+                    Contains("another update() of this Ema is running"));
+  CHECK(first.calls() == 0);
+  CHECK(second.calls() == 0);
+  // Every flag was given back: each member updates again, alone and together.
+  first.update();
+  second.update();
+  emakit::Ema<emakit::Fixed, Intruding> quiet(*model, emakit::Fixed(0.9), Intruding{});
+  emakit::update_together(first, second, quiet);
+  CHECK(first.calls() == 2);
+  CHECK(quiet.calls() == 1);
 }
 
 TEST_CASE("update_together refuses, before anything changes, what one pass cannot update", "[together][errors]") {

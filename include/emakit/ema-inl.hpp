@@ -162,9 +162,36 @@ EMAKIT_FUNC bool EmaCore::same_model(const EmaCore& other) const {
   return false;
 }
 
-EMAKIT_FUNC std::vector<UpdateResult> EmaCore::update_together(std::span<const Member> members, const StepInfo& info) {
-  std::vector<UpdateResult> results;
-  if (members.empty()) return results;
+// The busy flags of update_together's members, taken in order and given back by the destructor
+// (those taken, if one was refused): a BusyScope per member, without allocating one. (No anonymous
+// namespace: EmaCore::update_together is inline in header-only mode.)
+class BusyAll {
+ public:
+  explicit BusyAll(std::span<const EmaCore::Member> members, BusyFlag EmaCore::*flag, const char* what)
+      : members_(members), flag_(flag) {
+    for (; taken_ < members_.size(); ++taken_)
+      if ((members_[taken_].core->*flag_).value.exchange(true, std::memory_order_acquire))
+        fail("{}() was called while another update() of member {} is running (from another thread); an Ema is not "
+             "thread-safe: call it from one thread at a time, or behind a mutex",
+             what, taken_);
+  }
+  BusyAll(const BusyAll&) = delete;
+  BusyAll& operator=(const BusyAll&) = delete;
+  ~BusyAll() {
+    for (std::size_t i = 0; i < taken_; ++i) (members_[i].core->*flag_).value.store(false, std::memory_order_release);
+  }
+
+ private:
+  std::span<const EmaCore::Member> members_;
+  BusyFlag EmaCore::*flag_;
+  std::size_t taken_ = 0;
+};
+
+EMAKIT_FUNC void EmaCore::update_together(std::span<const Member> members, const StepInfo& info,
+                                          std::span<UpdateResult> out) {
+  if (out.size() != members.size())
+    fail("internal: update_together given {} results for {} members", out.size(), members.size());
+  if (members.empty()) return;
   for (std::size_t i = 0; i < members.size(); ++i) {
     EmaCore& m = *members[i].core;
     m.ensure_bound("update_together");
@@ -181,25 +208,39 @@ EMAKIT_FUNC std::vector<UpdateResult> EmaCore::update_together(std::span<const M
            "other members would read in the same step; update it on its own, after the others",
            i);
   }
-  std::vector<std::unique_ptr<BusyScope>> busy;
-  busy.reserve(members.size());
-  for (const auto& m : members) busy.push_back(std::make_unique<BusyScope>(m.core->busy_, "update_together"));
-  std::vector<Prepared> prepared;
-  prepared.reserve(members.size());
+  const BusyAll busy(members, &EmaCore::busy_, "update_together");
+  // Per-thread scratch, kept from call to call (a call made from inside another, by a policy, gets
+  // its own).
+  struct Scratch {
+    std::vector<Prepared> prepared;
+    std::vector<UpdateKernel::Work> work;
+    bool in_use = false;
+  };
+  thread_local Scratch kept;
+  Scratch own;
+  Scratch& scratch = kept.in_use ? own : kept;
+  scratch.in_use = true;
+  struct Release {
+    Scratch& s;
+    ~Release() {
+      s.prepared.clear();
+      s.work.clear();
+      s.in_use = false;
+    }
+  } release{scratch};
+  std::vector<Prepared>& prepared = scratch.prepared;
   for (const auto& m : members) {
     const auto decide = [&m](const ScheduleInput& in) { return m.decide(m.policies, in); };
     const auto weight = [&m](const DecayInput& in) { return m.weight(m.policies, in); };
     prepared.push_back(m.core->prepare(info, m.names, decide, weight));
   }
-  std::vector<UpdateKernel::Work> work;
+  std::vector<UpdateKernel::Work>& work = scratch.work;
   for (std::size_t i = 0; i < members.size(); ++i)
     if (members[i].core->applies(prepared[i]))
       work.push_back({&members[i].core->kernel_, prepared[i].result.action == Action::averaged, prepared[i].weight,
                       prepared[i].drift});
   UpdateKernel::run_together(work);
-  results.reserve(members.size());
-  for (std::size_t i = 0; i < members.size(); ++i) results.push_back(members[i].core->finish(prepared[i]));
-  return results;
+  for (std::size_t i = 0; i < members.size(); ++i) out[i] = members[i].core->finish(prepared[i]);
 }
 
 EMAKIT_FUNC void EmaCore::wait_for_model_reads() const {

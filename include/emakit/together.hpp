@@ -42,9 +42,8 @@ template <detail::TogetherMember... E>
   requires(sizeof...(E) >= 1)
 std::array<UpdateResult, sizeof...(E)> update_together(const StepInfo& info, E&... emas) {
   const std::array<detail::EmaCore::Member, sizeof...(E)> members{emas.together_member()...};
-  std::vector<UpdateResult> results = detail::EmaCore::update_together(members, info);
   std::array<UpdateResult, sizeof...(E)> out;
-  for (std::size_t i = 0; i < out.size(); ++i) out[i] = std::move(results[i]);
+  detail::EmaCore::update_together(members, info, out);
   return out;
 }
 
@@ -59,7 +58,9 @@ std::vector<UpdateResult> update_together(std::span<E> emas, const StepInfo& inf
   std::vector<detail::EmaCore::Member> members;
   members.reserve(emas.size());
   for (E& e : emas) members.push_back(e.together_member());
-  return detail::EmaCore::update_together(members, info);
+  std::vector<UpdateResult> out(members.size());
+  detail::EmaCore::update_together(members, info, out);
+  return out;
 }
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

@@ -178,8 +178,8 @@ class CpuPass {
   // `#pragma omp parallel` is expanded where this is compiled.)
   // `drift` (null: not measured): two sums per slot, [2 * slot] += sum((a' - x)^2) and
   // [2 * slot + 1] += sum(x^2) over each lerp segment of the slot (lerp_drift_range); the caller
-  // zeroes them. Threads add their shares' sums atomically: their order, and so the last bits of
-  // a sum, follow the split.
+  // zeroes them. A slot cut between shares gets its threads' sums atomically: their order, and so
+  // the last bits of its sums, follow the split.
   void run(double weight, std::int64_t grain, double* drift = nullptr) const;
 
   // The segments' work between cost units [c0, c1).

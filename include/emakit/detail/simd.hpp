@@ -176,8 +176,8 @@ EMAKIT_ALWAYS_INLINE void lerp_range(A* __restrict a, const S* __restrict x, std
 // (a' the average as stored, in its dtype) to sums[0] and sums[1]. The averages are computed by
 // the same expressions as lerp_range's, so they are bitwise the same; the sums are taken in
 // opmath_t<A> over chunks of drift_chunk elements (`omp simd` reduces them in vector lanes), each
-// chunk's sum added in double: a sum is within drift_chunk + 2 roundings of opmath_t<A> of the
-// exact one, relative to it.
+// chunk's sum added in double: a sum is within drift_chunk + 3 roundings of opmath_t<A> of the
+// exact one, relative to it (each term: the difference and the square; then the chunk's sum).
 inline constexpr std::int64_t drift_chunk = 1024;
 template <class A, class S>
 EMAKIT_ALWAYS_INLINE void lerp_drift_range(A* __restrict a, const S* __restrict x, std::int64_t n, opmath_t<A> w,

@@ -198,7 +198,8 @@ EMAKIT_FUNC void UpdateKernel::run_cpu(bool averaging, double weight, bool drift
 
 EMAKIT_FUNC void UpdateKernel::run_together(std::span<const Work> work) {
   c10::NoGradGuard no_grad;
-  std::vector<GroupPass::Input> passes;
+  thread_local std::vector<GroupPass::Input> passes;  // keeps its capacity from call to call
+  passes.clear();
   for (const Work& w : work) {
     if (w.kernel->cpu_pass_only()) {
       w.kernel->join_host();
