@@ -182,8 +182,9 @@ class EmaCore {
   // fused CPU pass); bitwise the same averages, counters and results. Refuses before anything
   // changes: an Ema given twice, members bound to different models, a member whose update writes
   // the model (EmaOptions::switch_model), and what update() refuses (a swap open, an update
-  // running, a step going back). The results go to `out` (one per member). After the first call
-  // for a set of members it allocates nothing (its scratch is kept per thread).
+  // running, a step going back). The results go to `out` (one per member). Its scratch (the
+  // prepared updates, the work, the grouping) is kept per thread, so that a call for the same
+  // members allocates nothing of its own after the first.
   EMAKIT_FUNC static void update_together(std::span<const Member> members, const StepInfo& info,
                                           std::span<UpdateResult> out);
 
