@@ -281,6 +281,14 @@ TEST_CASE("update_together holds every member's update until it is done, and giv
   emakit::update_together(first, second, quiet);
   CHECK(first.calls() == 2);
   CHECK(quiet.calls() == 1);
+  // An update_together refused at a busy member gives back the members it had taken before it.
+  emakit::Ema<emakit::Fixed> third(*model, emakit::Fixed(0.9));
+  emakit::Ema<emakit::Fixed, Intruding> nested(*model, emakit::Fixed(0.9),
+                                               Intruding{[&] { emakit::update_together(third, second); }});
+  CHECK_THROWS_WITH(emakit::update_together(first, second, nested),
+                    Contains("update_together() was called while another update() of this Ema is running"));
+  CHECK(third.update().action != emakit::Action::skipped);  // third was given back by the inner call
+  CHECK(third.calls() == 1);
 }
 
 TEST_CASE("update_together refuses, before anything changes, what one pass cannot update", "[together][errors]") {

@@ -169,19 +169,22 @@ class BusyAll {
  public:
   explicit BusyAll(std::span<const EmaCore::Member> members, BusyFlag EmaCore::*flag, const char* what)
       : members_(members), flag_(flag) {
-    for (; taken_ < members_.size(); ++taken_)
-      if ((members_[taken_].core->*flag_).value.exchange(true, std::memory_order_acquire))
-        fail("{}() was called while another update() of member {} is running (from another thread); an Ema is not "
-             "thread-safe: call it from one thread at a time, or behind a mutex",
-             what, taken_);
+    try {
+      for (; taken_ < members_.size(); ++taken_) (members_[taken_].core->*flag_).take(what);
+    } catch (...) {
+      give_back();  // a constructor that throws runs no destructor
+      throw;
+    }
   }
   BusyAll(const BusyAll&) = delete;
   BusyAll& operator=(const BusyAll&) = delete;
-  ~BusyAll() {
-    for (std::size_t i = 0; i < taken_; ++i) (members_[i].core->*flag_).value.store(false, std::memory_order_release);
-  }
+  ~BusyAll() { give_back(); }
 
  private:
+  void give_back() noexcept {
+    for (std::size_t i = 0; i < taken_; ++i) (members_[i].core->*flag_).give_back();
+  }
+
   std::span<const EmaCore::Member> members_;
   BusyFlag EmaCore::*flag_;
   std::size_t taken_ = 0;

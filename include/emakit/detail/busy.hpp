@@ -33,19 +33,22 @@ struct BusyFlag {
   BusyFlag() = default;
   BusyFlag(BusyFlag&&) noexcept {}
   BusyFlag& operator=(BusyFlag&&) noexcept { return *this; }
-};
-
-class BusyScope {
- public:
-  BusyScope(BusyFlag& flag, const char* what) : flag_(flag) {
-    if (flag_.value.exchange(true, std::memory_order_acquire))
+  // Takes the flag for the call `what`, or fails if an update holds it.
+  void take(const char* what) {
+    if (value.exchange(true, std::memory_order_acquire))
       fail("{}() was called while another update() of this Ema is running (from another thread); an Ema is not "
            "thread-safe: call it from one thread at a time, or behind a mutex",
            what);
   }
+  void give_back() noexcept { value.store(false, std::memory_order_release); }
+};
+
+class BusyScope {
+ public:
+  BusyScope(BusyFlag& flag, const char* what) : flag_(flag) { flag_.take(what); }
   BusyScope(const BusyScope&) = delete;
   BusyScope& operator=(const BusyScope&) = delete;
-  ~BusyScope() { flag_.value.store(false, std::memory_order_release); }
+  ~BusyScope() { flag_.give_back(); }
 
  private:
   BusyFlag& flag_;
