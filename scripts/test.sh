@@ -4,9 +4,10 @@
 # Each build/<name> is the CMake preset <name> (CMakePresets.json: `cmake --preset NAME`,
 # `cmake --build --preset NAME`, `ctest --preset NAME`):
 #   format           clang-format 14 over the C++ files (scripts/format.sh --check), a few seconds
-#   build/torch1.13  Debian's libtorch-dev (LibTorch 1.13), header-only (emakit::emakit)
+#   build/torch1.13  Debian's libtorch-dev (LibTorch 1.13), header-only (emakit::emakit), every label
 #   build/torch2     the LibTorch inside the PyPI torch wheel in the Python venv, with everything
-#                    linked against the compiled mode (emakit::compiled)
+#                    linked against the compiled mode (emakit::compiled); the docs samples, package
+#                    and compile-fail tests run in torch1.13 only (EMAKIT_USER_BUILD_TESTS)
 #   build/asan       the unit, conformance and distributed tests with ASan + UBSan, Debian's
 #                    LibTorch, compiled mode (scripts/sanitize.sh)
 #   build/fuzz       libFuzzer on the checkpoint loader, 60 s (scripts/fuzz.sh)

@@ -32,6 +32,8 @@
 #include <utility>
 #include <vector>
 
+namespace test_checkpoint_files {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using Catch::Matchers::Contains;
 
 namespace {
@@ -628,3 +630,5 @@ TEST_CASE("first_line keeps the first line of an error, without c10's backtrace"
     CHECK_THAT(emakit::detail::first_line(e), Contains("the reason") && !Contains("\n"));
   }
 }
+
+}  // namespace test_checkpoint_files

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <stdexcept>
 
+namespace test_decay {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using Catch::Matchers::Contains;
 
 namespace {
@@ -225,3 +227,5 @@ TEST_CASE("Policies list their options for checkpoints", "[decay]") {
   CHECK(fields[4].value == 7);
   CHECK(fields[4].is_integer);
 }
+
+}  // namespace test_decay

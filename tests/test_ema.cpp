@@ -13,6 +13,8 @@
 #include <stdexcept>
 #include <vector>
 
+namespace test_ema {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using Catch::Matchers::Contains;
 using emakit::Action;
 using emakit_test::TinyNet;
@@ -508,3 +510,5 @@ TEST_CASE("An Ema with Uniform lerps with the weight 1/n exactly, not 1 - (1 - 1
   }
   CHECK(told_apart >= 2);  // n = 3 and n = 5 at least: the comparison can tell the two weights apart
 }
+
+}  // namespace test_ema

@@ -7,6 +7,8 @@
 
 #include <catch2/catch.hpp>
 
+namespace test_format {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using Catch::Matchers::Contains;
 
 TEST_CASE("Every policy prints its name and options", "[format]") {
@@ -37,3 +39,5 @@ TEST_CASE("An Ema prints config and counters on one line", "[format]") {
                        Contains("tensors=7 averaged + 1 copied") && Contains("calls=1") && Contains("updates=1") &&
                        Contains("decay_now=0.5"));
 }
+
+}  // namespace test_format

@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+namespace test_hooks {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using Catch::Matchers::Contains;
 using emakit::Action;
 using emakit::Creation;
@@ -724,3 +726,7 @@ TEST_CASE("Hook: a checkpoint of another config is refused also before the EMA i
   CHECK_THROWS_WITH(other_buffers.load_checkpoint(dir.path / "a.pt"), Contains("config.options.buffers"));
   CHECK(same(weights_of(*model), before));
 }
+
+#undef EMAKIT_EXAMPLE
+
+}  // namespace test_hooks

@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+namespace test_interop_errors {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using Catch::Matchers::Contains;
 
 namespace {
@@ -690,3 +692,5 @@ TEST_CASE("diffusers: a tied weight is one entry of shadow_params, as model.para
                     Contains("shadow_params holds 4 tensors, this EMA averages 3 distinct ones (and 1 tied name)"));
   CHECK(same_averages(refused.averages(), before));
 }
+
+}  // namespace test_interop_errors

@@ -37,6 +37,8 @@
 
 #include <sys/utsname.h>
 
+namespace test_kernel {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 namespace {
 
 // Averages `a` towards `x` with weight w through the kernel; returns the result.
@@ -915,3 +917,5 @@ TEST_CASE("Each read of an Ema settles once whatever its number of tensors, and 
   CHECK(settles_of([&] { auto guard = ema.swap_into(); }) == 1);
   CHECK(settles_of([&] { ema.wait_for_update(); }) == 1);
 }
+
+}  // namespace test_kernel

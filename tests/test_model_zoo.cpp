@@ -57,6 +57,8 @@
 #include <utility>
 #include <vector>
 
+namespace test_model_zoo {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 namespace {
 
 using emakit::Action;
@@ -1252,3 +1254,5 @@ TEST_CASE("Model zoo: generated module trees match a plain reference under every
     CHECK(compared.complex > 0);
   }
 }
+
+}  // namespace test_model_zoo

@@ -31,6 +31,8 @@
 #include <utility>
 #include <vector>
 
+namespace test_optimizer_archives {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using Catch::Matchers::Contains;
 using emakit_test::bitwise_equal;
 using emakit_test::TempDir;
@@ -269,3 +271,5 @@ TEST_CASE("Code hidden in the declaration forms of optimizer archives is refused
   REQUIRE_THROWS_WITH(emakit::detail::scan_archive_bytes(zip_bytes(custom), "'hostile'"),
                       Contains("refusing 'hostile'") && Contains("__torch__/torch/classes/emakit/Evil.py"));
 }
+
+}  // namespace test_optimizer_archives

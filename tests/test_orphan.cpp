@@ -29,6 +29,8 @@
 #include <tuple>
 #include <vector>
 
+namespace test_orphan {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using Catch::Matchers::Contains;
 using emakit::Action;
 using emakit::Creation;
@@ -479,3 +481,5 @@ TEST_CASE("A TeacherStudent of a model no shared_ptr owns goes on: nothing to wa
   CHECK_NOTHROW(wrapper.forward(x));
   CHECK(model.received.defined());
 }
+
+}  // namespace test_orphan

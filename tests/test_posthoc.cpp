@@ -37,6 +37,8 @@
 #include <thread>
 #include <vector>
 
+namespace test_posthoc {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 namespace fs = std::filesystem;
 using Catch::Matchers::Contains;
 
@@ -1143,3 +1145,5 @@ TEST_CASE("A target the snapshots cannot reproduce is refused, and the plan repo
   for (double s : {0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.10, 0.12, 0.13, 0.16, 0.20})
     CHECK_NOTHROW(emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(s)));
 }
+
+}  // namespace test_posthoc

@@ -16,6 +16,8 @@
 
 #include <catch2/catch.hpp>
 
+namespace test_presets {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using Catch::Matchers::Contains;
 using emakit::Action;
 using emakit_test::TinyNet;
@@ -408,3 +410,7 @@ TEST_CASE("Cosine teacher preset: parameters only, every update averages with th
   }
   CHECK(teacher.decay() == 1.0);  // k = 5 > K' = 4: the end value, the teacher stops moving
 }
+
+#undef EMAKIT_ROW
+
+}  // namespace test_presets

@@ -23,6 +23,8 @@
 #include <thread>
 #include <vector>
 
+namespace test_real_models {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using Catch::Matchers::Contains;
 using emakit::Action;
 using emakit_test::bitwise_equal;
@@ -568,3 +570,5 @@ TEST_CASE("A tied model through the hook's checkpoint and post-hoc synthesis: th
   CHECK(synthesized->embed.is_same(synthesized->head));
   CHECK(torch::isfinite(synthesized->embed).all().item<bool>());
 }
+
+}  // namespace test_real_models

@@ -21,6 +21,8 @@
 #include <string>
 #include <vector>
 
+namespace test_reliability {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using Catch::Matchers::Contains;
 using emakit::Action;
 using emakit_test::bitwise_equal;
@@ -213,3 +215,5 @@ TEST_CASE("Non-finite guard on: a complex tensor with a NaN or an infinity skips
     CHECK(warnings.messages.size() == 1);
   }
 }
+
+}  // namespace test_reliability

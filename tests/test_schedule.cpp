@@ -7,6 +7,8 @@
 #include <set>
 #include <string>
 
+namespace test_schedule {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using Catch::Matchers::Contains;
 using emakit::Action;
 using emakit::StepSchedule;
@@ -110,3 +112,5 @@ static_assert(emakit::SchedulePolicy<StepSchedule>);
 static_assert(emakit::SchedulePolicy<EveryOther>);
 static_assert(!emakit::SchedulePolicy<ReturnsBool>);
 static_assert(!emakit::SchedulePolicy<emakit::Fixed>);
+
+}  // namespace test_schedule

@@ -6,6 +6,8 @@
 
 #include <catch2/catch.hpp>
 
+namespace test_storage {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using Catch::Matchers::Contains;
 using emakit_test::PlainNet;
 using emakit_test::PlainNetImpl;
@@ -130,3 +132,5 @@ TEST_CASE("A storage may hold only some tensors: the Ema updates, saves and load
   for (const auto& name : names) CHECK(emakit_test::bitwise_equal(again.average(name), part.average(name)));
   CHECK_THROWS_WITH(again.load_state_dict(whole.state_dict()), Contains("unexpected key 'average.fc.bias'"));
 }
+
+}  // namespace test_storage

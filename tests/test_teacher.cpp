@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+namespace test_teacher {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using Catch::Matchers::Contains;
 using emakit::TeacherRoute;
 using emakit::TeacherRoutes;
@@ -282,3 +284,5 @@ TEST_CASE("Every read of the EMA, the teacher's included, settles the last updat
   CHECK(counts.waits == waits + 1);
   CHECK(counts.settles == settled);
 }
+
+}  // namespace test_teacher

@@ -28,6 +28,8 @@
 #include <string>
 #include <vector>
 
+namespace test_together {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using Catch::Matchers::Contains;
 
 namespace {
@@ -490,3 +492,5 @@ TEST_CASE("drift_every measures on every n-th averaging update: the result, last
   CHECK(r.drift->farthest == "near");
   CHECK_THROWS_WITH(emakit::EmaOptions().drift_every(-1), Contains("EmaOptions::drift_every"));
 }
+
+}  // namespace test_together

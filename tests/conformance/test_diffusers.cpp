@@ -23,6 +23,8 @@
 
 #include <bit>
 
+namespace test_diffusers {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using namespace emakit_conformance;
 
 namespace {
@@ -225,3 +227,5 @@ TEST_CASE("RationalRamp: the reference values, as diffusers' get_decay computes 
   CHECK(ramp.decay({11, 11, 1}) == 0.55);
   CHECK(ramp.decay({101, 101, 1}) == 0.9181818181818182);
 }
+
+}  // namespace test_diffusers

@@ -25,6 +25,8 @@
 #include <tuple>
 #include <vector>
 
+namespace test_interop {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using namespace emakit_conformance;
 
 namespace {
@@ -1084,3 +1086,5 @@ TEST_CASE("timm ModelEmaV3 round trip: saved in Python, continued in C++, loaded
       sources, {.decay = 0.99, .min_decay = 0.1, .update_after_step = 2, .use_warmup = true, .warmup_power = 0.75});
   first_venv_round_trip("timm_v3", *dir, sources, ema, emakit::Peer::timm_v3, 25, 32, true);
 }
+
+}  // namespace test_interop

@@ -47,6 +47,8 @@
 
 #include <cmath>
 
+namespace test_lightning_lightly {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using namespace emakit_conformance;
 
 namespace {
@@ -343,3 +345,5 @@ TEST_CASE("DINO cosine_scheduler momentum (K' = K, lightly_peer.py): CosineEnd::
   // The last step is below `end`, unlike lightly's at K - 1: K' = K, not K - 1.
   CHECK(load_dict(step_file(*dir, "step", 30)).at("counter.m").item<double>() < 1.0);
 }
+
+}  // namespace test_lightning_lightly

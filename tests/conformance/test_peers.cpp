@@ -25,6 +25,8 @@
 //   tensors and counters: bitwise / exact.
 #include "replay.hpp"
 
+namespace test_peers {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using namespace emakit_conformance;
 
 namespace {
@@ -129,3 +131,5 @@ TEST_CASE("AveragedModel SWA (equal-weight mean) without buffers", "[conformance
 }
 
 // luxonis-train and nvalchemi-toolkit: test_seed_packages.cpp.
+
+}  // namespace test_peers

@@ -46,6 +46,8 @@
 #include <string>
 #include <vector>
 
+namespace test_posthoc_conformance {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 namespace fs = std::filesystem;
 
 namespace {
@@ -269,3 +271,5 @@ TEST_CASE("Post-hoc tracking: ema-pytorch's EMA after k calls is emakit's after 
   REQUIRE(shifted.compared == floats * static_cast<int>(gammas.numel() * steps.numel()));
   CHECK(plain.worst_rel > 1e-3);  // the plain trajectory differs, by design (not a tolerance)
 }
+
+}  // namespace test_posthoc_conformance

@@ -37,6 +37,8 @@
 
 #include <unistd.h>
 
+namespace test_seed_packages {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using namespace emakit_conformance;
 
 namespace {
@@ -603,3 +605,5 @@ TEST_CASE("nvalchemi EMAHook: a state saved with another use_buffers is refused"
   CHECK(torch::equal(other->lin->weight, before));  // nothing loaded
   fs::remove(file);
 }
+
+}  // namespace test_seed_packages

@@ -17,6 +17,8 @@
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/linear.h>
 
+namespace test_teacher_conformance {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using namespace emakit_conformance;
 
 namespace {
@@ -242,3 +244,5 @@ TEST_CASE("EMAModuleWrapper: forward_online_during_train=False returns the EMA m
       replay_wrapper(*dir, emakit::TeacherRoutes::map({{"predictor", "projector"}, {"head", "target"}}), false);
   CHECK(o.forwards == 6);
 }
+
+}  // namespace test_teacher_conformance

@@ -37,6 +37,8 @@
 
 #include <cmath>
 
+namespace test_ties {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using namespace emakit_conformance;
 
 namespace {
@@ -337,3 +339,5 @@ TEST_CASE("ties: nvalchemi EMAHook averages a tied weight once (AveragedModel)",
   REQUIRE(r.untied.compared + r.tied_compared == model_tensors(*dir) * count_created(*dir));
   require_figures(r, Ties::once);
 }
+
+}  // namespace test_ties

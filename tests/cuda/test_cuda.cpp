@@ -5,6 +5,8 @@
 
 #include <catch2/catch.hpp>
 
+namespace test_cuda {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 using emakit_test::TinyNet;
 
 namespace {
@@ -70,3 +72,5 @@ TEST_CASE("After model->to(CUDA) the average stays on the CPU and follows the mo
   }
   CHECK(torch::equal(model->fc->weight.cpu(), torch::full({4, 3}, 3.0)));
 }
+
+}  // namespace test_cuda

@@ -63,6 +63,8 @@
 #include <string_view>
 #include <vector>
 
+namespace test_cuda_races {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 namespace {
 
 #if defined(EMAKIT_RACE_TESTS_ON_CPU) && EMAKIT_RACE_TESTS_ON_CPU
@@ -775,3 +777,8 @@ TEST_CASE("skip_non_finite on CUDA: NaN and inf are found, huge finite values ar
     }
   }
 }
+
+#undef EMAKIT_RACE_TESTS_GLOO
+#undef EMAKIT_RACE_TESTS_ALLOCATOR_STATS
+
+}  // namespace test_cuda_races

@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+namespace test_cuda_streams {  // this file's names (unity batches: tests/CMakeLists.txt)
+
 namespace {
 
 const c10::Device cuda0(c10::kCUDA, 0);
@@ -201,3 +203,7 @@ TEST_CASE("The CUDA path runs _foreach_lerp_ on LibTorch >= 2 and mul_ + add_ on
     CHECK(torch::allclose(ema.average(model[i].name), expected[i], 1e-6, 1e-6));
   }
 }
+
+#undef EMAKIT_TEST_DEVICE_ALLOCATOR_STATS
+
+}  // namespace test_cuda_streams
