@@ -37,6 +37,10 @@
 //                                     many_small,resnet50,vit_b16,llm1b)
 //   --emakit_threads=1,all           (CPU; `all` is every CPU the process may run on)
 //   --emakit_groups=1,2,4            (CPU) the group<K> cases to run (default: none)
+//   --emakit_evict_mb=N              (CPU group cases) write N MB of other memory before each
+//                                    timed update, untimed, so that a model smaller than the
+//                                    last-level cache is read from memory, as after a training
+//                                    step (default 0: the update runs on what the last one left)
 //   --emakit_dump_layouts=FILE       write the layouts as JSON and exit
 #include "layouts.hpp"
 
@@ -113,6 +117,19 @@ struct Group {
   std::vector<emakit::FixedEma> emas;
 };
 std::map<std::string, Group> g_groups;
+std::int64_t g_evict_bytes = 0;  // --emakit_evict_mb
+
+// Writes g_evict_bytes of a buffer of its own, so that the caches hold it instead of the model.
+void evict_caches() {
+  static std::vector<std::uint8_t> buffer;
+  if (g_evict_bytes == 0) return;
+  buffer.resize(static_cast<std::size_t>(g_evict_bytes));
+  static std::uint8_t round = 0;
+  ++round;
+  for (std::size_t i = 0; i < buffer.size(); i += 64) buffer[i] = round;
+  benchmark::DoNotOptimize(buffer.data());
+  benchmark::ClobberMemory();
+}
 
 Fixture& fixture(const Layout& layout, Precision precision, c10::Device device) {
   const std::string key = layout.name + "/" + name_of(precision) + "/" + device.str();
@@ -324,7 +341,14 @@ void run_group(benchmark::State& state, const Layout& layout, Precision precisio
     return;
   }
   step();  // warm
-  for (auto _ : state) step();
+  for (auto _ : state) {
+    if (g_evict_bytes != 0) {
+      state.PauseTiming();
+      evict_caches();
+      state.ResumeTiming();
+    }
+    step();
+  }
   const std::int64_t bytes = f.params() * (f.source_bytes() + 8 * k);
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * bytes);
   state.counters["bytes"] = static_cast<double>(bytes);
@@ -627,6 +651,8 @@ int main(int argc, char** argv) {
       threads_arg = *v3;
     } else if (auto v5 = value("--emakit_groups")) {
       groups_arg = *v5;
+    } else if (auto v6 = value("--emakit_evict_mb")) {
+      g_evict_bytes = std::stoll(*v6) << 20;
     } else if (auto v4 = value("--emakit_dump_layouts")) {
       dump_layouts(*v4);
       return 0;
