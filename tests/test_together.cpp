@@ -293,6 +293,45 @@ TEST_CASE("update_together holds every member's update until it is done, and giv
   CHECK(third.calls() == 1);
 }
 
+// The CPU passes hold the data pointers of their plan: a tensor given new memory (set_data, same
+// shape and dtype, the old memory freed) must be found before the pass runs, by Ema's update, by
+// update_together's reused grouping, and by a kernel run that nobody checked first.
+TEST_CASE("A model tensor given new memory between updates is read there: apart, together, and a bare kernel run",
+          "[together][placement]") {
+  for (const bool together : {false, true}) {
+    emakit_test::TinyNet model;
+    emakit_test::fill_floats(*model, 1.0);
+    emakit::FixedEma fast(*model, emakit::Fixed(0.5)), slow(*model, emakit::Fixed(0.75));
+    auto update = [&] {
+      if (together) {
+        emakit::update_together(fast, slow);
+      } else {
+        fast.update();
+        slow.update();
+      }
+    };
+    update();  // 1 and 1 stay 1; together, the members' passes are grouped (and kept for the next call)
+    {
+      torch::NoGradGuard no_grad;
+      model->fc->weight.set_data(torch::full({4, 3}, 3.0));
+    }
+    update();
+    INFO((together ? "together" : "apart"));
+    CHECK(torch::equal(fast.average("fc.weight"), torch::full({4, 3}, 2.0)));  // 1 + 0.5 (3 - 1)
+    CHECK(torch::equal(slow.average("fc.weight"), torch::full({4, 3}, 1.5)));  // 1 + 0.25 (3 - 1)
+    CHECK(torch::equal(fast.average("fc.bias"), torch::full({4}, 1.0)));       // untouched tensors still right
+  }
+  std::vector<emakit::detail::Slot> slots(1);
+  slots[0].name = "t";
+  slots[0].average = torch::ones({1000});
+  slots[0].source = torch::ones({1000});
+  at::Tensor source = slots[0].source;  // the same tensor (TensorImpl) as the slot's
+  emakit::detail::UpdateKernel kernel(std::move(slots));
+  source.set_data(torch::full({1000}, 3.0));
+  kernel.average(0.5);  // no check_sources() before it
+  CHECK(torch::equal(kernel.settled_slots()[0].average, torch::full({1000}, 2.0)));
+}
+
 TEST_CASE("update_together refuses, before anything changes, what one pass cannot update", "[together][errors]") {
   emakit_test::TinyNet model, other;
   emakit::Ema<emakit::Fixed> a(*model, emakit::Fixed(0.9)), b(*model, emakit::Fixed(0.99));

@@ -11,10 +11,10 @@
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
-EMAKIT_FUNC void CpuPass::add(SegmentFn fn, std::size_t slot, std::int64_t n, std::int64_t cost,
-                              const at::Tensor* average, const at::Tensor* input) {
+EMAKIT_FUNC void CpuPass::add(SegmentFn fn, std::size_t slot, std::int64_t n, std::int64_t cost, void* a,
+                              const void* x) {
   if (n == 0) return;
-  segments_.push_back(Segment{fn, slot, n, cost, total_, average, input});
+  segments_.push_back(Segment{fn, slot, n, cost, total_, a, x});
   total_ += n * cost;
 }
 
@@ -32,13 +32,11 @@ EMAKIT_FUNC void CpuPass::run_share(std::int64_t c0, std::int64_t c1, double wei
     const std::int64_t lo = element_at(*it, c0);
     const std::int64_t hi = element_at(*it, c1);
     if (lo >= hi) continue;
-    void* a = it->average != nullptr ? it->average->data_ptr() : it->a;
-    const void* x = it->input != nullptr ? read_ptr(*it->input) : it->x;
     if (drift == nullptr) {
-      it->fn(a, x, lo, hi, weight, nullptr);
+      it->fn(it->a, it->x, lo, hi, weight, nullptr);
     } else {
       double sums[2] = {0.0, 0.0};
-      it->fn(a, x, lo, hi, weight, sums);
+      it->fn(it->a, it->x, lo, hi, weight, sums);
       add_drift(drift + 2 * it->slot, sums, /*shared=*/lo > 0 || hi < it->n);
     }
   }
@@ -73,9 +71,8 @@ EMAKIT_FUNC void GroupPass::build(std::span<const Input> passes) {
   // Groups in the order their input first appears; a segment joins the group of its input.
   for (const Input& p : passes) {
     for (const auto& seg : p.pass->segments()) {
-      const void* input = seg.input != nullptr ? static_cast<const void*>(seg.input->unsafeGetTensorImpl()) : seg.x;
-      const auto [it, added] = index_.try_emplace(Key{input, seg.n}, groups_.size());
-      if (added) groups_.push_back(Group{seg.input, seg.x, seg.n, 0, 0, 0, 0, 0});
+      const auto [it, added] = index_.try_emplace(Key{seg.x, seg.n}, groups_.size());
+      if (added) groups_.push_back(Group{seg.x, seg.n, 0, 0, 0, 0, 0});
       Group& g = groups_[it->second];
       g.cost += seg.cost;
       ++g.count;
@@ -99,7 +96,7 @@ EMAKIT_FUNC void GroupPass::build(std::span<const Input> passes) {
     for (const auto& seg : passes[p].pass->segments()) {
       Group& g = groups_[group_of_[k++]];
       double* drift = passes[p].drift != nullptr ? passes[p].drift + 2 * seg.slot : nullptr;
-      entries_[g.first + g.count++] = Entry{seg.fn, seg.average, seg.a, passes[p].weight, drift, seg.slot, p};
+      entries_[g.first + g.count++] = Entry{seg.fn, seg.a, passes[p].weight, drift, seg.slot, p};
     }
   }
 }
@@ -117,7 +114,7 @@ EMAKIT_FUNC void GroupPass::run_share(std::int64_t c0, std::int64_t c1) const {
     const std::int64_t lo = element_at(*it, c0);
     const std::int64_t hi = element_at(*it, c1);
     if (lo >= hi) continue;
-    const void* x = it->input != nullptr ? read_ptr(*it->input) : it->x;
+    const void* x = it->x;
     // Each member's drift sums over this share, added once after it (at most the few members that
     // measure drift this step; more than fit here add theirs per block).
     constexpr std::size_t kept = 8;
@@ -127,15 +124,14 @@ EMAKIT_FUNC void GroupPass::run_share(std::int64_t c0, std::int64_t c1) const {
       const std::int64_t e = std::min(hi, b + it->block);
       for (std::size_t k = it->first; k < it->first + it->count; ++k) {
         const Entry& entry = entries_[k];
-        void* a = entry.average != nullptr ? entry.average->data_ptr() : entry.a;
         const std::size_t j = k - it->first;
         if (entry.drift == nullptr) {
-          entry.fn(a, x, b, e, entry.weight, nullptr);
+          entry.fn(entry.a, x, b, e, entry.weight, nullptr);
         } else if (j < kept) {
-          entry.fn(a, x, b, e, entry.weight, sums[j]);
+          entry.fn(entry.a, x, b, e, entry.weight, sums[j]);
         } else {
           double block_sums[2] = {0.0, 0.0};
-          entry.fn(a, x, b, e, entry.weight, block_sums);
+          entry.fn(entry.a, x, b, e, entry.weight, block_sums);
           add_drift(entry.drift, block_sums, shared);
         }
       }

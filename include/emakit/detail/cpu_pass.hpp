@@ -148,11 +148,10 @@ class CpuPass {
     std::int64_t n;          // elements
     std::int64_t cost;       // bytes moved per element
     std::int64_t begin = 0;  // first cost unit (prefix sum)
-    // The tensors whose data the segment reads and writes: each thread takes the data pointers
-    // of the segments it runs, so that refreshing them is parallel too. Without tensors (tests),
-    // the raw pointers a and x are used.
-    const at::Tensor* average = nullptr;
-    const at::Tensor* input = nullptr;
+    // The data the segment writes and reads, taken when the plan is made: UpdateKernel runs a
+    // pass only after check_sources() found every tensor on the memory it was planned on (or
+    // re-planned). Reading each tensor's data pointer in the pass instead cost an update of 2000
+    // small tensors 5-12% (docs/performance.md, "Several EMAs of one model").
     void* a = nullptr;
     const void* x = nullptr;
   };
@@ -162,8 +161,8 @@ class CpuPass {
     total_ = 0;
     generation_ = next_generation();
   }
-  void add(SegmentFn fn, std::size_t slot, std::int64_t n, std::int64_t cost, const at::Tensor* average = nullptr,
-           const at::Tensor* input = nullptr);
+  void add(SegmentFn fn, std::size_t slot, std::int64_t n, std::int64_t cost, void* a = nullptr,
+           const void* x = nullptr);
   bool empty() const noexcept { return segments_.empty(); }
   // Changes whenever the segments do (clear, add), unique across every pass of the process: what
   // a GroupPass built from this pass checks before it reuses its grouping.
@@ -233,7 +232,6 @@ class GroupPass {
  private:
   struct Entry {
     SegmentFn fn;
-    const at::Tensor* average;
     void* a;
     double weight;
     double* drift;     // this slot's two drift sums, or null
@@ -241,13 +239,13 @@ class GroupPass {
     std::size_t pass;  // index into build()'s passes, whose weight and drift sums it takes
   };
   struct Group {
-    const at::Tensor* input;
     const void* x;
     std::int64_t n, cost, begin;
     std::size_t first, count;  // entries_[first, first + count)
     std::int64_t block;        // elements per block
   };
-  // A group's input: the tensor (or, without tensors, the raw pointer) and its element count.
+  // A group's input: where its data starts, and its element count (two slots reading the same
+  // memory read the same elements: one group).
   struct Key {
     const void* input;
     std::int64_t n;

@@ -25,6 +25,7 @@ EMAKIT_FUNC UpdateKernel& UpdateKernel::operator=(UpdateKernel&& other) noexcept
   finite_checks_[1] = std::move(other.finite_checks_[1]);
   drift_sums_ = std::move(other.drift_sums_);
   drift_outside_ = std::move(other.drift_outside_);
+  sources_checked_ = other.sources_checked_ = false;  // the next run of either checks first
   return *this;
 }
 
@@ -57,6 +58,7 @@ EMAKIT_FUNC void UpdateKernel::check_sources() {
     wait_for_update();
     plan();
   }
+  sources_checked_ = true;
 }
 
 EMAKIT_FUNC void UpdateKernel::plan() {
@@ -79,6 +81,7 @@ EMAKIT_FUNC void UpdateKernel::plan() {
 
 EMAKIT_FUNC void UpdateKernel::run(bool averaging, double weight, bool drift) {
   c10::NoGradGuard no_grad;
+  check_before_run();
   join_host();  // the previous offloaded pass must finish before this one touches its buffers
   drift = drift && averaging;
   if (drift) begin_drift();
@@ -201,7 +204,9 @@ EMAKIT_FUNC void UpdateKernel::run_together(std::span<const Work> work) {
   thread_local std::vector<GroupPass::Input> passes;  // keeps its capacity from call to call
   passes.clear();
   for (const Work& w : work) {
+    if (!w.kernel->sources_checked_) w.kernel->check_sources();  // may re-plan: before asking the plan
     if (w.kernel->cpu_pass_only()) {
+      w.kernel->sources_checked_ = false;  // what run() does for the others
       w.kernel->join_host();
       const bool drift = w.drift && w.averaging;
       if (drift) w.kernel->begin_drift();

@@ -192,7 +192,17 @@ class UpdateKernel {
   }
   void wait_for_update_noexcept() const noexcept;
 
+  // The plan's CPU passes hold data pointers: a run is preceded by check_sources() (Ema's
+  // update does it; a run without it does it first) and uses up that check.
+  void check_before_run() {
+    if (!sources_checked_) check_sources();
+    sources_checked_ = false;
+  }
+
   std::vector<Slot> slots_;
+  // check_sources() since the last run (not plan() alone: the tensors may move between the
+  // plan and the first run, as between runs).
+  bool sources_checked_ = false;
   CpuPath cpu_path_ = CpuPath::fused;
   bool side_stream_ = false;
   std::int64_t staging_bytes_ = default_staging_bytes;

@@ -183,10 +183,9 @@ EMAKIT_FUNC void UpdatePlan::plan_cpu_slot(std::vector<Slot>& slots, std::size_t
   } else if (in_type == a_type) {
     copy = byte_copy_fn(s.average.element_size());
   }
-  // Addresses of the slot's tensors: stable, the slots are not resized after planning (and a move
-  // of the kernel moves the vector's buffer, not the slots).
-  const at::Tensor* average = &s.average;
-  const at::Tensor* input = &s.input();
+  // Where the slot's data is now: the kernel re-plans before a run if it moves (check_sources).
+  void* average = n == 0 ? nullptr : s.average.data_ptr();
+  const void* input = n == 0 ? nullptr : read_ptr(s.input());
   if (s.averaged) {
     if (lerp != nullptr) {
       average_pass.add(lerp, i, n, cost, average, input);
