@@ -17,7 +17,8 @@
 # per repetition, 0.2), EMAKIT_BENCH_GROUPS (none; e.g. 1,2,4: K EMAs of one model updated
 # together and apart, and the Python peers keeping K, peers.py --groups),
 # EMAKIT_BENCH_MACHINE (the machine's description in the report; default from lscpu),
-# EMAKIT_BENCH_PUBLISH=1 (copy the table and plot to benchmarks/results/cpu.{md,png}).
+# EMAKIT_BENCH_PUBLISH=1 (copy the table and plot to benchmarks/results/cpu.{md,png}; with
+# EMAKIT_BENCH_PUBLISH_NAME=cpu-avx2, to benchmarks/results/cpu-avx2.{md,png}).
 # The numbers are only as quiet as the machine: run it when nothing else does (see `uptime`).
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
@@ -32,6 +33,9 @@ rounds="${EMAKIT_BENCH_ROUNDS:-3}"
 repetitions="${EMAKIT_BENCH_REPETITIONS:-1}"
 min_time="${EMAKIT_BENCH_MIN_TIME:-0.2}"
 groups="${EMAKIT_BENCH_GROUPS:-}"
+publish_name="${EMAKIT_BENCH_PUBLISH_NAME:-cpu}"
+[[ "$publish_name" =~ ^[A-Za-z0-9._-]+$ ]] \
+  || emakit_die "EMAKIT_BENCH_PUBLISH_NAME='$publish_name': expected a file name of letters, digits, '.', '_' or '-'"
 
 emakit_apt_ensure "${EMAKIT_DEB_PACKAGES[@]}"
 venv_rc=0
@@ -98,7 +102,7 @@ emakit_say "wrote $out/results.md and $out/results.png"
 # EMAKIT_BENCH_PUBLISH=1: also copy them to benchmarks/results/ (what the README shows).
 if [[ "${EMAKIT_BENCH_PUBLISH:-0}" == 1 ]]; then
   mkdir -p benchmarks/results
-  cp "$out/results.md" benchmarks/results/cpu.md
-  cp "$out/results.png" benchmarks/results/cpu.png
-  emakit_say "published to benchmarks/results/cpu.md and cpu.png"
+  cp "$out/results.md" "benchmarks/results/$publish_name.md"
+  cp "$out/results.png" "benchmarks/results/$publish_name.png"
+  emakit_say "published to benchmarks/results/$publish_name.md and $publish_name.png"
 fi
