@@ -352,12 +352,7 @@ class Ema {
   // behind a mutex). Two update() calls that overlap are detected and the second is refused.
   UpdateResult update(StepInfo info = {}) {
     const auto decide = [this](const ScheduleInput& in) { return schedule_.decide(in); };
-    const auto weight = [this](const DecayInput& in) {
-      if constexpr (HasLerpWeight<Decay>)
-        return static_cast<double>(decay_.weight(in));
-      else
-        return 1.0 - static_cast<double>(decay_.decay(in));
-    };
+    const auto weight = [this](const DecayInput& in) { return lerp_weight(decay_, in); };
     return core_.update(info, policy_names(), decide, weight);
   }
 
@@ -365,13 +360,7 @@ class Ema {
   detail::EmaCore::Member together_member() {
     return {&core_, policy_names(), this,
             [](void* self, const ScheduleInput& in) { return static_cast<Ema*>(self)->schedule_.decide(in); },
-            [](void* self, const DecayInput& in) {
-              const Decay& decay = static_cast<Ema*>(self)->decay_;
-              if constexpr (HasLerpWeight<Decay>)
-                return static_cast<double>(decay.weight(in));
-              else
-                return 1.0 - static_cast<double>(decay.decay(in));
-            }};
+            [](void* self, const DecayInput& in) { return lerp_weight(static_cast<Ema*>(self)->decay_, in); }};
   }
 
   // The side-stream protocol (EmaOptions::side_stream): update() may return before the update has
@@ -517,6 +506,13 @@ class Ema {
               }) {}
 
   static detail::PolicyNames policy_names() { return {detail::policy_name<Decay>(), detail::policy_name<Schedule>()}; }
+  // The lerp weight 1 - d of this update, or the decay policy's own (HasLerpWeight: exact 1/n).
+  static double lerp_weight(const Decay& decay, const DecayInput& in) {
+    if constexpr (HasLerpWeight<Decay>)
+      return static_cast<double>(decay.weight(in));
+    else
+      return 1.0 - static_cast<double>(decay.decay(in));
+  }
   static detail::ema_state::PolicyConfig policy_config(const Decay& decay, const Schedule& schedule) {
     return {detail::policy_name<Decay>(), detail::policy_fields(decay), detail::policy_name<Schedule>(),
             detail::policy_fields(schedule)};
