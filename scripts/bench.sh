@@ -3,8 +3,8 @@
 # write a Markdown table and a plot:
 #   build/bench-torch1.13, build/bench-torch2   emakit_bench_ema_update against each LibTorch
 #                                               (the presets bench-torch1.13, bench-torch2)
-#   $EMAKIT_BENCH_OUT (default build/bench)     torch1.13-<round>.json, torch2-<round>.json (Google
-#                                               Benchmark), peers-<round>.json, layouts.json,
+#   $EMAKIT_BENCH_OUT (default build/bench)     <variant>-<round>-<layout>.json (Google Benchmark),
+#                                               peers-<round>-<layout>.json, layouts.json,
 #                                               results.md, results.png
 # Installs what is missing first (Debian packages, the venv with scripts/requirements.txt).
 #
@@ -77,21 +77,43 @@ for v in "${variants[@]}"; do binary[$v]="$(build "$v")"; done
 emakit_say "load before the run: $(uptime | sed 's/.*load average/load average/')"
 "${binary[${variants[0]}]}" --emakit_dump_layouts="$out/layouts.json"
 
-# Rounds: each runs the peers and every LibTorch build once, one after the other, so that a
-# burst of load from elsewhere hits every implementation alike; report.py takes the medians.
+# Rounds: each runs, layout by layout, the peers and every LibTorch build one after the other (in
+# the reverse order in every other round), so that a peer and emakit measure one layout a minute
+# apart, not the length of a whole pass over the layouts: this machine's memory bandwidth drifts
+# by 10-30% over minutes (the same case moved from 5.10 to 6.57 ms between two rounds of a run
+# that ran each implementation over every layout in turn, 2026-12-03), enough to put a peer
+# "above the roofline". report.py takes the medians of every round.
 peers_json=()
 cpp_json=()
-for ((round = 1; round <= rounds; ++round)); do
-  emakit_say "round $round of $rounds: Python peers (torch $("$python" -c 'import torch; print(torch.__version__)'))"
-  "$python" benchmarks/peers.py --layouts "$out/layouts.json" --out "$out/peers-$round.json" --names "$layouts" \
-    --threads "$threads" --min-time "$min_time" --repetitions "$repetitions" --groups "$groups"
-  peers_json+=("$out/peers-$round.json")
-  for v in "${variants[@]}"; do
-    emakit_say "round $round of $rounds: [$v] emakit_bench_ema_update"
-    "${binary[$v]}" --emakit_layouts="$layouts" --emakit_threads="$threads" \
+IFS=, read -r -a layout_list <<<"$layouts"
+# run_one ROUND LAYOUT WHO: runs the peers (WHO = peers) or a LibTorch build on one layout and adds
+# its JSON to the lists.
+run_one() {
+  local round="$1" layout="$2" who="$3"
+  if [[ "$who" == peers ]]; then
+    "$python" benchmarks/peers.py --layouts "$out/layouts.json" --out "$out/peers-$round-$layout.json" \
+      --names "$layout" --threads "$threads" --min-time "$min_time" --repetitions "$repetitions" --groups "$groups"
+    peers_json+=("$out/peers-$round-$layout.json")
+  else
+    "${binary[$who]}" --emakit_layouts="$layout" --emakit_threads="$threads" \
       --emakit_groups="$groups" --benchmark_repetitions="$repetitions" --benchmark_min_time="$min_time" \
-      --benchmark_out="$out/$v-$round.json" --benchmark_out_format=json
-    cpp_json+=("$out/$v-$round.json")
+      --benchmark_out="$out/$who-$round-$layout.json" --benchmark_out_format=json
+    cpp_json+=("$out/$who-$round-$layout.json")
+  fi
+}
+rm -f "$out"/peers-*.json "$out"/torch*-*.json  # a file of an earlier run must not join this one's medians
+for ((round = 1; round <= rounds; ++round)); do
+  order=(peers "${variants[@]}")
+  if ((round % 2 == 0)); then
+    reversed=()
+    for ((i = ${#order[@]} - 1; i >= 0; --i)); do reversed+=("${order[i]}"); done
+    order=("${reversed[@]}")
+  fi
+  for layout in "${layout_list[@]}"; do
+    for who in "${order[@]}"; do
+      emakit_say "round $round of $rounds, $layout: $who"
+      run_one "$round" "$layout" "$who"
+    done
   done
 done
 emakit_say "load after the run: $(uptime | sed 's/.*load average/load average/')"
