@@ -204,7 +204,7 @@ def targets(version, runs, peer_runs, memory, threads_list):
                     if worst_peer is None or ratio < worst_peer[0]:
                         worst_peer = (ratio, f"{layout} {precision} {t} thr")
                 # ATen's lerp kernels on emakit's own buffers: the Python peers' work without their
-                # buffers (a buffer's placement moves a streaming pass by up to 15% on some machines).
+                # buffers (a buffer's placement moves a streaming pass by up to 25% on some machines).
                 kernels = [runs[k] for k in (("average", layout, precision, i, t) for i in ("aten_lerp", "aten_foreach"))
                            if k in runs]
                 if kernels:
