@@ -79,10 +79,12 @@ emakit_say "load before the run: $(uptime | sed 's/.*load average/load average/'
 
 # Rounds: each runs, layout by layout, the peers and every LibTorch build one after the other (in
 # the reverse order in every other round), so that a peer and emakit measure one layout a minute
-# apart, not the length of a whole pass over the layouts: this machine's memory bandwidth drifts
-# by 10-30% over minutes (the same case moved from 5.10 to 6.57 ms between two rounds of a run
-# that ran each implementation over every layout in turn, 2026-12-03), enough to put a peer
-# "above the roofline". report.py takes the medians of every round.
+# or two apart, not the length of a whole pass over the layouts: a 2-vCPU guest's memory bandwidth
+# drifted by up to 30% over minutes (the same case took 5.10 ms in one round and 6.57 in the next
+# when a round ran each build over every layout in turn, 2026-12-03). Where each process's buffers
+# lie is the other difference between a peer and emakit, which no order removes: report.py also
+# compares emakit with ATen's lerp kernels on emakit's own buffers. It takes the medians of every
+# round.
 peers_json=()
 cpp_json=()
 IFS=, read -r -a layout_list <<<"$layouts"
