@@ -243,6 +243,42 @@ TEST_CASE("Loading a state of another config is an error naming the field and bo
   for (const auto& item : a.state_dict())
     if (item.key() != "config.options.buffers") older.insert(item.key(), item.value());
   CHECK(e.load_state_dict(older).clean());
+  // So is the arithmetic, by name: averages computed another way are another EMA's numbers.
+  emakit::FixedEma f(*model, emakit::Fixed(0.999), {},
+                     emakit::EmaOptions().arithmetic(emakit::Arithmetic::weighted_sum));
+  const auto f_before = snapshot(f.averages());
+  CHECK_THROWS_WITH(f.load_state_dict(a.state_dict()),
+                    Contains("config differs: config.options.arithmetic (EmaOptions::arithmetic) is lerp in the "
+                             "state, weighted_sum in this EMA"));
+  CHECK(same_averages(f.averages(), f_before));
+  CHECK_THROWS_WITH(a.load_state_dict(f.state_dict()), Contains("is weighted_sum in the state, lerp in this EMA"));
+  emakit::FixedEma g(*model, emakit::Fixed(0.999), {},
+                     emakit::EmaOptions().arithmetic(emakit::Arithmetic::weighted_sum));
+  CHECK(g.load_state_dict(f.state_dict()).clean());
+  // A state from before the arithmetic was saved was a lerp's: it loads into a lerp, not into another.
+  emakit::StateDict before_arithmetic;
+  for (const auto& item : a.state_dict())
+    if (item.key() != "config.options.arithmetic") before_arithmetic.insert(item.key(), item.value());
+  CHECK(a.load_state_dict(before_arithmetic).clean());
+  CHECK_THROWS_WITH(f.load_state_dict(before_arithmetic), Contains("is lerp in the state, weighted_sum in this EMA"));
+  CHECK_THROWS_WITH(emakit::EmaOptions().arithmetic(static_cast<emakit::Arithmetic>(9)),
+                    Contains("EmaOptions::arithmetic") && Contains("got 9"));
+}
+
+TEST_CASE("decay() and UpdateResult::decay are the policy's d in every bit, whatever the arithmetic", "[ema][decay]") {
+  TinyNet model;
+  // d where 1 - (1 - d) is not d (what an EMA that kept only w = 1 - d would report)
+  for (const double d : {0.1, 0.9999, 0.3}) {
+    for (const auto f : {emakit::Arithmetic::lerp, emakit::Arithmetic::weighted_sum, emakit::Arithmetic::subtract}) {
+      INFO("d " << d << ", " << emakit::arithmetic_name(f));
+      emakit::FixedEma ema(*model, emakit::Fixed(d), {}, emakit::EmaOptions().arithmetic(f));
+      const auto r = ema.update();
+      REQUIRE(r.action == Action::averaged);
+      CHECK(r.decay == d);
+      CHECK(ema.decay() == d);
+    }
+  }
+  CHECK(1.0 - (1.0 - 0.1) != 0.1);  // the test can tell the two apart
 }
 
 TEST_CASE("Strict load rejects missing, unexpected and mismatched tensors and changes nothing",

@@ -56,6 +56,173 @@ torch::Tensor kernel_lerp(const torch::Tensor& a, const torch::Tensor& x, double
 
 }  // namespace
 
+namespace {
+// One averaged element as each Arithmetic defines it (options.hpp), written out element by element
+// as the peer's ATen ops compute it: each op's result rounded to the average's dtype A, written
+// through a volatile so that no compiler contracts two of them into an FMA; the fused forms by
+// std::fma. T is the opmath type (float, double for double averages).
+template <class A, class T>
+T through(T v) {
+  volatile T r = static_cast<T>(static_cast<A>(v));
+  return r;
+}
+template <class A, class T>
+A reference_element(emakit::Arithmetic f, T a, T x, T w, T d) {
+  using emakit::Arithmetic;
+  const bool low = std::abs(w) < T(0.5);
+  switch (f) {
+    case Arithmetic::lerp: {
+      volatile T diff = x - a;
+      volatile T prod = (low ? w : w - T(1)) * diff;
+      return static_cast<A>((low ? a : x) + prod);
+    }
+    case Arithmetic::fused_lerp: return static_cast<A>(std::fma(low ? w : w - T(1), T(x - a), low ? a : x));
+    case Arithmetic::weighted_sum: return static_cast<A>(through<A>(d * a) + through<A>(w * x));
+    case Arithmetic::scaled_fused_add: return static_cast<A>(std::fma(x, w, through<A>(d * a)));
+    case Arithmetic::subtract: return static_cast<A>(a - through<A>(w * through<A>(a - x)));
+  }
+  return A(0);
+}
+
+// reference_element over tensors of a fused pair (the source read in opmath, exactly).
+torch::Tensor reference_average(emakit::Arithmetic f, const torch::Tensor& a, const torch::Tensor& x,
+                                emakit::detail::Weights k) {
+  torch::Tensor out = a.clone();
+  emakit::detail::dispatch_pair(a.scalar_type(), x.scalar_type(), [&](auto* a_tag, auto* s_tag) {
+    using A = std::remove_pointer_t<decltype(a_tag)>;
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(s_tag)>>;
+    using T = emakit::detail::opmath_t<A>;
+    A* o = out.data_ptr<A>();
+    const S* xs = x.data_ptr<S>();
+    for (std::int64_t i = 0; i < out.numel(); ++i)
+      o[i] = reference_element<A, T>(f, static_cast<T>(o[i]), static_cast<T>(xs[i]), static_cast<T>(k.weight),
+                                     static_cast<T>(k.decay));
+  });
+  return out;
+}
+}  // namespace
+
+TEST_CASE("Every Arithmetic computes its peer's formula, bitwise, on the fused pass, with drift and together",
+          "[kernel]") {
+  using emakit::Arithmetic;
+  using emakit::detail::UpdateKernel;
+  torch::manual_seed(11);
+  const std::vector<std::pair<c10::ScalarType, c10::ScalarType>> pairs = {
+      {torch::kFloat, torch::kFloat},   {torch::kFloat, torch::kBFloat16}, {torch::kFloat, torch::kHalf},
+      {torch::kDouble, torch::kDouble}, {torch::kDouble, torch::kFloat},   {torch::kBFloat16, torch::kBFloat16},
+      {torch::kHalf, torch::kHalf}};
+  const Arithmetic arithmetics[] = {Arithmetic::lerp, Arithmetic::fused_lerp, Arithmetic::weighted_sum,
+                                    Arithmetic::scaled_fused_add, Arithmetic::subtract};
+  // d as a decay policy gives it and w = 1 - d in double (1 - w is not d in every bit: 0.1, 0.9999),
+  // both forms of the lerps (w < 0.5 and not) and w = 1.
+  const double decays[] = {0.999, 0.9999, 0.1, 0.3, 0.7, 0.0};
+  // The n of each tensor: vector bodies, scalar tails, and one cut between threads' shares.
+  const std::int64_t sizes[] = {1, 37, 1000 + 13, UpdateKernel::chunk_elements * 2 + 5};
+  std::size_t compared = 0, not_lerp = 0, differs_from_lerp = 0;
+  for (const auto& [a_type, s_type] : pairs) {
+    for (const Arithmetic f : arithmetics) {
+      for (const double d : decays) {
+        const emakit::detail::Weights k{1.0 - d, d};
+        INFO(emakit::arithmetic_name(f) << ": " << c10::toString(a_type) << " from " << c10::toString(s_type) << ", d "
+                                        << d);
+        std::vector<emakit::detail::Slot> slots(std::size(sizes));
+        std::vector<torch::Tensor> start, want;
+        for (std::size_t i = 0; i < slots.size(); ++i) {
+          slots[i].name = "t" + std::to_string(i);
+          slots[i].source = torch::randn({sizes[i]}).to(s_type);
+          slots[i].average = torch::randn({sizes[i]}).to(a_type);
+          start.push_back(slots[i].average.clone());
+          want.push_back(reference_average(f, slots[i].average, slots[i].source, k));
+        }
+        std::vector<emakit::detail::Slot> copies = slots, grouped = slots;
+        for (auto& s : copies) s.average = s.average.clone();
+        for (auto& s : grouped) s.average = s.average.clone();
+        UpdateKernel plain(std::move(slots), CpuPath::fused, false, UpdateKernel::default_staging_bytes, f);
+        UpdateKernel measured(std::move(copies), CpuPath::fused, false, UpdateKernel::default_staging_bytes, f);
+        UpdateKernel lerped(std::move(grouped), CpuPath::fused, false, UpdateKernel::default_staging_bytes,
+                            f == Arithmetic::lerp ? Arithmetic::subtract : Arithmetic::lerp);
+        REQUIRE(plain.cpu_pass_only());
+        REQUIRE(plain.arithmetic() == f);
+        plain.average(k);
+        measured.average(k, /*drift=*/true);  // the drift-summing loops write the same averages
+        // update_together's group pass with a member of another arithmetic: each its own
+        const UpdateKernel::Work work[] = {{&measured, true, k, false}, {&lerped, true, k, false}};
+        UpdateKernel::run_together(work);  // `measured` twice: the pass is a function of its input
+        for (std::size_t i = 0; i < std::size(sizes); ++i) {
+          INFO("tensor " << i << " of " << sizes[i] << " elements");
+          const auto& got = plain.settled_slots()[i].average;
+          CHECK(emakit::detail::bitwise_equal(got, want[i]));
+          const auto twice = reference_average(f, want[i], plain.slots()[i].source, k);
+          CHECK(emakit::detail::bitwise_equal(measured.settled_slots()[i].average, twice));
+          CHECK(emakit::detail::bitwise_equal(
+              lerped.settled_slots()[i].average,
+              reference_average(lerped.arithmetic(), start[i], plain.slots()[i].source, k)));
+          ++compared;
+          not_lerp += f != Arithmetic::lerp ? 1 : 0;
+          if (f != Arithmetic::lerp &&
+              !emakit::detail::bitwise_equal(got,
+                                             reference_average(Arithmetic::lerp, start[i], plain.slots()[i].source, k)))
+            ++differs_from_lerp;
+        }
+      }
+    }
+  }
+  CHECK(compared == pairs.size() * std::size(arithmetics) * std::size(decays) * std::size(sizes));
+  // The formulas are not the lerp in disguise: most of the non-lerp updates round differently.
+  CHECK(differs_from_lerp > not_lerp / 2);
+}
+
+TEST_CASE("The foreach path computes each Arithmetic with the peer's ATen ops", "[kernel]") {
+  using emakit::Arithmetic;
+  using emakit::detail::UpdateKernel;
+  torch::manual_seed(12);
+  // weighted_sum and subtract are ATen ops that each round once (mul by a scalar, add, sub): the
+  // reference bitwise. The others are ATen's lerp and add with alpha, which fuse on a CPU
+  // capability with FMA and not on the baseline one: scaled_fused_add within one rounding of the
+  // product (1/2 ulp at the operands' magnitude, max(|a|, |x|, |result|)) and one of the result
+  // (1/2 ulp): 1 ulp. The lerps: LibTorch 1.13 has no _foreach_lerp_ and computes
+  // (1 - w) a + w x with 1 - w rounded (aten_compat.hpp): 1/2 ulp more for that weight, 1/2 for
+  // the second product: 2 ulps.
+  std::size_t compared = 0;
+  for (const Arithmetic f : {Arithmetic::lerp, Arithmetic::fused_lerp, Arithmetic::weighted_sum,
+                             Arithmetic::scaled_fused_add, Arithmetic::subtract}) {
+    for (const double d : {0.999, 0.1, 0.7}) {
+      for (const bool staged : {false, true}) {  // in place, or through the staging pool (bf16 -> fp32)
+        INFO(emakit::arithmetic_name(f) << ", d " << d << (staged ? ", staged" : ", in place"));
+        const emakit::detail::Weights k{1.0 - d, d};
+        std::vector<emakit::detail::Slot> slots(2);
+        std::vector<torch::Tensor> want, magnitude;
+        for (std::size_t i = 0; i < slots.size(); ++i) {
+          slots[i].name = "t" + std::to_string(i);
+          const auto x = torch::randn({i == 0 ? 1000 + 13 : 7});
+          slots[i].source = staged ? x.to(torch::kBFloat16) : x;
+          slots[i].average = torch::randn({x.numel()});
+          want.push_back(reference_average(f, slots[i].average, slots[i].source.to(torch::kFloat), k));
+          magnitude.push_back(at::maximum(emakit_test::operand_magnitude(slots[i].average, slots[i].source),
+                                          want.back().to(torch::kDouble).abs()));
+        }
+        const auto sources = std::vector<torch::Tensor>{slots[0].source.clone(), slots[1].source.clone()};
+        UpdateKernel kernel(std::move(slots), CpuPath::foreach, false, UpdateKernel::default_staging_bytes, f);
+        REQUIRE(kernel.census().staged + kernel.census().lerp > 0);
+        CHECK(kernel.census().staged == (staged ? 1u : 0u));
+        kernel.average(k);
+        for (std::size_t i = 0; i < want.size(); ++i) {
+          const auto& got = kernel.settled_slots()[i].average;
+          CHECK(torch::equal(kernel.slots()[i].source, sources[i]));  // the model is only read
+          if (f == Arithmetic::weighted_sum || f == Arithmetic::subtract) {
+            CHECK(emakit::detail::bitwise_equal(got, want[i]));
+          } else {
+            const double bound = f == Arithmetic::scaled_fused_add ? 1.0 : 2.0;
+            CHECK(emakit_test::max_ulps_at(got, want[i], magnitude[i], torch::kFloat) <= bound);
+          }
+          ++compared;
+        }
+      }
+    }
+  }
+  CHECK(compared == 5 * 3 * 2 * 2);
+}
+
 TEST_CASE("The fused pass equals ATen's lerp for every supported dtype pair", "[kernel]") {
   torch::manual_seed(0);
   // Bounds in ulps of the average's dtype at max(|a|, |x|) (helpers.hpp derives them): the pass
@@ -276,7 +443,8 @@ TEST_CASE("The vectorised bf16 and fp16 widening equals c10's conversion for all
 
 namespace {
 // Counts how often each element is visited: a segment function over int32 counters.
-void count_visits(void* a, const void*, std::int64_t begin, std::int64_t end, double, double*) noexcept {
+void count_visits(void* a, const void*, std::int64_t begin, std::int64_t end, emakit::detail::Weights,
+                  double*) noexcept {
   for (std::int64_t i = begin; i < end; ++i) ++static_cast<std::int32_t*>(a)[i];
 }
 }  // namespace
@@ -298,7 +466,7 @@ TEST_CASE("The CPU pass splits its tensors into shares that cover every element 
   for (std::int64_t shares : {1, 2, 3, 7, 64, 1000}) {
     INFO(shares << " shares");
     for (auto& c : counters) std::fill(c.begin(), c.end(), 0);
-    for (std::int64_t t = 0; t < shares; ++t) pass.run_share(total * t / shares, total * (t + 1) / shares, 0.0);
+    for (std::int64_t t = 0; t < shares; ++t) pass.run_share(total * t / shares, total * (t + 1) / shares, {});
     for (std::size_t k = 0; k < counters.size(); ++k) {
       INFO("tensor " << k << " of " << sizes[k] << " elements");
       CHECK(std::all_of(counters[k].begin(), counters[k].end(), [](std::int32_t v) { return v == 1; }));
@@ -416,54 +584,60 @@ bool same_bits_any_nan(const torch::Tensor& got, const torch::Tensor& want) {
 }  // namespace
 
 TEST_CASE("Every instruction set's copy of the segment loops rounds exactly like the baseline one", "[kernel]") {
+  using emakit::Arithmetic;
   using emakit::detail::SegmentFn;
-  // The baseline and each copy, for a fused pair given at run time.
-  const auto fns_of = [](auto pick) {
-    return [pick](c10::ScalarType a, c10::ScalarType s) {
+  using Fns = std::function<std::pair<SegmentFn, SegmentFn>(c10::ScalarType, c10::ScalarType, Arithmetic)>;
+  // The baseline and each copy, for a fused pair and an arithmetic given at run time.
+  const auto fns_of = [](auto pick) -> Fns {
+    return [pick](c10::ScalarType a, c10::ScalarType s, Arithmetic f) {
       std::pair<SegmentFn, SegmentFn> out;
       emakit::detail::dispatch_pair(a, s, [&](auto* a_tag, auto* s_tag) {
         using A = std::remove_pointer_t<decltype(a_tag)>;
         using S = std::remove_const_t<std::remove_pointer_t<decltype(s_tag)>>;
-        out = pick(static_cast<A*>(nullptr), static_cast<S*>(nullptr));
+        out = pick(static_cast<A*>(nullptr), static_cast<S*>(nullptr), f);
       });
       return out;
     };
   };
-  const auto baseline = fns_of([](auto* a, auto* s) -> std::pair<SegmentFn, SegmentFn> {
+  const auto baseline = fns_of([](auto* a, auto* s, Arithmetic f) -> std::pair<SegmentFn, SegmentFn> {
     using A = std::remove_pointer_t<decltype(a)>;
     using S = std::remove_pointer_t<decltype(s)>;
-    return {&emakit::detail::lerp_segment<A, S>, &emakit::detail::copy_segment<A, S>};
+    return {emakit::detail::average_segment_for<A, S>(f), &emakit::detail::copy_segment<A, S>};
   });
-  std::vector<std::pair<std::string, std::function<std::pair<SegmentFn, SegmentFn>(c10::ScalarType, c10::ScalarType)>>>
-      copies;
+  std::vector<std::pair<std::string, Fns>> copies;
   std::string best = "baseline";
 #if EMAKIT_AVX2_CLONES
   if (emakit::detail::use_avx2()) {
-    copies.emplace_back("AVX2", fns_of([](auto* a, auto* s) -> std::pair<SegmentFn, SegmentFn> {
-                          using A = std::remove_pointer_t<decltype(a)>;
-                          using S = std::remove_pointer_t<decltype(s)>;
-                          return {&emakit::detail::lerp_segment_avx2<A, S>, &emakit::detail::copy_segment_avx2<A, S>};
-                        }));
+    copies.emplace_back(
+        "AVX2", fns_of([](auto* a, auto* s, Arithmetic f) -> std::pair<SegmentFn, SegmentFn> {
+          using A = std::remove_pointer_t<decltype(a)>;
+          using S = std::remove_pointer_t<decltype(s)>;
+          return {emakit::detail::average_segment_for_avx2<A, S>(f), &emakit::detail::copy_segment_avx2<A, S>};
+        }));
     best = "AVX2";
   }
 #endif
 #if EMAKIT_AVX512_CLONES
   if (emakit::detail::use_avx512()) {
     copies.emplace_back(
-        "AVX-512", fns_of([](auto* a, auto* s) -> std::pair<SegmentFn, SegmentFn> {
+        "AVX-512", fns_of([](auto* a, auto* s, Arithmetic f) -> std::pair<SegmentFn, SegmentFn> {
           using A = std::remove_pointer_t<decltype(a)>;
           using S = std::remove_pointer_t<decltype(s)>;
-          return {&emakit::detail::lerp_segment_avx512<A, S>, &emakit::detail::copy_segment_avx512<A, S>};
+          return {emakit::detail::average_segment_for_avx512<A, S>(f), &emakit::detail::copy_segment_avx512<A, S>};
         }));
     best = "AVX-512";
   }
 #endif
-  // The plan takes the best copy this CPU runs.
-  const auto planned = emakit::detail::segment_fns<float, c10::BFloat16>();
-  const auto expected = copies.empty() ? baseline(torch::kFloat, torch::kBFloat16)
-                                       : copies.back().second(torch::kFloat, torch::kBFloat16);
-  INFO("best: " << best);
-  CHECK(planned == expected);
+  const Arithmetic arithmetics[] = {Arithmetic::lerp, Arithmetic::fused_lerp, Arithmetic::weighted_sum,
+                                    Arithmetic::scaled_fused_add, Arithmetic::subtract};
+  // The plan takes the best copy this CPU runs, and the arithmetic's loop.
+  for (const Arithmetic f : arithmetics) {
+    INFO("best: " << best << ", " << emakit::arithmetic_name(f));
+    const auto planned = emakit::detail::segment_fns<float, c10::BFloat16>(f);
+    const auto expected = copies.empty() ? baseline(torch::kFloat, torch::kBFloat16, f)
+                                         : copies.back().second(torch::kFloat, torch::kBFloat16, f);
+    CHECK(planned == expected);
+  }
   if (copies.empty()) EMAKIT_SKIP("no copy of the segment loops for another instruction set runs in this build here");
 
   torch::manual_seed(8);
@@ -475,49 +649,54 @@ TEST_CASE("Every instruction set's copy of the segment loops rounds exactly like
   std::size_t compared = 0;
   for (const auto& [name, fns] : copies) {
     for (const auto& [a_type, s_type] : pairs) {
-      INFO(name << ": " << c10::toString(a_type) << " from " << c10::toString(s_type));
-      const auto x = awkward(n, s_type);
-      const auto [base_lerp, base_copy] = baseline(a_type, s_type);
-      const auto [lerp, copy] = fns(a_type, s_type);
-      for (const auto& [begin, end] : {std::pair<std::int64_t, std::int64_t>{0, n}, {3, n - 5}}) {
-        // Both of ATen's branches (|w| < 0.5 and not), and w = 1, which only the second computes.
-        for (double w : {1e-3, 0.3, 0.7, 1.0}) {
-          INFO("w " << w << ", elements [" << begin << ", " << end << ")");
+      for (const Arithmetic f : arithmetics) {
+        INFO(name << ": " << c10::toString(a_type) << " from " << c10::toString(s_type) << ", "
+                  << emakit::arithmetic_name(f));
+        const auto x = awkward(n, s_type);
+        const auto [base_average, base_copy] = baseline(a_type, s_type, f);
+        const auto [average, copy] = fns(a_type, s_type, f);
+        for (const auto& [begin, end] : {std::pair<std::int64_t, std::int64_t>{0, n}, {3, n - 5}}) {
+          // Both of the lerps' forms (|w| < 0.5 and not), and w = 1, which only the second computes.
+          for (double w : {1e-3, 0.3, 0.7, 1.0}) {
+            INFO("w " << w << ", elements [" << begin << ", " << end << ")");
+            const emakit::detail::Weights k{w, 1.0 - w};
+            const auto start = awkward(n, a_type);
+            auto want = start.clone(), got = start.clone();
+            base_average(want.data_ptr(), x.data_ptr(), begin, end, k, nullptr);
+            average(got.data_ptr(), x.data_ptr(), begin, end, k, nullptr);
+            CHECK(same_bits_any_nan(got, want));
+            CHECK_FALSE(emakit::detail::bitwise_equal(got, start));  // the loop ran
+            // Measuring the drift on the way writes the same averages; the sums of two copies differ
+            // only in their order (the vector lanes), within 2 x (drift_chunk + 3) roundings.
+            auto measured = start.clone(), base_measured = start.clone();
+            double sums[2] = {0, 0}, base_sums[2] = {0, 0};
+            average(measured.data_ptr(), x.data_ptr(), begin, end, k, sums);
+            base_average(base_measured.data_ptr(), x.data_ptr(), begin, end, k, base_sums);
+            CHECK(same_bits_any_nan(measured, want));
+            CHECK(same_bits_any_nan(base_measured, want));
+            const double u = std::ldexp(1.0, a_type == torch::kDouble ? -53 : -24);
+            for (int j = 0; j < 2; ++j) {
+              INFO("sum " << j << ": " << sums[j] << " and " << base_sums[j]);
+              const bool both_nan = std::isnan(sums[j]) && std::isnan(base_sums[j]);
+              CHECK((both_nan || sums[j] == base_sums[j] ||
+                     std::abs(sums[j] - base_sums[j]) <=
+                         2 * (emakit::detail::drift_chunk + 3) * u * std::abs(base_sums[j])));
+            }
+            ++compared;
+          }
+          if (f != Arithmetic::lerp) continue;  // the copy does not depend on the arithmetic
           const auto start = awkward(n, a_type);
           auto want = start.clone(), got = start.clone();
-          base_lerp(want.data_ptr(), x.data_ptr(), begin, end, w, nullptr);
-          lerp(got.data_ptr(), x.data_ptr(), begin, end, w, nullptr);
+          base_copy(want.data_ptr(), x.data_ptr(), begin, end, {}, nullptr);
+          copy(got.data_ptr(), x.data_ptr(), begin, end, {}, nullptr);
           CHECK(same_bits_any_nan(got, want));
-          CHECK_FALSE(emakit::detail::bitwise_equal(got, start));  // the loop ran
-          // Measuring the drift on the way writes the same averages; the sums of two copies differ
-          // only in their order (the vector lanes), within 2 x (drift_chunk + 3) roundings.
-          auto measured = start.clone(), base_measured = start.clone();
-          double sums[2] = {0, 0}, base_sums[2] = {0, 0};
-          lerp(measured.data_ptr(), x.data_ptr(), begin, end, w, sums);
-          base_lerp(base_measured.data_ptr(), x.data_ptr(), begin, end, w, base_sums);
-          CHECK(same_bits_any_nan(measured, want));
-          CHECK(same_bits_any_nan(base_measured, want));
-          const double u = std::ldexp(1.0, a_type == torch::kDouble ? -53 : -24);
-          for (int k = 0; k < 2; ++k) {
-            INFO("sum " << k << ": " << sums[k] << " and " << base_sums[k]);
-            const bool both_nan = std::isnan(sums[k]) && std::isnan(base_sums[k]);
-            CHECK((both_nan || sums[k] == base_sums[k] ||
-                   std::abs(sums[k] - base_sums[k]) <=
-                       2 * (emakit::detail::drift_chunk + 3) * u * std::abs(base_sums[k])));
-          }
+          CHECK(same_bits_any_nan(got.slice(0, begin, end), x.slice(0, begin, end).to(a_type)));
           ++compared;
         }
-        const auto start = awkward(n, a_type);
-        auto want = start.clone(), got = start.clone();
-        base_copy(want.data_ptr(), x.data_ptr(), begin, end, 0.0, nullptr);
-        copy(got.data_ptr(), x.data_ptr(), begin, end, 0.0, nullptr);
-        CHECK(same_bits_any_nan(got, want));
-        CHECK(same_bits_any_nan(got.slice(0, begin, end), x.slice(0, begin, end).to(a_type)));
-        ++compared;
       }
     }
   }
-  CHECK(compared == copies.size() * pairs.size() * 2 * 5);
+  CHECK(compared == copies.size() * pairs.size() * 2 * (4 * std::size(arithmetics) + 1));
 }
 
 namespace {

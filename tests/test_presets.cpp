@@ -111,6 +111,7 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
                                 .start_step(whole(py(0, "update_after_step")) + 2)
                                 .update_every(whole(py(0, "update_every")))
                                 .every_offset(1));
+    CHECK(ema.options().arithmetic() == emakit::Arithmetic::fused_lerp);  // lerp_ (torch's, fused)
   }
   {
     TinyNet model;
@@ -118,12 +119,14 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
                ema.update({.step = step});)
     CHECK(ema.decay_policy() == emakit::InversePowerWarmup(py(1, "decay")).warmup(py(1, "use_warmup") == 1.0));
     CHECK(ema.step() == step);
+    CHECK(ema.options().arithmetic() == emakit::Arithmetic::fused_lerp);  // _foreach_lerp_
   }
   {
     TinyNet model;
     emakit_test::cast_floats(*model, torch::kBFloat16);
-    EMAKIT_ROW(code[2],
-               emakit::FixedEma ema(*model, emakit::Fixed(0.9), {}, emakit::EmaOptions().keep_model_dtype(true));)
+    EMAKIT_ROW(code[2], emakit::FixedEma ema(
+                            *model, emakit::Fixed(0.9), {},
+                            emakit::EmaOptions().keep_model_dtype(true).arithmetic(emakit::Arithmetic::fused_lerp));)
     CHECK(ema.decay_policy() == emakit::Fixed(py(2, "decay")));
     CHECK(ema.average("fc.weight").scalar_type() == torch::kBFloat16);  // timm keeps the model's dtype
   }
@@ -134,6 +137,7 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
     CHECK(ema.schedule().warmup() == emakit::Warmup::skip_before_start);
     CHECK(ema.options().buffers() ==
           (py(3, "use_buffers") == 1.0 ? emakit::BufferMode::average : emakit::BufferMode::copy));
+    CHECK(ema.options().arithmetic() == emakit::Arithmetic::fused_lerp);  // get_ema_multi_avg_fn: _foreach_lerp_
   }
   {
     TinyNet model;
@@ -150,12 +154,14 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
     CHECK(ema.decay_policy() == emakit::Fixed(py(5, "decay")));
     CHECK(ema.schedule().update_every() == whole(py(5, "update_every")));
     CHECK(ema.schedule().start_step() == whole(py(5, "start_step")));
-    CHECK(ema.step() == 0);  // the vetoed step completed nothing
+    CHECK(ema.step() == 0);                                               // the vetoed step completed nothing
+    CHECK(ema.options().arithmetic() == emakit::Arithmetic::fused_lerp);  // AveragedModel's multi_avg_fn
   }
   {
     TinyNet model;
     EMAKIT_ROW(code[6], auto ema = emakit::luxonis_model_ema(*model, {.decay = 0.9999, .decay_tau = 2000});)
     CHECK(ema.decay_policy() == emakit::ExponentialRamp(py(6, "decay"), py(6, "decay_tau")));
+    CHECK(ema.options().arithmetic() == emakit::Arithmetic::fused_lerp);  // _foreach_lerp_
   }
   {
     TinyNet model;
@@ -179,6 +185,7 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
     const auto lightning = python_kwargs(rows[8].python[1]);
     REQUIRE(lightning.count("accumulate_grad_batches") == 1);
     CHECK(ema.schedule().accumulate() == whole(lightning.at("accumulate_grad_batches")));
+    CHECK(ema.options().arithmetic() == emakit::Arithmetic::fused_lerp);
   }
   {
     TinyNet model;
@@ -190,6 +197,7 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
                                     .update_after_step(whole(py(9, "update_after_step"))));
     CHECK(ema.options().buffers() == emakit::BufferMode::ignore);  // EMAModel takes parameters()
     CHECK(ema.options().frozen_parameters() == emakit::BufferMode::copy);
+    CHECK(ema.options().arithmetic() == emakit::Arithmetic::subtract);  // s.sub_((1 - d) * (s - p))
     CHECK(ema.step() == 1);
   }
   {
@@ -201,6 +209,7 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
     CHECK(ema.schedule().update_every() == whole(py(10, "update_every_n_steps")));
     CHECK(ema.schedule().start_step() == whole(py(10, "update_starting_at_step")) + 1);  // 0-based index -> step
     CHECK(ema.num_updates() == 0);
+    CHECK(ema.options().arithmetic() == emakit::Arithmetic::weighted_sum);  // get_ema_avg_fn
   }
   {
     TinyNet model;
@@ -209,7 +218,8 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
                teacher.update();)
     CHECK(teacher.decay_policy() ==
           emakit::CosineMomentum(py(11, "start_value"), py(11, "end_value"), whole(py(11, "max_steps"))));
-    CHECK(teacher.decay() == py(11, "start_value"));  // lightly's step 0
+    CHECK(teacher.decay() == py(11, "start_value"));                                // lightly's step 0
+    CHECK(teacher.options().arithmetic() == emakit::Arithmetic::scaled_fused_add);  // update_momentum
   }
   for (std::size_t i = 0; i < rows.size(); ++i) {
     INFO("row " << i << " of the table: " << rows[i].cpp);

@@ -83,13 +83,14 @@ Case generate(std::uint64_t seed, int steps) {
                                                  emakit::BufferMode::ignore}[below(3)])
         .keep_model_dtype(below(3) == 0)
         .skip_non_finite(below(2) == 0)
-        .drift_every(below(3));
-    c.text +=
-        fmt::format("| member {}: beta {:.3f} warmup {} start {} every {} offset {} mode {} buffers {} keep {} "
-                    "skip_non_finite {} drift_every {} ",
-                    m, decay.beta(), decay.warmup(), schedule.start_step(), schedule.update_every(),
-                    schedule.every_offset(), static_cast<int>(schedule.warmup()), static_cast<int>(options.buffers()),
-                    options.keep_model_dtype(), options.skip_non_finite(), options.drift_every());
+        .drift_every(below(3))
+        .arithmetic(static_cast<emakit::Arithmetic>(below(5)));
+    c.text += fmt::format("| member {}: beta {:.3f} warmup {} start {} every {} offset {} mode {} buffers {} keep {} "
+                          "skip_non_finite {} drift_every {} arithmetic {} ",
+                          m, decay.beta(), decay.warmup(), schedule.start_step(), schedule.update_every(),
+                          schedule.every_offset(), static_cast<int>(schedule.warmup()),
+                          static_cast<int>(options.buffers()), options.keep_model_dtype(), options.skip_non_finite(),
+                          options.drift_every(), emakit::arithmetic_name(options.arithmetic()));
     c.policies.emplace_back(decay, schedule);
     c.options.push_back(options);
   }

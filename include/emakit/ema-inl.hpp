@@ -50,7 +50,7 @@ EMAKIT_FUNC EmaCore::Prepared EmaCore::prepare(const StepInfo& info, const Polic
   const ScheduleInput in{c.calls + 1, info.step, c.step, c.num_updates, info.vetoed};
   const Decision decision = decide(in);
   check_decision(decision, info, names.schedule);
-  Prepared p{{decision.action, decision.step, std::nan(""), {}}, 0.0, info.vetoed};
+  Prepared p{{decision.action, decision.step, std::nan(""), {}}, {}, info.vetoed};
   if (decision.action != Action::skipped) kernel_.check_sources();  // re-plans if a source moved
   if (decision.action != Action::skipped && options_.skip_non_finite()) {
     const std::size_t bad = kernel_.first_non_finite(decision.action == Action::copied);
@@ -63,11 +63,12 @@ EMAKIT_FUNC EmaCore::Prepared EmaCore::prepare(const StepInfo& info, const Polic
     p.result.decay = 0.0;
   } else if (decision.action == Action::averaged) {
     const DecayInput d_in{decision.step, c.num_updates + 1, decision.step - c.last_update_step};
-    p.weight = weight(d_in);
-    if (!(p.weight >= 0.0 && p.weight <= 1.0))
-      fail("decay policy {} gave d = {} at step {} (update {}); d must be in [0, 1]", names.decay, 1.0 - p.weight,
+    p.weights = weight(d_in);
+    const auto unit = [](double v) { return v >= 0.0 && v <= 1.0; };
+    if (!unit(p.weights.weight) || !unit(p.weights.decay))
+      fail("decay policy {} gave d = {} at step {} (update {}); d must be in [0, 1]", names.decay, p.weights.decay,
            d_in.step, d_in.update);
-    p.result.decay = 1.0 - p.weight;
+    p.result.decay = p.weights.decay;  // d as the policy gave it (not 1 - w: that is not d in every bit)
     p.drift = options_.drift_every() > 0 && (c.num_updates + 1) % options_.drift_every() == 0;
   }
   return p;
@@ -143,7 +144,7 @@ EMAKIT_FUNC UpdateResult EmaCore::update(const StepInfo& info, const PolicyNames
     if (p.result.action == Action::copied) {
       kernel_.copy();
     } else {
-      kernel_.average(p.weight, p.drift);
+      kernel_.average(p.weights, p.drift);
     }
   }
   return finish(p);
@@ -240,7 +241,7 @@ EMAKIT_FUNC void EmaCore::update_together(std::span<const Member> members, const
   std::vector<UpdateKernel::Work>& work = scratch.work;
   for (std::size_t i = 0; i < members.size(); ++i)
     if (members[i].core->applies(prepared[i]))
-      work.push_back({&members[i].core->kernel_, prepared[i].result.action == Action::averaged, prepared[i].weight,
+      work.push_back({&members[i].core->kernel_, prepared[i].result.action == Action::averaged, prepared[i].weights,
                       prepared[i].drift});
   UpdateKernel::run_together(work);
   for (std::size_t i = 0; i < members.size(); ++i) out[i] = members[i].core->finish(prepared[i]);
@@ -590,8 +591,8 @@ EMAKIT_FUNC void EmaCore::bind(const torch::nn::Module* model, std::vector<Sourc
     if (slot_of[spec] != static_cast<std::size_t>(-1)) entries_.push_back({std::move(name), slot_of[spec]});
   sources_.clear();
   for (const auto& slot : slots) sources_.push_back(slot.source);
-  kernel_ =
-      UpdateKernel(std::move(slots), UpdateKernel::CpuPath::fused, options_.side_stream(), options_.staging_bytes());
+  kernel_ = UpdateKernel(std::move(slots), UpdateKernel::CpuPath::fused, options_.side_stream(),
+                         options_.staging_bytes(), options_.arithmetic());
   bound_ = true;
 }
 

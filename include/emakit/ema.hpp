@@ -157,7 +157,7 @@ class EmaCore {
  public:
   using CreateFn = FunctionRef<std::vector<at::Tensor>(const torch::nn::Module*, std::span<const TensorSpec>)>;
   using DecideFn = FunctionRef<Decision(const ScheduleInput&)>;
-  using WeightFn = FunctionRef<double(const DecayInput&)>;  // w = 1 - d, unchecked
+  using WeightFn = FunctionRef<Weights(const DecayInput&)>;  // w = 1 - d and d, unchecked
 
   // Binds to `tensors` of `model` (null: a list of tensors); `create` is the storage's create().
   EMAKIT_FUNC EmaCore(const torch::nn::Module* model, std::vector<SourceTensor> tensors, EmaOptions options,
@@ -175,7 +175,7 @@ class EmaCore {
     PolicyNames names;
     void* policies;
     Decision (*decide)(void*, const ScheduleInput&);
-    double (*weight)(void*, const DecayInput&);
+    Weights (*weight)(void*, const DecayInput&);
   };
   // Updates several EMAs of one model as their own update() calls would, one after another, with
   // each CPU source tensor read once for all of them (the members whose whole update is the
@@ -246,7 +246,7 @@ class EmaCore {
   // as they were.
   struct Prepared {
     UpdateResult result;  // action, step, decay; non_finite: the tensor that skips it
-    double weight = 0.0;  // w = 1 - d of an average
+    Weights weights{};    // w = 1 - d and d of an average
     bool vetoed = false;
     bool drift = false;  // the average measures the drift (EmaOptions::drift_every)
   };
@@ -352,7 +352,7 @@ class Ema {
   // behind a mutex). Two update() calls that overlap are detected and the second is refused.
   UpdateResult update(StepInfo info = {}) {
     const auto decide = [this](const ScheduleInput& in) { return schedule_.decide(in); };
-    const auto weight = [this](const DecayInput& in) { return lerp_weight(decay_, in); };
+    const auto weight = [this](const DecayInput& in) { return update_weights(decay_, in); };
     return core_.update(info, policy_names(), decide, weight);
   }
 
@@ -360,7 +360,7 @@ class Ema {
   detail::EmaCore::Member together_member() {
     return {&core_, policy_names(), this,
             [](void* self, const ScheduleInput& in) { return static_cast<Ema*>(self)->schedule_.decide(in); },
-            [](void* self, const DecayInput& in) { return lerp_weight(static_cast<Ema*>(self)->decay_, in); }};
+            [](void* self, const DecayInput& in) { return update_weights(static_cast<Ema*>(self)->decay_, in); }};
   }
 
   // The side-stream protocol (EmaOptions::side_stream): update() may return before the update has
@@ -506,12 +506,16 @@ class Ema {
               }) {}
 
   static detail::PolicyNames policy_names() { return {detail::policy_name<Decay>(), detail::policy_name<Schedule>()}; }
-  // The lerp weight 1 - d of this update, or the decay policy's own (HasLerpWeight: exact 1/n).
-  static double lerp_weight(const Decay& decay, const DecayInput& in) {
-    if constexpr (HasLerpWeight<Decay>)
-      return static_cast<double>(decay.weight(in));
-    else
-      return 1.0 - static_cast<double>(decay.decay(in));
+  // The weights of this update: d from the decay policy and w = 1 - d, or the policy's own w
+  // (HasLerpWeight: exact 1/n) and d = 1 - w.
+  static detail::Weights update_weights(const Decay& decay, const DecayInput& in) {
+    if constexpr (HasLerpWeight<Decay>) {
+      const auto w = static_cast<double>(decay.weight(in));
+      return {w, 1.0 - w};
+    } else {
+      const auto d = static_cast<double>(decay.decay(in));
+      return {1.0 - d, d};
+    }
   }
   static detail::ema_state::PolicyConfig policy_config(const Decay& decay, const Schedule& schedule) {
     return {detail::policy_name<Decay>(), detail::policy_fields(decay), detail::policy_name<Schedule>(),

@@ -10,7 +10,8 @@
 //       .ignore({"head.weight"})             // left out of the EMA
 //       .ignore_prefixes({"teacher."})       // every name starting with one of these is left out
 //       .buffers(emakit::BufferMode::copy)   // buffers: averaged (default), copied or left out
-//       .frozen_parameters(emakit::BufferMode::copy);  // requires_grad == false: copied (diffusers)
+//       .frozen_parameters(emakit::BufferMode::copy)   // requires_grad == false: copied (diffusers)
+//       .arithmetic(emakit::Arithmetic::weighted_sum); // d*ema + (1-d)*x as Lightning computes it
 //
 // Non-floating tensors (e.g. BatchNorm's num_batches_tracked) are always copied, never averaged.
 // A name or prefix that matches nothing in the model is an error: a typo would otherwise
@@ -44,6 +45,41 @@ enum class Role : std::uint8_t {
   ignore_except_copies,
   follow_copies [[deprecated("renamed Role::ignore_except_copies")]] = ignore_except_copies,
 };
+
+// How an update computes each averaged element from the average a, the model's x, the decay d and
+// the weight w = 1 - d (both as the decay policy gave them, in double; D and W below are them
+// rounded to the opmath type: float for float/half/bf16 averages, double for double ones). Each
+// operation's result is rounded to the average's dtype, as ATen rounds the result of each op, and
+// nothing else is fused: the fused CPU pass, the foreach lists and the generic path compute the
+// same thing. The weights sum to one only for the lerps; the others drift from a lerp by up to
+// (D + W - 1) / W of the average over a run (1.3e-5 relative at d = 0.999 in float32), which is
+// why a preset uses its peer's own formula.
+//   lerp              a + W(x - a) for |W| < 0.5, else x + (W - 1)(x - a), two roundings: ATen's
+//                     lerp formula without FMA. emakit's default (every build and CPU rounds alike).
+//   fused_lerp        the same with one rounding, fma(W, x - a, a) / fma(W - 1, x - a, x): torch's
+//                     lerp_ / _foreach_lerp_ on CPUs with FMA (AVX2, AVX-512) and on CUDA.
+//                     ema-pytorch, timm ModelEmaV3, AveragedModel(multi_avg_fn=get_ema_multi_avg_fn),
+//                     nvalchemi EMAHook.
+//   weighted_sum      D a + W x, the two products rounded, then their sum: get_ema_avg_fn's
+//                     `decay * ema + (1 - decay) * x` (Lightning EMAWeightAveraging,
+//                     AveragedModel(avg_fn=...)), DINO's `mul_(m).add_((1 - m) * x)`.
+//   scaled_fused_add  fma(x, W, D a) after D a is rounded: lightly's update_momentum
+//                     (`_foreach_mul_(ema, m)` then `_foreach_add_(ema, x, alpha=1 - m)`).
+//   subtract          a - W(a - x), three roundings: diffusers EMAModel (`s.sub_((1 - d) * (s - x))`).
+// A checkpoint records it by name and loads only into an EMA with the same one.
+enum class Arithmetic : std::uint8_t { lerp = 0, fused_lerp = 1, weighted_sum = 2, scaled_fused_add = 3, subtract = 4 };
+
+// The name of an Arithmetic, as checkpoints and messages spell it ("lerp", "fused_lerp", ...).
+inline const char* arithmetic_name(Arithmetic a) noexcept {
+  switch (a) {
+    case Arithmetic::lerp: return "lerp";
+    case Arithmetic::fused_lerp: return "fused_lerp";
+    case Arithmetic::weighted_sum: return "weighted_sum";
+    case Arithmetic::scaled_fused_add: return "scaled_fused_add";
+    case Arithmetic::subtract: return "subtract";
+  }
+  return "unknown";
+}
 
 class EmaOptions {
  public:
@@ -105,6 +141,17 @@ class EmaOptions {
   // (the pass holds both values as it writes the average); elsewhere (GPU foreach lists), ATen
   // ops over the averaged tensors in chunks of at most staging_bytes() and one host sync.
   std::int64_t drift_every() const noexcept { return drift_every_; }
+  // How each averaged element is computed (see Arithmetic); default Arithmetic::lerp. The presets
+  // set their peer's.
+  Arithmetic arithmetic() const noexcept { return arithmetic_; }
+  EmaOptions& arithmetic(Arithmetic value) {
+    if (static_cast<int>(value) > 4)
+      detail::fail(
+          "EmaOptions::arithmetic must be lerp, fused_lerp, weighted_sum, scaled_fused_add or subtract, got {}",
+          static_cast<int>(value));
+    arithmetic_ = value;
+    return *this;
+  }
   EmaOptions& drift_every(std::int64_t n) {
     detail::check_non_negative_int(n, "EmaOptions::drift_every");
     drift_every_ = n;
@@ -247,6 +294,7 @@ class EmaOptions {
   std::int64_t drift_every_ = 0;
   std::int64_t switch_offset_ = 0;
   double switch_beta_ = 0.0;
+  Arithmetic arithmetic_ = Arithmetic::lerp;
 };
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

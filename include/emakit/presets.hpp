@@ -21,6 +21,11 @@
 //
 // Every preset keeps the average in the model's dtype, as its peer does; emakit's own default
 // (an fp32 average of a bf16/fp16 model) differs on purpose. Set `.dtype` to get it back.
+// Every preset also computes each element as its peer does (EmaOptions::arithmetic): torch's
+// fused lerp for ema-pytorch, timm, AveragedModel's EMA and nvalchemi; d*ema + (1-d)*x for
+// Lightning; lightly's scaled fused add; diffusers' subtraction. Over a whole run the average is
+// then the peer's bit for bit on CPU, where a plain lerp would drift from the weighted sums by up
+// to (D + W - 1) / W relative (1.3e-5 at d = 0.999 in float32).
 #pragma once
 
 #include <emakit/detail/config.hpp>
@@ -83,6 +88,7 @@ inline StepSchedule ema_pytorch_schedule(const EmaPytorchOptions& o) {
 inline EmaOptions ema_pytorch_options(const EmaPytorchOptions& o) {
   auto out = EmaOptions()
                  .keep_model_dtype(true)
+                 .arithmetic(Arithmetic::fused_lerp)
                  .copy_only(o.param_or_buffer_names_no_ema)
                  .ignore(o.ignore_names)
                  .ignore_prefixes(o.ignore_startswith_names)
@@ -129,7 +135,10 @@ inline InversePowerWarmup timm_v3_decay(const TimmModelEmaV3Options& o) {
       .warmup(o.use_warmup);
 }
 inline EmaOptions timm_v3_options(const TimmModelEmaV3Options& o) {
-  auto out = EmaOptions().keep_model_dtype(true).buffers(o.exclude_buffers ? BufferMode::copy : BufferMode::average);
+  auto out = EmaOptions()
+                 .keep_model_dtype(true)
+                 .arithmetic(Arithmetic::fused_lerp)
+                 .buffers(o.exclude_buffers ? BufferMode::copy : BufferMode::average);
   if (o.dtype) out.dtype(*o.dtype);
   if (o.device) out.device(*o.device);
   return out;
@@ -154,8 +163,13 @@ struct AveragedModelOptions {
   bool use_buffers = false;
 };
 
-inline EmaOptions averaged_model_options(bool use_buffers) {
-  return EmaOptions().keep_model_dtype(true).buffers(use_buffers ? BufferMode::average : BufferMode::copy);
+// AveragedModel's options: its multi_avg_fn EMA (get_ema_multi_avg_fn: _foreach_lerp_) and SWA
+// lerp; `arithmetic` is Arithmetic::weighted_sum for an avg_fn of get_ema_avg_fn (Lightning).
+inline EmaOptions averaged_model_options(bool use_buffers, Arithmetic arithmetic = Arithmetic::fused_lerp) {
+  return EmaOptions()
+      .keep_model_dtype(true)
+      .arithmetic(arithmetic)
+      .buffers(use_buffers ? BufferMode::average : BufferMode::copy);
 }
 inline StepSchedule averaged_model_schedule() { return StepSchedule().warmup(Warmup::skip_before_start); }
 
@@ -235,6 +249,9 @@ template <StoragePolicy Storage = FlatStorage>
 // ModelEma(model, decay, use_dynamic_decay=True, decay_tau): d = decay * (1 - exp(-updates/tau))
 // over the whole state dict, non-floats copied. use_dynamic_decay=False is FixedEma with
 // keep_model_dtype(true).
+// luxonis-train's ModelEma and EMACallback update with torch._foreach_lerp_ (Arithmetic::fused_lerp).
+inline EmaOptions luxonis_options() { return EmaOptions().keep_model_dtype(true).arithmetic(Arithmetic::fused_lerp); }
+
 struct LuxonisModelEmaOptions {
   double decay = 0.9999;
   double decay_tau = 2000.0;
@@ -245,11 +262,11 @@ Ema<ExponentialRamp, StepSchedule, Storage> luxonis_model_ema(const torch::nn::M
                                                               const LuxonisModelEmaOptions& o = {},
                                                               Storage storage = {}) {
   return Ema<ExponentialRamp, StepSchedule, Storage>(model, ExponentialRamp(o.decay, o.decay_tau), StepSchedule(),
-                                                     EmaOptions().keep_model_dtype(true), std::move(storage));
+                                                     luxonis_options(), std::move(storage));
 }
 inline Ema<ExponentialRamp> luxonis_model_ema(std::vector<SourceTensor> tensors, const LuxonisModelEmaOptions& o = {}) {
   return Ema<ExponentialRamp>(std::move(tensors), ExponentialRamp(o.decay, o.decay_tau), StepSchedule(),
-                              EmaOptions().keep_model_dtype(true));
+                              luxonis_options());
 }
 
 // luxonis-train EMACallback(decay=0.5, decay_tau=2000), for emakit::EmaHook: made at setup (fit
@@ -268,7 +285,7 @@ struct LuxonisEmaCallbackOptions {
 inline Recipe<ExponentialRamp> luxonis_ema_callback_recipe(const LuxonisEmaCallbackOptions& o = {}) {
   return Recipe<ExponentialRamp>(ExponentialRamp(o.decay, o.decay_tau),
                                  StepSchedule().accumulate(o.accumulate).window_edge(WindowEdge::start),
-                                 EmaOptions().keep_model_dtype(true));
+                                 luxonis_options());
 }
 
 // ---- diffusers EMAModel -------------------------------------------------------------------
@@ -278,9 +295,9 @@ inline Recipe<ExponentialRamp> luxonis_ema_callback_recipe(const LuxonisEmaCallb
 // (optimization_step += 1) computes d from the TensorFlow ramp (RationalRamp) or, with
 // use_ema_warmup, the inverse-power warmup, both clamped to [min_decay, decay]; parameters that
 // require grad are averaged, the others copied. Buffers are not held (diffusers takes
-// parameters()). Differences: diffusers decides frozen or not at every step, emakit once, when the
-// EMA is made (Ema::frozen_parameters() names them); diffusers subtracts (1 - d)(s - p) where
-// emakit lerps, equal within a rounding.
+// parameters()). Each step is diffusers' s - (1 - d)(s - p) (Arithmetic::subtract). The
+// difference: diffusers decides frozen or not at every step, emakit once, when the EMA is made
+// (Ema::frozen_parameters() names them).
 struct DiffusersEmaModelOptions {
   double decay = 0.9999;
   double min_decay = 0.0;
@@ -296,7 +313,11 @@ namespace detail {
 EMAKIT_FUNC void check_diffusers_options(const DiffusersEmaModelOptions& o, bool warmup);
 }  // namespace detail
 inline EmaOptions diffusers_options() {
-  return EmaOptions().keep_model_dtype(true).buffers(BufferMode::ignore).frozen_parameters(BufferMode::copy);
+  return EmaOptions()
+      .keep_model_dtype(true)
+      .arithmetic(Arithmetic::subtract)
+      .buffers(BufferMode::ignore)
+      .frozen_parameters(BufferMode::copy);
 }
 inline RationalRamp diffusers_decay(const DiffusersEmaModelOptions& o) {
   detail::check_diffusers_options(o, false);
@@ -344,7 +365,8 @@ inline Ema<InversePowerWarmup> diffusers_ema_model_warmup(std::vector<SourceTens
 // its first update copies, later ones average. Call update() once per optimizer step (Lightning's
 // global_step: with accumulate_grad_batches = N, once per N batches). update_starting_at_epoch
 // (an extra update at the end of each epoch from that epoch on) has no step equivalent: call
-// update() yourself at those epoch ends. Averaging and swapping into the model for validation, as
+// update() yourself at those epoch ends. Each update is get_ema_avg_fn's decay * ema + (1 - decay)
+// * x (Arithmetic::weighted_sum), not a lerp. Averaging and swapping into the model for validation, as
 // the callback does, is emakit::EmaHook with lightning_ema_weight_averaging_recipe().
 struct LightningEmaWeightAveragingOptions {
   double decay = 0.999;
@@ -360,15 +382,17 @@ Ema<Fixed, StepSchedule, Storage> lightning_ema_weight_averaging(const torch::nn
                                                                  const LightningEmaWeightAveragingOptions& o = {},
                                                                  Storage storage = {}) {
   return Ema<Fixed, StepSchedule, Storage>(model, Fixed(o.decay), lightning_ema_schedule(o),
-                                           averaged_model_options(o.use_buffers), std::move(storage));
+                                           averaged_model_options(o.use_buffers, Arithmetic::weighted_sum),
+                                           std::move(storage));
 }
 inline Ema<Fixed> lightning_ema_weight_averaging(std::vector<SourceTensor> tensors,
                                                  const LightningEmaWeightAveragingOptions& o = {}) {
   return Ema<Fixed>(std::move(tensors), Fixed(o.decay), lightning_ema_schedule(o),
-                    averaged_model_options(o.use_buffers));
+                    averaged_model_options(o.use_buffers, Arithmetic::weighted_sum));
 }
 inline Recipe<Fixed> lightning_ema_weight_averaging_recipe(const LightningEmaWeightAveragingOptions& o = {}) {
-  return Recipe<Fixed>(Fixed(o.decay), lightning_ema_schedule(o), averaged_model_options(o.use_buffers));
+  return Recipe<Fixed>(Fixed(o.decay), lightning_ema_schedule(o),
+                       averaged_model_options(o.use_buffers, Arithmetic::weighted_sum));
 }
 
 // ---- self-supervised teachers ----------------------------------------------------------------
@@ -384,23 +408,29 @@ struct CosineTeacherOptions {
   double end = 1.0;
   std::int64_t total_steps = 1000;
   CosineEnd endpoint = CosineEnd::at_last_step;
+  // lightly's update_momentum (_foreach_mul_ then _foreach_add_ with alpha); DINO's
+  // mul_(m).add_((1 - m) * x) is Arithmetic::weighted_sum.
+  Arithmetic arithmetic = Arithmetic::scaled_fused_add;
 };
 
 inline CosineMomentum cosine_teacher_decay(const CosineTeacherOptions& o) {
   return CosineMomentum(o.start, o.end, 2).endpoint(o.endpoint).total_steps(o.total_steps);
 }
-inline EmaOptions cosine_teacher_options() { return EmaOptions().keep_model_dtype(true).buffers(BufferMode::ignore); }
+inline EmaOptions cosine_teacher_options(Arithmetic arithmetic = Arithmetic::scaled_fused_add) {
+  return EmaOptions().keep_model_dtype(true).arithmetic(arithmetic).buffers(BufferMode::ignore);
+}
 
 template <StoragePolicy Storage = FlatStorage>
 Ema<CosineMomentum, StepSchedule, Storage> cosine_momentum_teacher(const torch::nn::Module& model,
                                                                    const CosineTeacherOptions& o = {},
                                                                    Storage storage = {}) {
   return Ema<CosineMomentum, StepSchedule, Storage>(model, cosine_teacher_decay(o), StepSchedule(),
-                                                    cosine_teacher_options(), std::move(storage));
+                                                    cosine_teacher_options(o.arithmetic), std::move(storage));
 }
 inline Ema<CosineMomentum> cosine_momentum_teacher(std::vector<SourceTensor> tensors,
                                                    const CosineTeacherOptions& o = {}) {
-  return Ema<CosineMomentum>(std::move(tensors), cosine_teacher_decay(o), StepSchedule(), cosine_teacher_options());
+  return Ema<CosineMomentum>(std::move(tensors), cosine_teacher_decay(o), StepSchedule(),
+                             cosine_teacher_options(o.arithmetic));
 }
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

@@ -1,7 +1,8 @@
 // The tensor operations whose spelling depends on the LibTorch version, chosen at compile time
 // here and nowhere else: the foreach lerp (LibTorch >= 2.0; 1.13 gets _foreach_mul_ +
 // _foreach_add_), the foreach copy (>= 2.1; a copy_ per tensor before), and a read-only data
-// pointer that does not materialise a copy-on-write storage (>= 2.1).
+// pointer that does not materialise a copy-on-write storage (>= 2.1); and the foreach update of
+// each Arithmetic, built on them.
 #pragma once
 
 #include <emakit/detail/config.hpp>
@@ -9,6 +10,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_foreach_add.h>
 #include <ATen/ops/_foreach_mul.h>
+#include <ATen/ops/_foreach_sub.h>
+#include <emakit/detail/simd.hpp>
 #include <torch/version.h>
 
 #if TORCH_VERSION_MAJOR >= 2
@@ -59,6 +62,44 @@ inline void foreach_lerp(const std::vector<at::Tensor>& a, const std::vector<at:
   at::_foreach_mul_(a, 1.0 - w);
   at::_foreach_add_(a, x, w);
 #endif
+}
+
+// a[i] = F(a[i], x[i]) for every i (F an Arithmetic, options.hpp), by the ATen ops of the peer
+// the arithmetic comes from, so that a CUDA list or a rare CPU dtype rounds as that peer does.
+// `x_scratch`: the inputs are the EMA's own staging copies, which the update may overwrite
+// (weighted_sum and subtract then need no temporaries; otherwise they allocate one list).
+// Arithmetic::lerp and fused_lerp are both ATen's lerp here (which fuses on CUDA and on CPUs with
+// FMA): only the fused CPU pass has emakit's two-rounding lerp.
+inline void foreach_average(Arithmetic f, const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& x, Weights w,
+                            bool x_scratch) {
+  switch (f) {
+    case Arithmetic::lerp:
+    case Arithmetic::fused_lerp: foreach_lerp(a, x, w.weight); return;
+    case Arithmetic::weighted_sum:  // decay * a + (1 - decay) * x
+      at::_foreach_mul_(a, w.decay);
+      if (x_scratch) {
+        at::_foreach_mul_(x, w.weight);
+        at::_foreach_add_(a, x);
+      } else {
+        at::_foreach_add_(a, at::_foreach_mul(x, w.weight));
+      }
+      return;
+    case Arithmetic::scaled_fused_add:  // _foreach_mul_(a, decay); _foreach_add_(a, x, alpha = 1 - decay)
+      at::_foreach_mul_(a, w.decay);
+      at::_foreach_add_(a, x, w.weight);
+      return;
+    case Arithmetic::subtract:  // a -= (1 - decay) * (a - x); with scratch: a += (1 - decay) * (x - a), the same bits
+      if (x_scratch) {
+        at::_foreach_sub_(x, a);
+        at::_foreach_mul_(x, w.weight);
+        at::_foreach_add_(a, x);
+      } else {
+        auto d = at::_foreach_sub(a, x);
+        at::_foreach_mul_(d, w.weight);
+        at::_foreach_sub_(a, d);
+      }
+      return;
+  }
 }
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

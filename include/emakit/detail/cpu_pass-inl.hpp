@@ -18,13 +18,13 @@ EMAKIT_FUNC void CpuPass::add(SegmentFn fn, std::size_t slot, std::int64_t n, st
   total_ += n * cost;
 }
 
-EMAKIT_FUNC void CpuPass::run(double weight, std::int64_t grain, double* drift) const {
+EMAKIT_FUNC void CpuPass::run(Weights weights, std::int64_t grain, double* drift) const {
   if (segments_.empty()) return;
   at::parallel_for(0, total_, grain,
-                   [&](std::int64_t begin, std::int64_t end) { run_share(begin, end, weight, drift); });
+                   [&](std::int64_t begin, std::int64_t end) { run_share(begin, end, weights, drift); });
 }
 
-EMAKIT_FUNC void CpuPass::run_share(std::int64_t c0, std::int64_t c1, double weight, double* drift) const {
+EMAKIT_FUNC void CpuPass::run_share(std::int64_t c0, std::int64_t c1, Weights weights, double* drift) const {
   auto it = std::upper_bound(segments_.begin(), segments_.end(), c0,
                              [](std::int64_t c, const Segment& s) { return c < s.begin; });
   if (it != segments_.begin()) --it;
@@ -33,10 +33,10 @@ EMAKIT_FUNC void CpuPass::run_share(std::int64_t c0, std::int64_t c1, double wei
     const std::int64_t hi = element_at(*it, c1);
     if (lo >= hi) continue;
     if (drift == nullptr) {
-      it->fn(it->a, it->x, lo, hi, weight, nullptr);
+      it->fn(it->a, it->x, lo, hi, weights, nullptr);
     } else {
       double sums[2] = {0.0, 0.0};
-      it->fn(it->a, it->x, lo, hi, weight, sums);
+      it->fn(it->a, it->x, lo, hi, weights, sums);
       add_drift(drift + 2 * it->slot, sums, /*shared=*/lo > 0 || hi < it->n);
     }
   }
@@ -56,7 +56,7 @@ EMAKIT_FUNC void GroupPass::build(std::span<const Input> passes) {
             });
   if (reused_) {
     for (Entry& e : entries_) {
-      e.weight = passes[e.pass].weight;
+      e.weights = passes[e.pass].weights;
       e.drift = passes[e.pass].drift != nullptr ? passes[e.pass].drift + 2 * e.slot : nullptr;
     }
     return;
@@ -96,7 +96,7 @@ EMAKIT_FUNC void GroupPass::build(std::span<const Input> passes) {
     for (const auto& seg : passes[p].pass->segments()) {
       Group& g = groups_[group_of_[k++]];
       double* drift = passes[p].drift != nullptr ? passes[p].drift + 2 * seg.slot : nullptr;
-      entries_[g.first + g.count++] = Entry{seg.fn, seg.a, passes[p].weight, drift, seg.slot, p};
+      entries_[g.first + g.count++] = Entry{seg.fn, seg.a, passes[p].weights, drift, seg.slot, p};
     }
   }
 }
@@ -126,12 +126,12 @@ EMAKIT_FUNC void GroupPass::run_share(std::int64_t c0, std::int64_t c1) const {
         const Entry& entry = entries_[k];
         const std::size_t j = k - it->first;
         if (entry.drift == nullptr) {
-          entry.fn(entry.a, x, b, e, entry.weight, nullptr);
+          entry.fn(entry.a, x, b, e, entry.weights, nullptr);
         } else if (j < kept) {
-          entry.fn(entry.a, x, b, e, entry.weight, sums[j]);
+          entry.fn(entry.a, x, b, e, entry.weights, sums[j]);
         } else {
           double block_sums[2] = {0.0, 0.0};
-          entry.fn(entry.a, x, b, e, entry.weight, block_sums);
+          entry.fn(entry.a, x, b, e, entry.weights, block_sums);
           add_drift(entry.drift, block_sums, shared);
         }
       }

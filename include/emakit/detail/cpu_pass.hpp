@@ -57,55 +57,67 @@ void dispatch_pair(c10::ScalarType a, c10::ScalarType s, F&& f) {
   fail("internal: no fused CPU pass for {} from {}", c10::toString(a), c10::toString(s));
 }
 
-// Work on one tensor: fn(a, x, begin, end, weight, drift) over elements [begin, end). A lerp
+// Work on one tensor: fn(a, x, begin, end, weights, drift) over elements [begin, end). An average
 // given `drift` (not null) also adds the drift sums of what it wrote to drift[0] and drift[1]
-// (lerp_drift_range); copies ignore it.
-using SegmentFn = void (*)(void*, const void*, std::int64_t, std::int64_t, double, double*) noexcept;
+// (average_drift_range); copies ignore it.
+using SegmentFn = void (*)(void*, const void*, std::int64_t, std::int64_t, Weights, double*) noexcept;
 
-// The segment functions, once per instruction set: lerp_segment<A, S> / copy_segment<A, S> for
-// the build's baseline, and the _avx2 and _avx512 copies where detail/simd.hpp builds them.
-#define EMAKIT_SEGMENT_FNS(suffix, target)                                                                          \
-  template <class A, class S>                                                                                       \
-  target EMAKIT_NO_CONTRACT void lerp_segment##suffix(void* a, const void* x, std::int64_t begin, std::int64_t end, \
-                                                      double w, double* drift) noexcept {                           \
-    if (drift == nullptr) {                                                                                         \
-      lerp_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin,                   \
-                       static_cast<opmath_t<A>>(w));                                                                \
-    } else {                                                                                                        \
-      lerp_drift_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin,             \
-                             static_cast<opmath_t<A>>(w), drift);                                                   \
-    }                                                                                                               \
-  }                                                                                                                 \
-  template <class A, class S>                                                                                       \
-  target void copy_segment##suffix(void* a, const void* x, std::int64_t begin, std::int64_t end, double,            \
-                                   double*) noexcept {                                                              \
-    copy_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin);                    \
+// The segment functions, once per instruction set: average_segment<F, A, S> (F an Arithmetic) /
+// copy_segment<A, S> for the build's baseline, and the _avx2 and _avx512 copies where
+// detail/simd.hpp builds them; average_segment_for<A, S>(f) picks F at plan time.
+#define EMAKIT_SEGMENT_FNS(suffix, target)                                                                             \
+  template <Arithmetic F, class A, class S>                                                                            \
+  target EMAKIT_NO_CONTRACT void average_segment##suffix(void* a, const void* x, std::int64_t begin, std::int64_t end, \
+                                                         Weights w, double* drift) noexcept {                          \
+    if (drift == nullptr) {                                                                                            \
+      average_range<F, A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin, w);            \
+    } else {                                                                                                           \
+      average_drift_range<F, A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin, w,       \
+                                   drift);                                                                             \
+    }                                                                                                                  \
+  }                                                                                                                    \
+  template <class A, class S>                                                                                          \
+  target void copy_segment##suffix(void* a, const void* x, std::int64_t begin, std::int64_t end, Weights,              \
+                                   double*) noexcept {                                                                 \
+    copy_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin);                       \
+  }                                                                                                                    \
+  template <class A, class S>                                                                                          \
+  SegmentFn average_segment_for##suffix(Arithmetic f) noexcept {                                                       \
+    switch (f) {                                                                                                       \
+      case Arithmetic::lerp: return &average_segment##suffix<Arithmetic::lerp, A, S>;                                  \
+      case Arithmetic::fused_lerp: return &average_segment##suffix<Arithmetic::fused_lerp, A, S>;                      \
+      case Arithmetic::weighted_sum: return &average_segment##suffix<Arithmetic::weighted_sum, A, S>;                  \
+      case Arithmetic::scaled_fused_add: return &average_segment##suffix<Arithmetic::scaled_fused_add, A, S>;          \
+      case Arithmetic::subtract: return &average_segment##suffix<Arithmetic::subtract, A, S>;                          \
+    }                                                                                                                  \
+    return nullptr;                                                                                                    \
   }
 
 EMAKIT_SEGMENT_FNS(, )
 #if EMAKIT_AVX2_CLONES
-EMAKIT_SEGMENT_FNS(_avx2, __attribute__((target("avx2"))))
+EMAKIT_SEGMENT_FNS(_avx2, __attribute__((target("avx2,fma"))))
 #endif
 #if EMAKIT_AVX512_CLONES
 EMAKIT_SEGMENT_FNS(_avx512, __attribute__((target("avx512f,avx512bw,avx512vl"))))
 #endif
 #undef EMAKIT_SEGMENT_FNS
 
-// The segment functions of a fused pair, for the best instruction set this CPU runs.
+// The segment functions of a fused pair (the average's, for the arithmetic f, and the copy's), for
+// the best instruction set this CPU runs.
 template <class A, class S>
-std::pair<SegmentFn, SegmentFn> segment_fns() noexcept {
+std::pair<SegmentFn, SegmentFn> segment_fns(Arithmetic f = Arithmetic::lerp) noexcept {
 #if EMAKIT_AVX512_CLONES
-  if (use_avx512()) return {&lerp_segment_avx512<A, S>, &copy_segment_avx512<A, S>};
+  if (use_avx512()) return {average_segment_for_avx512<A, S>(f), &copy_segment_avx512<A, S>};
 #endif
 #if EMAKIT_AVX2_CLONES
-  if (use_avx2()) return {&lerp_segment_avx2<A, S>, &copy_segment_avx2<A, S>};
+  if (use_avx2()) return {average_segment_for_avx2<A, S>(f), &copy_segment_avx2<A, S>};
 #endif
-  return {&lerp_segment<A, S>, &copy_segment<A, S>};
+  return {average_segment_for<A, S>(f), &copy_segment<A, S>};
 }
 
 // Same-dtype copy of any element type, as bytes (element size E).
 template <std::size_t E>
-void byte_copy_segment(void* a, const void* x, std::int64_t begin, std::int64_t end, double, double*) noexcept {
+void byte_copy_segment(void* a, const void* x, std::int64_t begin, std::int64_t end, Weights, double*) noexcept {
   std::memcpy(static_cast<char*>(a) + begin * static_cast<std::int64_t>(E),
               static_cast<const char*>(x) + begin * static_cast<std::int64_t>(E),
               static_cast<std::size_t>(end - begin) * E);
@@ -179,10 +191,10 @@ class CpuPass {
   // [2 * slot + 1] += sum(x^2) over each lerp segment of the slot (lerp_drift_range); the caller
   // zeroes them. A slot cut between shares gets its threads' sums atomically: their order, and so
   // the last bits of its sums, follow the split.
-  void run(double weight, std::int64_t grain, double* drift = nullptr) const;
+  void run(Weights weights, std::int64_t grain, double* drift = nullptr) const;
 
   // The segments' work between cost units [c0, c1).
-  void run_share(std::int64_t c0, std::int64_t c1, double weight, double* drift = nullptr) const;
+  void run_share(std::int64_t c0, std::int64_t c1, Weights weights, double* drift = nullptr) const;
 
  private:
   // The first element of `s` at or after cost unit c, rounded up to align_elements: the same
@@ -221,7 +233,7 @@ class GroupPass {
   // like its weight.
   struct Input {
     const CpuPass* pass;
-    double weight;
+    Weights weights;
     double* drift = nullptr;
   };
   void build(std::span<const Input> passes);
@@ -233,7 +245,7 @@ class GroupPass {
   struct Entry {
     SegmentFn fn;
     void* a;
-    double weight;
+    Weights weights;
     double* drift;     // this slot's two drift sums, or null
     std::size_t slot;  // in its pass's kernel
     std::size_t pass;  // index into build()'s passes, whose weight and drift sums it takes

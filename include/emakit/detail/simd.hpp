@@ -1,11 +1,12 @@
-// The element loops of the fused CPU pass: a = lerp(a, x, w) and a = x over one range, written
+// The element loops of the fused CPU pass: a = F(a, x) (F an Arithmetic) and a = x over one range, written
 // so that the compiler vectorises them (`omp simd`), reading a bf16/fp16 source through
 // branch-free integer widening (no F16C needed), and the choice of an AVX2 or AVX-512 copy at run time.
-// The arithmetic is ATen's lerp: a + w*(x-a) for |w| < 0.5, else x + (w-1)*(x-a), in float for
-// float/half/bf16 averages and double for double averages.
+// The arithmetic is the EMA's Arithmetic (options.hpp), by default ATen's lerp: a + w*(x-a) for
+// |w| < 0.5, else x + (w-1)*(x-a), in float for float/half/bf16 averages and double for double ones.
 #pragma once
 
 #include <emakit/detail/config.hpp>
+#include <emakit/options.hpp>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -69,12 +70,13 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 #define EMAKIT_PRAGMA_NO_CONTRACT
 #endif
 
-// Whether the AVX2 copies of the segment loops are built and this CPU can run them.
+// Whether the AVX2 copies of the segment loops are built and this CPU can run them (AVX2 and FMA,
+// which the fused arithmetics use: every CPU with AVX2 that x86-64-v3 names has both).
 inline bool use_avx2() noexcept {
 #if EMAKIT_AVX2_CLONES
   static const bool has = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") != 0;
+    return __builtin_cpu_supports("avx2") != 0 && __builtin_cpu_supports("fma") != 0;
   }();
   return has;
 #else
@@ -148,71 +150,127 @@ struct Load<c10::Half> {
   }
 };
 
-// a = lerp(a, x, w) over n elements, in ATen's formula, as one pass. Inlined into each segment
-// function, so that the AVX2 and AVX-512 copies compile the loop for their instruction set.
-template <class A, class S>
-EMAKIT_ALWAYS_INLINE void lerp_range(A* __restrict a, const S* __restrict x, std::int64_t n, opmath_t<A> w) noexcept {
+// The weights of one update as the decay policy gave them, in double: w = 1 - d and d (a policy
+// with a weight of its own, Uniform's exact 1/n, gives w, and d = 1 - w). Each Arithmetic takes
+// what its peer takes: the lerps w, the others both.
+struct Weights {
+  double weight = 0.0;
+  double decay = 1.0;
+};
+
+// Weights rounded once to the opmath type T, as ATen rounds a Python scalar for a tensor op; c =
+// W - 1 and `low` (|W| < 0.5) for the lerps' two forms.
+template <class T>
+struct OpWeights {
+  T w, d, c;
+  bool low;
+};
+template <class A>
+EMAKIT_ALWAYS_INLINE OpWeights<opmath_t<A>> op_weights(Weights k) noexcept {
+  using T = opmath_t<A>;
+  const T w = static_cast<T>(k.weight);
+  return {w, static_cast<T>(k.decay), w - T(1), std::abs(w) < T(0.5)};
+}
+
+// v rounded to the average's dtype A and back: the result of one ATen op on an A tensor.
+template <class A, class T>
+EMAKIT_ALWAYS_INLINE T round_to(T v) noexcept {
+  return static_cast<T>(static_cast<A>(v));
+}
+
+// One averaged element, a' from a and x (both in opmath T), by the arithmetic F (see Arithmetic in
+// options.hpp); `Low` selects the lerps' form (OpWeights::low), the others ignore it. Every
+// intermediate result is rounded to A as ATen's op would, and nothing is contracted but the
+// explicit fma of the fused forms (std::fma: one rounding on every build, an instruction where
+// the target has FMA, a libm call on the baseline without it).
+template <Arithmetic F, bool Low, class A, class T>
+EMAKIT_ALWAYS_INLINE A combine(T a, T x, const OpWeights<T>& k) noexcept {
   EMAKIT_PRAGMA_NO_CONTRACT  // first in the body: clang takes the pragma only there
-      using T = opmath_t<A>;
-  using L = Load<S>;
-  const auto* __restrict xr = reinterpret_cast<const typename L::raw*>(x);
-  if (std::abs(w) < T(0.5)) {
-    EMAKIT_SIMD
-    for (std::int64_t i = 0; i < n; ++i) {
-      const T ai = static_cast<T>(a[i]);
-      a[i] = static_cast<A>(ai + w * (L::template at<T>(xr, i) - ai));
-    }
+      const T w = k.w;
+  if constexpr (F == Arithmetic::lerp) {
+    return Low ? static_cast<A>(a + w * (x - a)) : static_cast<A>(x + k.c * (x - a));
+  } else if constexpr (F == Arithmetic::fused_lerp) {
+    return Low ? static_cast<A>(std::fma(w, x - a, a)) : static_cast<A>(std::fma(k.c, x - a, x));
+  } else if constexpr (F == Arithmetic::weighted_sum) {
+    return static_cast<A>(round_to<A>(k.d * a) + round_to<A>(w * x));
+  } else if constexpr (F == Arithmetic::scaled_fused_add) {
+    return static_cast<A>(std::fma(x, w, round_to<A>(k.d * a)));
   } else {
-    const T c = w - T(1);
-    EMAKIT_SIMD
-    for (std::int64_t i = 0; i < n; ++i) {
-      const T xi = L::template at<T>(xr, i);
-      a[i] = static_cast<A>(xi + c * (xi - static_cast<T>(a[i])));
-    }
+    static_assert(F == Arithmetic::subtract);
+    return static_cast<A>(a - round_to<A>(w * round_to<A>(a - x)));
   }
 }
 
-// lerp_range, and the drift of the result: adds sum((a' - x)^2) and sum(x^2) over the n elements
+// Whether F has the lerps' two forms.
+template <Arithmetic F>
+inline constexpr bool two_forms = F == Arithmetic::lerp || F == Arithmetic::fused_lerp;
+
+template <Arithmetic F, bool Low, class A, class S>
+EMAKIT_ALWAYS_INLINE void average_loop(A* __restrict a, const typename Load<S>::raw* __restrict xr, std::int64_t n,
+                                       const OpWeights<opmath_t<A>> k) noexcept {
+  using T = opmath_t<A>;
+  EMAKIT_SIMD
+  for (std::int64_t i = 0; i < n; ++i)
+    a[i] = combine<F, Low, A>(static_cast<T>(a[i]), Load<S>::template at<T>(xr, i), k);
+}
+
+// a = F(a, x) over n elements, as one pass. Inlined into each segment function, so that the AVX2
+// and AVX-512 copies compile the loop for their instruction set.
+template <Arithmetic F, class A, class S>
+EMAKIT_ALWAYS_INLINE void average_range(A* __restrict a, const S* __restrict x, std::int64_t n, Weights w) noexcept {
+  const auto* __restrict xr = reinterpret_cast<const typename Load<S>::raw*>(x);
+  const auto k = op_weights<A>(w);
+  if (!two_forms<F> || k.low) {
+    average_loop<F, true, A, S>(a, xr, n, k);
+  } else {
+    average_loop<F, false, A, S>(a, xr, n, k);
+  }
+}
+
+// One chunk of average_drift_range: the averages as average_loop writes them, and the chunk's
+// drift sums in opmath, reduced in vector lanes.
+template <Arithmetic F, bool Low, class A, class S>
+EMAKIT_ALWAYS_INLINE void average_drift_chunk(A* __restrict a, const typename Load<S>::raw* __restrict xr,
+                                              std::int64_t b, std::int64_t e, const OpWeights<opmath_t<A>> k,
+                                              opmath_t<A>& d2_out, opmath_t<A>& x2_out) noexcept {
+  EMAKIT_PRAGMA_NO_CONTRACT  // first in the body: clang takes the pragma only there
+      using T = opmath_t<A>;
+  T d2 = 0, x2 = 0;
+  EMAKIT_SIMD_REDUCE(d2, x2)
+  for (std::int64_t i = b; i < e; ++i) {
+    const T xi = Load<S>::template at<T>(xr, i);
+    const A r = combine<F, Low, A>(static_cast<T>(a[i]), xi, k);
+    a[i] = r;
+    const T d = static_cast<T>(r) - xi;
+    d2 += d * d;
+    x2 += xi * xi;
+  }
+  d2_out = d2;
+  x2_out = x2;
+}
+
+// average_range, and the drift of the result: adds sum((a' - x)^2) and sum(x^2) over the n elements
 // (a' the average as stored, in its dtype) to sums[0] and sums[1]. The averages are computed by
-// the same expressions as lerp_range's, so they are bitwise the same; the sums are taken in
+// the same combine() as average_range's, so they are bitwise the same; the sums are taken in
 // opmath_t<A> over chunks of drift_chunk elements (`omp simd` reduces them in vector lanes), each
 // chunk's sum added in double: a sum is within drift_chunk + 3 roundings of opmath_t<A> of the
 // exact one, relative to it (each term: the difference and the square; then the chunk's sum).
 inline constexpr std::int64_t drift_chunk = 1024;
-template <class A, class S>
-EMAKIT_ALWAYS_INLINE void lerp_drift_range(A* __restrict a, const S* __restrict x, std::int64_t n, opmath_t<A> w,
-                                           double* __restrict sums) noexcept {
-  EMAKIT_PRAGMA_NO_CONTRACT  // first in the body: clang takes the pragma only there
-      using T = opmath_t<A>;
-  using L = Load<S>;
-  const auto* __restrict xr = reinterpret_cast<const typename L::raw*>(x);
-  const bool low = std::abs(w) < T(0.5);
-  const T c = w - T(1);
+template <Arithmetic F, class A, class S>
+EMAKIT_ALWAYS_INLINE void average_drift_range(A* __restrict a, const S* __restrict x, std::int64_t n, Weights w,
+                                              double* __restrict sums) noexcept {
+  using T = opmath_t<A>;
+  const auto* __restrict xr = reinterpret_cast<const typename Load<S>::raw*>(x);
+  const auto k = op_weights<A>(w);
+  const bool low = !two_forms<F> || k.low;
   double dd = 0, xx = 0;
   for (std::int64_t b = 0; b < n; b += drift_chunk) {
     const std::int64_t e = std::min(n, b + drift_chunk);
     T d2 = 0, x2 = 0;
     if (low) {
-      EMAKIT_SIMD_REDUCE(d2, x2)
-      for (std::int64_t i = b; i < e; ++i) {
-        const T ai = static_cast<T>(a[i]);
-        const T xi = L::template at<T>(xr, i);
-        const A r = static_cast<A>(ai + w * (xi - ai));
-        a[i] = r;
-        const T d = static_cast<T>(r) - xi;
-        d2 += d * d;
-        x2 += xi * xi;
-      }
+      average_drift_chunk<F, true, A, S>(a, xr, b, e, k, d2, x2);
     } else {
-      EMAKIT_SIMD_REDUCE(d2, x2)
-      for (std::int64_t i = b; i < e; ++i) {
-        const T xi = L::template at<T>(xr, i);
-        const A r = static_cast<A>(xi + c * (xi - static_cast<T>(a[i])));
-        a[i] = r;
-        const T d = static_cast<T>(r) - xi;
-        d2 += d * d;
-        x2 += xi * xi;
-      }
+      average_drift_chunk<F, false, A, S>(a, xr, b, e, k, d2, x2);
     }
     dd += static_cast<double>(d2);
     xx += static_cast<double>(x2);

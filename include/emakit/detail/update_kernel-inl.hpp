@@ -62,7 +62,7 @@ EMAKIT_FUNC void UpdateKernel::check_sources() {
 }
 
 EMAKIT_FUNC void UpdateKernel::plan() {
-  plan_ = UpdatePlan(slots_, cpu_path_, side_stream_, staging_bytes_);
+  plan_ = UpdatePlan(slots_, cpu_path_, side_stream_, staging_bytes_, arithmetic_);
   lanes_.clear();
   for (const auto& dev : plan_.lanes) lanes_.emplace_back(dev, side_stream_);
   finite_checks_[0] = NonFiniteCheck(slots_, /*copying=*/false, cpu_path_);
@@ -79,33 +79,33 @@ EMAKIT_FUNC void UpdateKernel::plan() {
     if (slots_[i].averaged && !in_pass[i] && slots_[i].average.numel() > 0) drift_outside_.push_back(i);
 }
 
-EMAKIT_FUNC void UpdateKernel::run(bool averaging, double weight, bool drift) {
+EMAKIT_FUNC void UpdateKernel::run(bool averaging, Weights weights, bool drift) {
   c10::NoGradGuard no_grad;
   check_before_run();
   join_host();  // the previous offloaded pass must finish before this one touches its buffers
   drift = drift && averaging;
   if (drift) begin_drift();
   for (std::size_t k = 0; k < lanes_.size(); ++k) {
-    run_lists(averaging, weight, k, /*current=*/true);  // buffers, before the side stream starts
+    run_lists(averaging, weights, k, /*current=*/true);  // buffers, before the side stream starts
     Lane& lane = lanes_[k];
     auto guard = lane.begin();
-    run_lists(averaging, weight, k, /*current=*/false);
+    run_lists(averaging, weights, k, /*current=*/false);
     lane.finish();
   }
-  run_lists(averaging, weight, no_lane, /*current=*/true);  // CPU foreach path, devices without streams
-  run_lists(averaging, weight, no_lane, /*current=*/false);
+  run_lists(averaging, weights, no_lane, /*current=*/true);  // CPU foreach path, devices without streams
+  run_lists(averaging, weights, no_lane, /*current=*/false);
   if (plan_.offload_lanes.empty()) {
-    run_cpu(averaging, weight, drift);
+    run_cpu(averaging, weights, drift);
   } else if (side_stream_) {
     // The host waits for the device-to-host copies on a thread of its own, then runs the pass.
-    host_ = std::async(std::launch::async, [this, averaging, weight, drift] {
+    host_ = std::async(std::launch::async, [this, averaging, weights, drift] {
       c10::NoGradGuard no_grad_here;
       for (auto k : plan_.offload_lanes) lanes_[k].synchronize_host();
-      run_cpu(averaging, weight, drift);
+      run_cpu(averaging, weights, drift);
     });
   } else {
     for (auto k : plan_.offload_lanes) lanes_[k].synchronize_host();
-    run_cpu(averaging, weight, drift);
+    run_cpu(averaging, weights, drift);
   }
   if (drift) measure_drift_outside();
 }
@@ -156,7 +156,7 @@ EMAKIT_FUNC void UpdateKernel::measure_drift_outside() {
   }
 }
 
-EMAKIT_FUNC void UpdateKernel::run_lists(bool averaging, double weight, std::size_t k, bool current) {
+EMAKIT_FUNC void UpdateKernel::run_lists(bool averaging, Weights weights, std::size_t k, bool current) {
   for (auto i : plan_.staged) {
     Slot& s = slots_[i];
     if (plan_.lane_of(s) == k && plan_.on_current(s) == current) stage_copy(s);
@@ -166,7 +166,7 @@ EMAKIT_FUNC void UpdateKernel::run_lists(bool averaging, double weight, std::siz
     switch (l.kind) {
       case ListKind::lerp:
         if (averaging) {
-          foreach_lerp(l.averages, l.inputs, weight);
+          foreach_average(arithmetic_, l.averages, l.inputs, weights, /*x_scratch=*/false);
         } else {
           foreach_copy(l.averages, l.inputs);
         }
@@ -174,7 +174,7 @@ EMAKIT_FUNC void UpdateKernel::run_lists(bool averaging, double weight, std::siz
       case ListKind::staged:
         if (averaging) {
           foreach_copy(l.inputs, l.sources);
-          foreach_lerp(l.averages, l.inputs, weight);
+          foreach_average(arithmetic_, l.averages, l.inputs, weights, /*x_scratch=*/true);
         } else {
           foreach_copy(l.averages, l.sources);  // copy_ converts: the pool is not needed
         }
@@ -186,11 +186,18 @@ EMAKIT_FUNC void UpdateKernel::run_lists(bool averaging, double weight, std::siz
   }
 }
 
-EMAKIT_FUNC void UpdateKernel::run_cpu(bool averaging, double weight, bool drift) {
+EMAKIT_FUNC void UpdateKernel::run_cpu(bool averaging, Weights weights, bool drift) {
   (averaging ? plan_.average_pass : plan_.copy_pass)
-      .run(weight, chunk_elements * 12, drift ? drift_sums_.data() : nullptr);
+      .run(weights, chunk_elements * 12, drift ? drift_sums_.data() : nullptr);
   if (averaging) {
-    for (auto i : plan_.generic) slots_[i].average.lerp_(slots_[i].input(), weight);
+    for (auto i : plan_.generic) {
+      if (arithmetic_ == Arithmetic::lerp || arithmetic_ == Arithmetic::fused_lerp) {
+        slots_[i].average.lerp_(slots_[i].input(), weights.weight);  // ATen's lerp (LibTorch 1.13 too)
+      } else {
+        const std::vector<at::Tensor> a{slots_[i].average}, x{slots_[i].input()};
+        foreach_average(arithmetic_, a, x, weights, /*x_scratch=*/false);
+      }
+    }
     for (auto i : plan_.generic_copies)
       if (slots_[i].follows_averages) slots_[i].average.copy_(slots_[i].input());
   } else {
@@ -210,14 +217,14 @@ EMAKIT_FUNC void UpdateKernel::run_together(std::span<const Work> work) {
       w.kernel->join_host();
       const bool drift = w.drift && w.averaging;
       if (drift) w.kernel->begin_drift();
-      passes.push_back({w.averaging ? &w.kernel->plan_.average_pass : &w.kernel->plan_.copy_pass, w.weight,
+      passes.push_back({w.averaging ? &w.kernel->plan_.average_pass : &w.kernel->plan_.copy_pass, w.weights,
                         drift ? w.kernel->drift_sums_.data() : nullptr});
     } else {
-      w.kernel->run(w.averaging, w.weight, w.drift);
+      w.kernel->run(w.averaging, w.weights, w.drift);
     }
   }
   if (passes.size() == 1) {
-    passes.front().pass->run(passes.front().weight, chunk_elements * 12, passes.front().drift);
+    passes.front().pass->run(passes.front().weights, chunk_elements * 12, passes.front().drift);
   } else if (passes.size() > 1) {
     thread_local GroupPass group;  // keeps its buffers' capacity from call to call
     group.build(passes);

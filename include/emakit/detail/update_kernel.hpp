@@ -71,10 +71,14 @@ class UpdateKernel {
 
   UpdateKernel() = default;
   // side_stream: run the work of each CUDA device on a side stream (see the top of this file).
-  // staging_bytes: the bound of each staging pool.
+  // staging_bytes: the bound of each staging pool. arithmetic: how an average is computed.
   explicit UpdateKernel(std::vector<Slot> slots, CpuPath cpu_path = CpuPath::fused, bool side_stream = false,
-                        std::int64_t staging_bytes = default_staging_bytes)
-      : slots_(std::move(slots)), cpu_path_(cpu_path), side_stream_(side_stream), staging_bytes_(staging_bytes) {
+                        std::int64_t staging_bytes = default_staging_bytes, Arithmetic arithmetic = Arithmetic::lerp)
+      : slots_(std::move(slots)),
+        cpu_path_(cpu_path),
+        side_stream_(side_stream),
+        staging_bytes_(staging_bytes),
+        arithmetic_(arithmetic) {
     if (staging_bytes_ < 1) fail("the staging bound must be at least 1 byte, got {}", staging_bytes_);
     for (auto& s : slots_) s.shape.assign(s.source.sizes().begin(), s.source.sizes().end());
     plan();
@@ -128,18 +132,23 @@ class UpdateKernel {
   // dtype or got new memory.
   void check_sources();
 
-  // ema = lerp(ema, model, weight) for averaged slots; copy for the copied ones. With `drift`, the
-  // update also measures how far each averaged slot ends from its source (drift_sums()).
-  void average(double weight, bool drift = false) { run(/*averaging=*/true, weight, drift); }
+  // ema = F(ema, model) for averaged slots (F the kernel's Arithmetic, with `weights`); copy for
+  // the copied ones. With `drift`, the update also measures how far each averaged slot ends from
+  // its source (drift_sums()).
+  void average(Weights weights, bool drift = false) { run(/*averaging=*/true, weights, drift); }
+  // The same with w = weight and d = 1 - weight (the lerps need only w).
+  void average(double weight, bool drift = false) { average(Weights{weight, 1.0 - weight}, drift); }
 
   // ema = model for every slot.
-  void copy() { run(/*averaging=*/false, 1.0); }
+  void copy() { run(/*averaging=*/false, Weights{1.0, 0.0}); }
 
-  // What update_together() asks of one kernel: average with `weight` (and measure the drift), or copy.
+  Arithmetic arithmetic() const noexcept { return arithmetic_; }
+
+  // What update_together() asks of one kernel: average with `weights` (and measure the drift), or copy.
   struct Work {
     UpdateKernel* kernel;
     bool averaging;
-    double weight;
+    Weights weights;
     bool drift = false;
   };
   // Each kernel's average() or copy(), as if run one after another: the kernels whose whole
@@ -171,7 +180,7 @@ class UpdateKernel {
  private:
   void plan();
 
-  void run(bool averaging, double weight, bool drift = false);
+  void run(bool averaging, Weights weights, bool drift = false);
 
   // Zeroes the drift sums before an update that measures them.
   void begin_drift() noexcept { std::fill(drift_sums_.begin(), drift_sums_.end(), 0.0); }
@@ -181,9 +190,9 @@ class UpdateKernel {
 
   // On the current stream (current = true) or the lane's stream: offload staging copies and the
   // foreach lists of lane k (no_lane: of no lane).
-  void run_lists(bool averaging, double weight, std::size_t k, bool current);
+  void run_lists(bool averaging, Weights weights, std::size_t k, bool current);
 
-  void run_cpu(bool averaging, double weight, bool drift);
+  void run_cpu(bool averaging, Weights weights, bool drift);
 
   static void stage_copy(Slot& s);
 
@@ -206,6 +215,7 @@ class UpdateKernel {
   CpuPath cpu_path_ = CpuPath::fused;
   bool side_stream_ = false;
   std::int64_t staging_bytes_ = default_staging_bytes;
+  Arithmetic arithmetic_ = Arithmetic::lerp;
   UpdatePlan plan_;
   mutable std::vector<Lane> lanes_;         // one per CUDA device of the plan (plan_.lanes), in its order
   mutable std::future<void> host_;          // the CPU pass of an offloaded side-stream update

@@ -12,8 +12,8 @@
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 EMAKIT_FUNC UpdatePlan::UpdatePlan(std::vector<Slot>& slots, CpuPath cpu_path, bool side_stream,
-                                   std::int64_t staging_bytes)
-    : side_stream_(side_stream) {
+                                   std::int64_t staging_bytes, Arithmetic arithmetic)
+    : side_stream_(side_stream), arithmetic_(arithmetic) {
   for (std::size_t i = 0; i < slots.size(); ++i) {
     Slot& s = slots[i];
     s.source_device = s.source.device();
@@ -178,7 +178,7 @@ EMAKIT_FUNC void UpdatePlan::plan_cpu_slot(std::vector<Slot>& slots, std::size_t
     dispatch_pair(a_type, in_type, [&](auto* a_tag, auto* s_tag) {
       using A = std::remove_pointer_t<decltype(a_tag)>;
       using S = std::remove_const_t<std::remove_pointer_t<decltype(s_tag)>>;
-      std::tie(lerp, copy) = segment_fns<A, S>();
+      std::tie(lerp, copy) = segment_fns<A, S>(arithmetic_);
     });
   } else if (in_type == a_type) {
     copy = byte_copy_fn(s.average.element_size());

@@ -95,14 +95,16 @@ class UpdatePlan {
   // Plans `slots`, writing what it binds into them (Slot::source_device ... staging). The CPU
   // passes hold pointers to the slots' tensors: the vector must not be resized while the plan
   // is used (moving it is fine, it moves its buffer, not the slots).
-  UpdatePlan(std::vector<Slot>& slots, CpuPath cpu_path, bool side_stream, std::int64_t staging_bytes);
+  // `arithmetic`: the formula of the CPU pass's average segments.
+  UpdatePlan(std::vector<Slot>& slots, CpuPath cpu_path, bool side_stream, std::int64_t staging_bytes,
+             Arithmetic arithmetic = Arithmetic::lerp);
 
   // ---- what the plan holds -------------------------------------------------------------------
   CpuPass average_pass;                     // CPU averages and the copies that follow them
   CpuPass copy_pass;                        // every CPU slot, for copy()
   std::vector<ForeachList> lists;           // the foreach path, in plan order
   std::vector<std::size_t> staged;          // CPU averages read from a staging copy
-  std::vector<std::size_t> generic;         // CPU averages the pass cannot read: lerp_ / copy_
+  std::vector<std::size_t> generic;         // CPU averages the pass cannot read: ATen ops / copy_
   std::vector<std::size_t> generic_copies;  // CPU copied slots the pass cannot copy: copy_
   std::vector<c10::Device> lanes;           // one per CUDA device the update touches
   std::vector<std::size_t> offload_lanes;   // lanes whose device-to-host copies the CPU pass reads
@@ -144,6 +146,7 @@ class UpdatePlan {
   void stage(Slot& s, std::size_t i, c10::ScalarType dtype, bool pinned);
 
   bool side_stream_ = false;
+  Arithmetic arithmetic_ = Arithmetic::lerp;
 };
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

@@ -34,7 +34,7 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail::ema_state {
 EMAKIT_FUNC std::string average_key(const std::string& name) { return std::string(average_prefix) + name; }
 
 EMAKIT_FUNC bool known_key(const std::string& key) {
-  if (key == "config.options.buffers") return true;  // checked by check_config()
+  if (key == "config.options.buffers" || key == "config.options.arithmetic") return true;  // check_config()
   static const char* const fixed[] = {"emakit.format",
                                       "counters.calls",
                                       "counters.step",
@@ -68,6 +68,7 @@ EMAKIT_FUNC StateDict encode(const PolicyConfig& config, const EmaOptions& optio
   write_config(out, "decay", config.decay, config.decay_fields);
   write_config(out, "schedule", config.schedule, config.schedule_fields);
   out.insert("config.options.buffers", at::scalar_tensor(static_cast<std::int64_t>(options.buffers()), at::kLong));
+  out.insert("config.options.arithmetic", string_tensor(arithmetic_name(options.arithmetic())));
   out.insert("counters.calls", at::scalar_tensor(c.calls, at::kLong));
   out.insert("counters.step", at::scalar_tensor(c.step, at::kLong));
   out.insert("counters.num_updates", at::scalar_tensor(c.num_updates, at::kLong));
@@ -118,6 +119,13 @@ EMAKIT_FUNC void check_config(const StateDict& state, const PolicyConfig& config
       fail("config differs: config.options.buffers (EmaOptions::buffers) is {} in the state, {} in this EMA",
            name(*theirs), name(ours));
   }
+  // A state from before the key was written was made by the only arithmetic there was, the lerp.
+  const std::string theirs = StateReader(state).optional_text("config.options.arithmetic").value_or("lerp");
+  const std::string_view ours = arithmetic_name(options.arithmetic());
+  if (theirs != ours)
+    fail("config differs: config.options.arithmetic (EmaOptions::arithmetic) is {} in the state, {} in this EMA: "
+         "its averages were computed another way (a checkpoint of another preset's EMA?)",
+         theirs, ours);
 }
 
 EMAKIT_FUNC Plan plan_load(const StateDict& state, LoadMode mode, const PolicyConfig& config, const EmaOptions& options,
