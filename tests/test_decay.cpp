@@ -159,6 +159,29 @@ TEST_CASE("CosineMomentum reproduces lightly's and DINO's cosine schedules", "[d
   CHECK(emakit::CosineMomentum(0.9, 0.99, 10).end() == 0.99);
 }
 
+TEST_CASE("CosineMomentum per epoch: the index is the epoch of the step, total_steps counts epochs", "[decay]") {
+  // lightly's BYOL example: cosine_schedule(epoch, max_epochs, 0.996, 1) at each epoch's start,
+  // the teacher updated after every batch. Here 6 epochs of 4 steps: steps 1-4 are epoch 0.
+  const auto per_epoch = emakit::CosineMomentum(0.996, 1.0, 6).steps_per_epoch(4);
+  const emakit::CosineMomentum per_step(0.996, 1.0, 6);
+  for (std::int64_t step = 1; step <= 30; ++step) {
+    const std::int64_t epoch = (step - 1) / 4;
+    INFO("step " << step << ", epoch " << epoch);
+    CHECK(per_epoch.decay(at_step(step)) == per_step.decay(at_step(epoch + 1)));  // bitwise: the same k
+  }
+  CHECK(per_epoch.decay(at_step(4)) == 0.996);
+  CHECK(per_epoch.decay(at_step(5)) > 0.996);
+  CHECK(per_epoch.decay(at_step(21)) == 1.0);  // epoch 5 = max_epochs - 1: the end
+  // The field is written only when set: a per-step schedule's checkpoints are those of before.
+  CHECK(per_step.fields().size() == 4);
+  const auto fields = per_epoch.fields();
+  REQUIRE(fields.size() == 5);
+  CHECK((fields[4].name == "steps_per_epoch" && fields[4].value == 4 && fields[4].is_integer));
+  CHECK_FALSE(per_epoch == per_step);
+  CHECK_THROWS_WITH(emakit::CosineMomentum().steps_per_epoch(0),
+                    Contains("CosineMomentum::steps_per_epoch must be > 0, got 0"));
+}
+
 TEST_CASE("Decay options out of range are rejected with the value", "[decay][errors]") {
   CHECK_THROWS_AS(emakit::Fixed(1.0), std::invalid_argument);
   CHECK_THROWS_WITH(emakit::Fixed(1.0), Contains("Fixed::beta must be in [0, 1), got 1"));

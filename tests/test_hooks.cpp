@@ -149,6 +149,50 @@ TEST_CASE("Hook: lazy creation at the first eligible step (nvalchemi EMAHook) us
   CHECK(same(averages_of(ema.averages()), averages_of(plain.averages())));
 }
 
+TEST_CASE("Hook: train_epoch_end() runs the epoch-end updates of Lightning's recipe, also making a lazy EMA",
+          "[hooks]") {
+  torch::manual_seed(3);
+  TinyNet model;
+  const emakit::LightningEmaWeightAveragingOptions o{
+      .decay = 0.75, .update_every_n_steps = 2, .update_starting_at_step = 10, .update_starting_at_epoch = 1};
+  EmaHook eager, lazy;
+  eager.add(*model, emakit::lightning_ema_weight_averaging_recipe(o));
+  lazy.add(*model, emakit::lightning_ema_weight_averaging_recipe(o), {.creation = Creation::at_first_eligible_step});
+  eager.setup();
+  lazy.setup();
+  auto plain = emakit::lightning_ema_weight_averaging(*model, o);  // the preset, driven by hand
+  int epoch_updates = 0;
+  for (std::int64_t epoch = 0; epoch < 3; ++epoch) {
+    for (int b = 0; b < 3; ++b) {
+      emakit_test::perturb(*model);
+      const auto expected = plain.update();
+      CHECK(eager.after_optimizer_step()[0].action == expected.action);
+      CHECK(lazy.after_optimizer_step()[0].action == expected.action);
+    }
+    INFO("end of epoch " << epoch);
+    const auto expected = plain.epoch_end(epoch);
+    CHECK(expected.action == (epoch == 0 ? Action::skipped : epoch == 1 ? Action::copied : Action::averaged));
+    CHECK(eager.train_epoch_end(epoch)[0].action == expected.action);
+    CHECK(lazy.train_epoch_end(epoch)[0].action == expected.action);
+    CHECK(lazy.created("model") == (epoch >= 1));  // no step was eligible (from step index 10): made at epoch 1's end
+    epoch_updates += expected.action != Action::skipped ? 1 : 0;
+  }
+  CHECK(epoch_updates == 2);
+  for (auto* hook : {&eager, &lazy}) {
+    const auto& ema = hook->ema<emakit::FixedEma>("model");
+    CHECK(ema.num_updates() == plain.num_updates());
+    CHECK(ema.step() == plain.step());
+    CHECK(ema.step() == 9);  // the optimizer steps only
+    CHECK(same(averages_of(ema.averages()), averages_of(plain.averages())));
+  }
+  // Without epoch-end updates in its options, an EMA ignores the stage.
+  EmaHook plain_hook;
+  plain_hook.add(*model, Recipe(emakit::Fixed(0.75)));
+  plain_hook.setup();
+  CHECK(plain_hook.train_epoch_end(0)[0].action == Action::skipped);
+  CHECK(plain_hook.ema<emakit::FixedEma>("model").num_updates() == 0);
+}
+
 TEST_CASE("Hook: an accumulation window updates once per window, at its first micro-batch (luxonis-train)", "[hooks]") {
   TinyNet model;
   EmaHook hook;

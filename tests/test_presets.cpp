@@ -405,6 +405,52 @@ TEST_CASE("Lightning preset updates on the steps EMAWeightAveraging.should_updat
                     Contains("update_starting_at_step") && Contains("-2"));
 }
 
+TEST_CASE("Lightning preset's update_starting_at_epoch: epoch_end() updates once more, not as a step", "[presets]") {
+  // A plain reference of the callback over 4 epochs of 5 optimizer steps: after step index i
+  // (0-based, global_step - 1), update when i >= 2 and i % 3 == 0; at the end of epoch e >= 1,
+  // update once more (on_train_epoch_end). n_averaged counts both; global_step only the steps.
+  const std::int64_t epochs = 4, batches = 5, every = 3, start = 2, from_epoch = 1;
+  TinyNet model;
+  auto ema = emakit::lightning_ema_weight_averaging(*model, {.decay = 0.5,
+                                                             .update_every_n_steps = every,
+                                                             .update_starting_at_step = start,
+                                                             .update_starting_at_epoch = from_epoch});
+  CHECK(ema.options().epoch_end_updates_from() == from_epoch);
+  CHECK(ema.options().arithmetic() == emakit::Arithmetic::weighted_sum);
+  std::int64_t n_averaged = 0, global_step = 0, epoch_updates = 0;
+  for (std::int64_t epoch = 0; epoch < epochs; ++epoch) {
+    for (std::int64_t b = 0; b < batches; ++b) {
+      emakit_test::fill_floats(*model, static_cast<double>(global_step + 1));
+      const std::int64_t i = global_step++;
+      const bool due = i >= start && i % every == 0;
+      const auto expected = !due ? Action::skipped : n_averaged == 0 ? Action::copied : Action::averaged;
+      INFO("epoch " << epoch << ", step index " << i);
+      CHECK(ema.update().action == expected);
+      n_averaged += due ? 1 : 0;
+    }
+    INFO("end of epoch " << epoch);
+    const auto r = ema.epoch_end(epoch);
+    const bool due = epoch >= from_epoch;
+    CHECK(r.action == (!due ? Action::skipped : n_averaged == 0 ? Action::copied : Action::averaged));
+    n_averaged += due ? 1 : 0;
+    epoch_updates += due ? 1 : 0;
+    CHECK(ema.epoch_end(epoch).action == Action::skipped);  // once per epoch, as the callback
+    CHECK(ema.num_updates() == n_averaged);
+    CHECK(ema.step() == global_step);  // an epoch-end update is not a step
+    CHECK(ema.calls() == global_step);
+    if (due) CHECK(ema.decay() == 0.5);
+  }
+  CHECK(epoch_updates == 3);
+  // The average: the epoch-end update averages the weights as they are (those of the last step).
+  TinyNet plain_model;
+  auto plain = emakit::lightning_ema_weight_averaging(*plain_model, {.decay = 0.5});
+  CHECK(plain.epoch_end(5).action == Action::skipped);  // no update_starting_at_epoch: nothing
+  CHECK(plain.num_updates() == 0);
+  CHECK_THROWS_WITH(ema.epoch_end(-1), Contains("epoch_end(epoch)") && Contains("-1"));
+  CHECK_THROWS_WITH(emakit::EmaOptions().update_at_epoch_ends(-3),
+                    Contains("EmaOptions::update_at_epoch_ends") && Contains("-3"));
+}
+
 TEST_CASE("Cosine teacher preset: parameters only, every update averages with the cosine momentum", "[presets]") {
   TinyNet model;
   emakit_test::fill_floats(*model, 0.0);

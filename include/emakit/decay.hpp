@@ -323,7 +323,10 @@ enum class CosineEnd : std::uint8_t { at_last_step = 0, after_last_step = 1 };
 // The teacher momentum of BYOL, DINO, MoCo v3, iBOT and I-JEPA: with k = step - 1 (the first
 // update has k = 0), d = end - (end - start) (cos(pi k / K') + 1) / 2, rising from `start` to
 // `end` over K' steps and staying at `end` after. The average starts as the model (the teacher is
-// a copy of the student) and every update averages with this d.
+// a copy of the student) and every update averages with this d. With steps_per_epoch(n) > 1 the
+// schedule's index is the epoch, k = (step - 1) / n, and total_steps counts epochs: the momentum
+// set once per epoch while the teacher updates after every batch (lightly's BYOL example,
+// cosine_schedule(epoch, max_epochs, ...) at each epoch's start).
 class CosineMomentum {
  public:
   static constexpr std::string_view name = "CosineMomentum";
@@ -370,18 +373,29 @@ class CosineMomentum {
     return *this;
   }
 
+  // Optimizer steps per index of the schedule (its epoch length); 1 (default): one per step.
+  std::int64_t steps_per_epoch() const noexcept { return steps_per_epoch_; }
+  CosineMomentum& steps_per_epoch(std::int64_t value) {
+    detail::check_positive_int(value, "CosineMomentum::steps_per_epoch");
+    steps_per_epoch_ = value;
+    return *this;
+  }
+
   double decay(const DecayInput& in) const noexcept {
     const std::int64_t span = endpoint_ == CosineEnd::at_last_step ? total_steps_ - 1 : total_steps_;
-    const std::int64_t k = std::max<std::int64_t>(in.step - 1, 0);
+    const std::int64_t k = std::max<std::int64_t>(in.step - 1, 0) / steps_per_epoch_;
     if (k >= span) return end_;
     constexpr double pi = 3.141592653589793;
     return end_ - (end_ - start_) * (std::cos(pi * static_cast<double>(k) / static_cast<double>(span)) + 1.0) / 2.0;
   }
   std::vector<Field> fields() const {
-    return {{"start", start_},
-            {"end", end_},
-            {"total_steps", static_cast<double>(total_steps_), true},
-            {"endpoint", static_cast<double>(endpoint_), true}};
+    std::vector<Field> out = {{"start", start_},
+                              {"end", end_},
+                              {"total_steps", static_cast<double>(total_steps_), true},
+                              {"endpoint", static_cast<double>(endpoint_), true}};
+    // Only when set: the checkpoints of a per-step schedule are those written before it existed.
+    if (steps_per_epoch_ != 1) out.push_back({"steps_per_epoch", static_cast<double>(steps_per_epoch_), true});
+    return out;
   }
   bool operator==(const CosineMomentum&) const = default;
 
@@ -390,6 +404,7 @@ class CosineMomentum {
   double end_ = 1.0;
   std::int64_t total_steps_ = 1000;
   CosineEnd endpoint_ = CosineEnd::at_last_step;
+  std::int64_t steps_per_epoch_ = 1;
 };
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

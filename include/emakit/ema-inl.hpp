@@ -50,19 +50,25 @@ EMAKIT_FUNC EmaCore::Prepared EmaCore::prepare(const StepInfo& info, const Polic
   const ScheduleInput in{c.calls + 1, info.step, c.step, c.num_updates, info.vetoed};
   const Decision decision = decide(in);
   check_decision(decision, info, names.schedule);
-  Prepared p{{decision.action, decision.step, std::nan(""), {}}, {}, info.vetoed};
-  if (decision.action != Action::skipped) kernel_.check_sources();  // re-plans if a source moved
-  if (decision.action != Action::skipped && options_.skip_non_finite()) {
-    const std::size_t bad = kernel_.first_non_finite(decision.action == Action::copied);
+  return prepare_decided(Prepared{{decision.action, decision.step, std::nan(""), {}}, {}, info.vetoed}, names, weight);
+}
+
+EMAKIT_FUNC EmaCore::Prepared EmaCore::prepare_decided(Prepared p, const PolicyNames& names, WeightFn weight) {
+  const ema_state::Counters& c = counters_;
+  const Action action = p.result.action;
+  const std::int64_t step = p.result.step;
+  if (action != Action::skipped) kernel_.check_sources();  // re-plans if a source moved
+  if (action != Action::skipped && options_.skip_non_finite()) {
+    const std::size_t bad = kernel_.first_non_finite(action == Action::copied);
     if (bad != UpdateKernel::npos) {
       p.result.non_finite = kernel_.name(bad);
       return p;
     }
   }
-  if (decision.action == Action::copied) {
+  if (action == Action::copied) {
     p.result.decay = 0.0;
-  } else if (decision.action == Action::averaged) {
-    const DecayInput d_in{decision.step, c.num_updates + 1, decision.step - c.last_update_step};
+  } else if (action == Action::averaged) {
+    const DecayInput d_in{step, c.num_updates + 1, step - c.last_update_step};
     p.weights = weight(d_in);
     const auto unit = [](double v) { return v >= 0.0 && v <= 1.0; };
     if (!unit(p.weights.weight) || !unit(p.weights.decay))
@@ -113,25 +119,53 @@ EMAKIT_FUNC UpdateResult EmaCore::finish(const Prepared& p) {
   if (!result.non_finite.empty()) {
     TORCH_WARN("emakit: update at step ", result.step, " skipped: '", result.non_finite,
                "' holds a NaN or an infinity (EmaOptions::skip_non_finite); the average is unchanged");
-    c.calls += 1;
-    c.step = result.step;
+    if (!p.off_schedule) {
+      c.calls += 1;
+      c.step = result.step;
+    }
     c.non_finite_updates += 1;
     last_non_finite_ = result.non_finite;
     result.action = Action::skipped;
     return result;
   }
-  if (options_.switch_every() > 0 && result.action != Action::copied && !p.vetoed &&
+  if (options_.switch_every() > 0 && result.action != Action::copied && !p.vetoed && !p.off_schedule &&
       (result.step - options_.switch_offset()) % options_.switch_every() == 0)
     switch_model(options_.switch_beta());
   // Counters change only after the kernel succeeded: a failed update leaves the EMA as it was.
-  c.calls += 1;
-  c.step = result.step;
+  if (!p.off_schedule) {
+    c.calls += 1;
+    c.step = result.step;
+  }
   if (result.action != Action::skipped) {
     c.num_updates += 1;
     c.last_update_step = result.step;
     c.last_decay = result.decay;
   }
   return result;
+}
+
+EMAKIT_FUNC UpdateResult EmaCore::epoch_end(std::int64_t epoch, const PolicyNames& names, WeightFn weight) {
+  ensure_bound("epoch_end");
+  check_model_alive("epoch_end");
+  check_non_negative_int(epoch, "epoch_end(epoch)");
+  BusyScope busy(busy_, "epoch_end");
+  check_model_not_swapped("epoch_end");
+  const auto from = options_.epoch_end_updates_from();
+  const ema_state::Counters& c = counters_;
+  if (!from || epoch < *from || epoch <= last_epoch_end_) return UpdateResult{Action::skipped, c.step};
+  Prepared p{{c.num_updates == 0 ? Action::copied : Action::averaged, c.step, std::nan(""), {}}, {}, false};
+  p.off_schedule = true;
+  p = prepare_decided(std::move(p), names, weight);
+  if (applies(p)) {
+    if (p.result.action == Action::copied) {
+      kernel_.copy();
+    } else {
+      kernel_.average(p.weights, p.drift);
+    }
+  }
+  UpdateResult out = finish(p);
+  last_epoch_end_ = epoch;
+  return out;
 }
 
 EMAKIT_FUNC UpdateResult EmaCore::update(const StepInfo& info, const PolicyNames& names, DecideFn decide,

@@ -167,6 +167,10 @@ class EmaCore {
   EMAKIT_FUNC ~EmaCore();
 
   EMAKIT_FUNC UpdateResult update(const StepInfo& info, const PolicyNames& names, DecideFn decide, WeightFn weight);
+  // The update at the end of training epoch `epoch` (EmaOptions::update_at_epoch_ends): outside
+  // the schedule, at the current step; skipped before the option's first epoch and for an epoch
+  // not after the last one it ran at.
+  EMAKIT_FUNC UpdateResult epoch_end(std::int64_t epoch, const PolicyNames& names, WeightFn weight);
 
   // One member of update_together(): its core and the calls into its policies (`policies`: the
   // Ema, passed back to them).
@@ -248,9 +252,12 @@ class EmaCore {
     UpdateResult result;  // action, step, decay; non_finite: the tensor that skips it
     Weights weights{};    // w = 1 - d and d of an average
     bool vetoed = false;
-    bool drift = false;  // the average measures the drift (EmaOptions::drift_every)
+    bool drift = false;         // the average measures the drift (EmaOptions::drift_every)
+    bool off_schedule = false;  // an epoch-end update: not a call, not a step
   };
   EMAKIT_FUNC Prepared prepare(const StepInfo& info, const PolicyNames& names, DecideFn decide, WeightFn weight);
+  // prepare() once the schedule has decided (or epoch_end() has, for itself).
+  EMAKIT_FUNC Prepared prepare_decided(Prepared p, const PolicyNames& names, WeightFn weight);
   bool applies(const Prepared& p) const noexcept {
     return p.result.action != Action::skipped && p.result.non_finite.empty();
   }
@@ -311,6 +318,7 @@ class EmaCore {
   ema_state::Counters counters_;
   std::string last_non_finite_;
   std::optional<Drift> last_drift_;
+  std::int64_t last_epoch_end_ = -1;  // the epoch of the last epoch_end() that updated (not saved, as Lightning's)
   BoundFlag bound_;
 };
 
@@ -354,6 +362,17 @@ class Ema {
     const auto decide = [this](const ScheduleInput& in) { return schedule_.decide(in); };
     const auto weight = [this](const DecayInput& in) { return update_weights(decay_, in); };
     return core_.update(info, policy_names(), decide, weight);
+  }
+
+  // Call at the end of each training epoch (0-based `epoch`) when the options ask for epoch-end
+  // updates (EmaOptions::update_at_epoch_ends, the Lightning preset's update_starting_at_epoch):
+  // from that epoch on, averages the model as it is now (a copy if the EMA holds nothing yet),
+  // once per epoch, as one more applied update that is not an optimizer step (calls() and step()
+  // do not move, so the schedule's steps are unchanged). Without the option, or before its epoch,
+  // it does nothing and returns Action::skipped.
+  UpdateResult epoch_end(std::int64_t epoch) {
+    const auto weight = [this](const DecayInput& in) { return update_weights(decay_, in); };
+    return core_.epoch_end(epoch, policy_names(), weight);
   }
 
   // This Ema as a member of emakit::update_together() (together.hpp).

@@ -82,6 +82,18 @@ EMAKIT_FUNC std::vector<UpdateResult> EmaHook::after_optimizer_step(StepInfo inf
   return out;
 }
 
+EMAKIT_FUNC std::vector<UpdateResult> EmaHook::train_epoch_end(std::int64_t epoch) {
+  require_training("train_epoch_end");
+  for (auto& e : entries_) (void)e->live_model("train_epoch_end");
+  std::vector<UpdateResult> out;
+  out.reserve(entries_.size());
+  for (auto& e : entries_) {
+    out.push_back(e->epoch_end(epoch));
+    if (!waits_before_step_) e->wait_for_model_reads();
+  }
+  return out;
+}
+
 EMAKIT_FUNC void EmaHook::save_checkpoint(torch::serialize::OutputArchive& archive) {
   torch::serialize::OutputArchive hook(archive.compilation_unit());
   detail::hook_state::write_header(hook);

@@ -131,6 +131,7 @@ class HookEntryBase {
   virtual bool pending() const noexcept = 0;
   virtual void create(const char* what) = 0;
   virtual UpdateResult step(const StepInfo& info) = 0;
+  virtual UpdateResult epoch_end(std::int64_t epoch) = 0;
   virtual void wait_for_model_reads() = 0;
   virtual void swap_in(const char* what) = 0;
   void swap_out() noexcept { swap_.reset(); }
@@ -190,6 +191,18 @@ class HookEntry final : public HookEntryBase {
       create("after_optimizer_step");
     }
     const UpdateResult r = ema_->update(info);
+    if (r.action != Action::skipped && publish_) publish_(*ema_);
+    return r;
+  }
+
+  // Ema::epoch_end(); an EMA not made yet is made first when its options update at this epoch's end.
+  UpdateResult epoch_end(std::int64_t epoch) override {
+    if (!ema_) {
+      const auto from = recipe_.options.epoch_end_updates_from();
+      if (!from || epoch < *from) return {Action::skipped, step_, std::nan("")};
+      create("train_epoch_end");
+    }
+    const UpdateResult r = ema_->epoch_end(epoch);
     if (r.action != Action::skipped && publish_) publish_(*ema_);
     return r;
   }
@@ -381,6 +394,11 @@ class EmaHook {
   // optimizer skipped the step. Returns what each model's EMA did, in the order of add(). Without
   // before_optimizer_step(), a side-stream update is waited for here.
   std::vector<UpdateResult> after_optimizer_step(StepInfo info = {});
+
+  // At the end of each training epoch (0-based `epoch`): Ema::epoch_end() of every model's EMA,
+  // which updates only where its options ask for it (EmaOptions::update_at_epoch_ends: Lightning's
+  // update_starting_at_epoch, lightning_ema_weight_averaging_recipe). Returns what each did.
+  std::vector<UpdateResult> train_epoch_end(std::int64_t epoch);
 
   void validation_start() { start(Stage::validation); }
   void validation_end() { finish(Stage::validation); }

@@ -141,6 +141,18 @@ class EmaOptions {
   // (the pass holds both values as it writes the average); elsewhere (GPU foreach lists), ATen
   // ops over the averaged tensors in chunks of at most staging_bytes() and one host sync.
   std::int64_t drift_every() const noexcept { return drift_every_; }
+  // Also update at the end of every training epoch from epoch `from` on (0-based; Lightning's
+  // EMAWeightAveraging(update_starting_at_epoch=from)): Ema::epoch_end(epoch) then averages the
+  // model as it is (a copy if the EMA holds nothing yet). Such an update is not an optimizer step:
+  // it counts as an applied update (num_updates(), the decay policy's update number), not as a
+  // call or a step, so the schedule's steps (update_every, start_step) go on as without it. Off
+  // (nullopt) by default: epoch_end() then does nothing.
+  std::optional<std::int64_t> epoch_end_updates_from() const noexcept { return epoch_end_from_; }
+  EmaOptions& update_at_epoch_ends(std::int64_t from) {
+    detail::check_non_negative_int(from, "EmaOptions::update_at_epoch_ends");
+    epoch_end_from_ = from;
+    return *this;
+  }
   // How each averaged element is computed (see Arithmetic); default Arithmetic::lerp. The presets
   // set their peer's.
   Arithmetic arithmetic() const noexcept { return arithmetic_; }
@@ -295,6 +307,7 @@ class EmaOptions {
   std::int64_t switch_offset_ = 0;
   double switch_beta_ = 0.0;
   Arithmetic arithmetic_ = Arithmetic::lerp;
+  std::optional<std::int64_t> epoch_end_from_;
 };
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

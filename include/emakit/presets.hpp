@@ -363,9 +363,11 @@ inline Ema<InversePowerWarmup> diffusers_ema_model_warmup(std::vector<SourceTens
 // update_starting_at_step=None): an AveragedModel updated after optimizer steps whose 0-based
 // index i = global_step - 1 has i >= update_starting_at_step and i % update_every_n_steps == 0;
 // its first update copies, later ones average. Call update() once per optimizer step (Lightning's
-// global_step: with accumulate_grad_batches = N, once per N batches). update_starting_at_epoch
-// (an extra update at the end of each epoch from that epoch on) has no step equivalent: call
-// update() yourself at those epoch ends. Each update is get_ema_avg_fn's decay * ema + (1 - decay)
+// global_step: with accumulate_grad_batches = N, once per N batches). update_starting_at_epoch:
+// call ema.epoch_end(current_epoch) at the end of each training epoch (on_train_epoch_end; the
+// hook's train_epoch_end()); from that epoch on it updates once more with the weights as they
+// are, an update that is not an optimizer step (EmaOptions::update_at_epoch_ends), so that the
+// step schedule goes on as Lightning's. Each update is get_ema_avg_fn's decay * ema + (1 - decay)
 // * x (Arithmetic::weighted_sum), not a lerp. Averaging and swapping into the model for validation, as
 // the callback does, is emakit::EmaHook with lightning_ema_weight_averaging_recipe().
 struct LightningEmaWeightAveragingOptions {
@@ -373,7 +375,14 @@ struct LightningEmaWeightAveragingOptions {
   bool use_buffers = true;
   std::int64_t update_every_n_steps = 1;
   std::optional<std::int64_t> update_starting_at_step = std::nullopt;
+  std::optional<std::int64_t> update_starting_at_epoch = std::nullopt;
 };
+
+inline EmaOptions lightning_ema_options(const LightningEmaWeightAveragingOptions& o) {
+  auto out = averaged_model_options(o.use_buffers, Arithmetic::weighted_sum);
+  if (o.update_starting_at_epoch) out.update_at_epoch_ends(*o.update_starting_at_epoch);
+  return out;
+}
 
 EMAKIT_FUNC StepSchedule lightning_ema_schedule(const LightningEmaWeightAveragingOptions& o);
 
@@ -381,18 +390,15 @@ template <StoragePolicy Storage = FlatStorage>
 Ema<Fixed, StepSchedule, Storage> lightning_ema_weight_averaging(const torch::nn::Module& model,
                                                                  const LightningEmaWeightAveragingOptions& o = {},
                                                                  Storage storage = {}) {
-  return Ema<Fixed, StepSchedule, Storage>(model, Fixed(o.decay), lightning_ema_schedule(o),
-                                           averaged_model_options(o.use_buffers, Arithmetic::weighted_sum),
+  return Ema<Fixed, StepSchedule, Storage>(model, Fixed(o.decay), lightning_ema_schedule(o), lightning_ema_options(o),
                                            std::move(storage));
 }
 inline Ema<Fixed> lightning_ema_weight_averaging(std::vector<SourceTensor> tensors,
                                                  const LightningEmaWeightAveragingOptions& o = {}) {
-  return Ema<Fixed>(std::move(tensors), Fixed(o.decay), lightning_ema_schedule(o),
-                    averaged_model_options(o.use_buffers, Arithmetic::weighted_sum));
+  return Ema<Fixed>(std::move(tensors), Fixed(o.decay), lightning_ema_schedule(o), lightning_ema_options(o));
 }
 inline Recipe<Fixed> lightning_ema_weight_averaging_recipe(const LightningEmaWeightAveragingOptions& o = {}) {
-  return Recipe<Fixed>(Fixed(o.decay), lightning_ema_schedule(o),
-                       averaged_model_options(o.use_buffers, Arithmetic::weighted_sum));
+  return Recipe<Fixed>(Fixed(o.decay), lightning_ema_schedule(o), lightning_ema_options(o));
 }
 
 // ---- self-supervised teachers ----------------------------------------------------------------
@@ -408,13 +414,20 @@ struct CosineTeacherOptions {
   double end = 1.0;
   std::int64_t total_steps = 1000;
   CosineEnd endpoint = CosineEnd::at_last_step;
+  // > 1: the momentum is set per epoch of this many optimizer steps and total_steps counts epochs
+  // (lightly's BYOL example: cosine_schedule(epoch, max_epochs, 0.996, 1) once per epoch, the
+  // update after every batch: {.total_steps = max_epochs, .steps_per_epoch = len(dataloader)}).
+  std::int64_t steps_per_epoch = 1;
   // lightly's update_momentum (_foreach_mul_ then _foreach_add_ with alpha); DINO's
   // mul_(m).add_((1 - m) * x) is Arithmetic::weighted_sum.
   Arithmetic arithmetic = Arithmetic::scaled_fused_add;
 };
 
 inline CosineMomentum cosine_teacher_decay(const CosineTeacherOptions& o) {
-  return CosineMomentum(o.start, o.end, 2).endpoint(o.endpoint).total_steps(o.total_steps);
+  return CosineMomentum(o.start, o.end, 2)
+      .endpoint(o.endpoint)
+      .total_steps(o.total_steps)
+      .steps_per_epoch(o.steps_per_epoch);
 }
 inline EmaOptions cosine_teacher_options(Arithmetic arithmetic = Arithmetic::scaled_fused_add) {
   return EmaOptions().keep_model_dtype(true).arithmetic(arithmetic).buffers(BufferMode::ignore);
