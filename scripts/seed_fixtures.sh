@@ -11,7 +11,7 @@
 # and fails on drift (cmake/emakit_run_conformance_script.cmake).
 #
 #   ./scripts/seed_fixtures.sh                 every seed generator (luxonis_peer, nvalchemi_peer,
-#                                              lightning_peer, lightly_peer)
+#                                              lightning_peer, lightly_peer, free_run_seed_peer)
 #   ./scripts/seed_fixtures.sh luxonis_peer    one
 #   ./scripts/seed_fixtures.sh roundtrip       the seed peers' interop round trips
 #                                              (tests/conformance/fixtures/roundtrip/), after the
@@ -29,7 +29,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$EMAKIT_ROOT"
 
 stems=("$@")
-((${#stems[@]} > 0)) || stems=(luxonis_peer nvalchemi_peer lightning_peer lightly_peer)
+((${#stems[@]} > 0)) || stems=(luxonis_peer nvalchemi_peer lightning_peer lightly_peer free_run_seed_peer)
 emakit_seed_venv_ensure || emakit_die "the seed venv is unavailable: $EMAKIT_PYTHON_STATUS"
 python="$EMAKIT_SEED_VENV/bin/python"
 fixtures=tests/conformance/fixtures

@@ -2,6 +2,8 @@
 // user-written policy.
 #include <emakit/decay.hpp>
 
+#include <ATen/ATen.h>
+
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -157,6 +159,33 @@ TEST_CASE("CosineMomentum reproduces lightly's and DINO's cosine schedules", "[d
   CHECK((fields[3].name == "endpoint" && fields[3].value == 1));
   // start > end is possible through the constructor in either order of checks.
   CHECK(emakit::CosineMomentum(0.9, 0.99, 10).end() == 0.99);
+}
+
+TEST_CASE("InversePowerWarmup in single precision is ema-pytorch's float32 decay, ATen's pow included", "[decay]") {
+  // ema-pytorch: epoch = (step - update_after_step - 1).clamp(min=0.) as a float32 tensor, then
+  // value = 1 - (1 + epoch / inv_gamma) ** -power, clamped to [min_value, beta]: those ATen ops
+  // here, on 0-d float tensors, against the policy, at every step.
+  int powf_differs = 0;  // steps at which powf (the exponent in float) gives another decay
+  for (const double power : {2.0 / 3.0, 0.75}) {
+    const double inv_gamma = 1.0, beta = 0.9999;
+    const std::int64_t after = 10;
+    const auto policy =
+        emakit::InversePowerWarmup(beta).inv_gamma(inv_gamma).power(power).update_after_step(after).single_precision(true);
+    int compared = 0;
+    for (std::int64_t step = 1; step <= 3000; ++step) {
+      const auto epoch = at::scalar_tensor(static_cast<double>(step - after - 1), at::kFloat).clamp_min(0.0);
+      if (epoch.item<float>() <= 0.0f) continue;  // the copy: no decay
+      const auto base = epoch / inv_gamma + 1.0;
+      const auto aten = (1.0 - base.pow(-power)).clamp(0.0, beta).item<float>();
+      INFO("power " << power << ", step " << step);
+      CHECK(policy.decay(at_step(step)) == static_cast<double>(aten));
+      const float powf_value = 1.0f - std::pow(base.item<float>(), static_cast<float>(-power));
+      powf_differs += powf_value != aten ? 1 : 0;
+      ++compared;
+    }
+    CHECK(compared == 3000 - after - 1);
+  }
+  CHECK(powf_differs > 0);  // the test tells ATen's pow from powf (2/3: 35 of the first 1000 steps)
 }
 
 TEST_CASE("CosineMomentum per epoch: the index is the epoch of the step, total_steps counts epochs", "[decay]") {

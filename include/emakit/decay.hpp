@@ -139,8 +139,9 @@ class InversePowerWarmup {
     warmup_ = value;
     return *this;
   }
-  // true: compute d in float32, as ema-pytorch does (its step and decay are float32 tensors);
-  // the weight 1 - d then differs from the float64 one in the 8th digit.
+  // true: compute d in float32, as ema-pytorch does (its step and decay are float32 tensors; the
+  // power in double, rounded to float, as ATen's pow); the weight 1 - d then differs from the
+  // float64 one in the 8th digit.
   bool single_precision() const noexcept { return single_precision_; }
   InversePowerWarmup& single_precision(bool value) {
     single_precision_ = value;
@@ -176,7 +177,11 @@ class InversePowerWarmup {
     const auto e = static_cast<T>(in.step - update_after_step_ - 1);
     if (e <= T(0)) return 0.0;
     if (!warmup_) return beta_;
-    const T value = T(1) - std::pow(T(1) + e / static_cast<T>(inv_gamma_), static_cast<T>(-power_));
+    // The power in double, rounded to T: ATen's pow of a float tensor by a Python float does so
+    // (ema-pytorch's single precision; powf with the exponent in float differed from it by one
+    // float ulp in 35 of 1000 steps, and the averages parted from there).
+    const T value =
+        T(1) - static_cast<T>(std::pow(static_cast<double>(T(1) + e / static_cast<T>(inv_gamma_)), -power_));
     return static_cast<double>(std::clamp(value, static_cast<T>(min_value_), static_cast<T>(beta_)));
   }
 };
