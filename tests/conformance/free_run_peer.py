@@ -14,8 +14,9 @@ the installed packages:
     the floating state_dict() entries (integers copied); with exclude_buffers over parameters(),
     the buffers copied.
   torch 2.15 AveragedModel: multi_avg_fn=get_ema_multi_avg_fn(decay): torch._foreach_lerp_(ema,
-    model, 1 - decay); avg_fn=get_ema_avg_fn(decay): copy_(decay * ema + (1 - decay) * model). The
-    first update_parameters copies. use_buffers=False copies the buffers at every update.
+    model, 1 - decay); avg_fn=get_ema_avg_fn(decay): copy_(decay * ema + (1 - decay) * model);
+    neither (SWA) on CPU: get_swa_avg_fn, ema + (model - ema) / (n_averaged + 1). The first
+    update_parameters copies. use_buffers=False copies the buffers at every update.
   diffusers 0.42.1 EMAModel.step (foreach=False, its default): s_param.sub_(one_minus_decay *
     (s_param - param)), one_minus_decay = 1 - get_decay(optimization_step). (foreach=True computes
     _foreach_sub_(s, _foreach_sub(s, p), alpha=1 - d), which rounds otherwise: not run here.)
@@ -92,6 +93,13 @@ averaged_model("averaged_model_ema", 0.999, use_buffers=False, multi=True)      
 averaged_model("averaged_model_ema_9999_buffers", 0.9999, use_buffers=True, multi=True)
 averaged_model("averaged_model_avg_fn", 0.999, use_buffers=False, multi=False)         # get_ema_avg_fn()
 averaged_model("averaged_model_avg_fn_9999_buffers", 0.9999, use_buffers=True, multi=False)
+
+# AveragedModel(model): SWA, the running mean. On CPU (no foreach kernels there) each update is
+# get_swa_avg_fn's a + (x - a) / (n_averaged + 1), a division; on CUDA _foreach_lerp_ with
+# 1 / (n + 1), which emakit's preset computes (fused_lerp with w = 1/n exactly).
+_free_run.run(out, "averaged_model_swa", make=lambda m: AveragedModel(m),
+              update=lambda a, m, k: a.update_parameters(m), average=lambda a: state(a.module),
+              counters=lambda a: {"n_averaged": int(a.n_averaged.item())}, options={"use_buffers": 0.0})
 
 # ---- diffusers EMAModel ------------------------------------------------------------------------
 

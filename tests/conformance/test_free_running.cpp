@@ -485,6 +485,66 @@ TEST_CASE("free run: AveragedModel(multi_avg_fn=get_ema_multi_avg_fn(0.9999), us
   free_run(*dir, net, ema, {emakit::Arithmetic::fused_lerp, Step::implicit}, updates_counter("n_averaged"));
 }
 
+// AveragedModel(model), SWA: the one peer whose CPU arithmetic no preset computes. torch's CPU path
+// divides, a + (x - a) / (n + 1) (get_swa_avg_fn); its CUDA path lerps with 1 / (n + 1), which the
+// preset computes (fused_lerp, w = 1/n exactly): so on CPU a bound, derived here, not bitwise.
+// In ulps of float32 at M, the largest magnitude of the run (the model's values and both averages;
+// |x - a| <= 2M): each side's update n is the exact a + (x - a)/n within 1/2 (the result's rounding)
+// + 1/2 (x - a) + 1/2 (the quotient, or the weight 1/n) + 1/2 (the product) of 2M/n, so the two
+// results of update n from the same a differ by at most 1 + 4/n; an earlier difference e is carried
+// as (1 - 1/n) e. After N updates: |e_N| <= sum_{k=2..N} (1 + 4/k) k/N = ((N + 1) / 2 - 1/N) +
+// 4 (N - 1) / N <= (N + 9) / 2 ulps. The first update copies (bitwise).
+TEST_CASE("free run: AveragedModel(model) (SWA) on CPU, within the derived (N + 9) / 2 ulps",
+          "[conformance][free][averaged_model]") {
+  const auto dir = scenario_dir("free_run_peer", "averaged_model_swa");
+  if (!dir) return;
+  const Recorded rec = load_recorded(*dir);
+  FreeNet net = step0();
+  auto swa = emakit::averaged_model_swa(*net);
+  REQUIRE(swa.options().arithmetic() == emakit::Arithmetic::fused_lerp);
+  std::size_t row = 0;
+  int compared = 0, bitwise = 0;
+  double worst = 0, worst_bound_share = 0;
+  double magnitude = 0;
+  for (std::int64_t k = 1; k <= rec.total; ++k) {
+    emakit_free_run::write_step(*net, k);
+    for (const auto& e : emakit_free_run::state_dict_entries(*net))
+      if (e.tensor.is_floating_point()) magnitude = std::max(magnitude, e.tensor.abs().max().item<double>());
+    swa.update();
+    if (row >= rec.steps.size() || rec.steps[row] != k) continue;
+    const auto index = static_cast<std::int64_t>(row++);
+    CHECK(swa.num_updates() == at_row(rec.trajectory, "n_averaged", index));
+    const emakit::StateDict held = swa.averages();
+    for (const auto& name : rec.names) {
+      INFO(name << " at step " << k);
+      const at::Tensor peer = rec.trajectory.at("peer." + name)[index];
+      const at::Tensor* ours = held.find(name);
+      ++compared;
+      if (ours == nullptr || !peer.is_floating_point() || k == 1) {  // left alone, integers, the copy
+        const at::Tensor& expected = ours != nullptr ? *ours : peer;
+        CHECK(torch::equal(expected, peer));
+        bitwise += 1;
+        continue;
+      }
+      magnitude = std::max({magnitude, peer.abs().max().item<double>(), ours->abs().max().item<double>()});
+      const double n = static_cast<double>(swa.num_updates());
+      const double bound = (n + 9) / 2;
+      const double ulps =
+          emakit_test::max_ulps_at(*ours, peer, at::full_like(peer, magnitude, at::kDouble), at::kFloat);
+      CHECK(ulps <= bound);
+      worst = std::max(worst, ulps);
+      worst_bound_share = std::max(worst_bound_share, ulps / bound);
+      bitwise += torch::equal(*ours, peer) ? 1 : 0;
+    }
+  }
+  REQUIRE(row == rec.steps.size());
+  REQUIRE(compared == static_cast<int>(rec.steps.size() * rec.names.size()));
+  REQUIRE(swa.num_updates() == rec.total);
+  std::cout << "averaged_model_swa (fused_lerp against the CPU's division): " << compared << " tensor comparisons at "
+            << rec.steps.size() << " recorded steps, " << bitwise << " bitwise; max " << worst
+            << " ulps at the run's magnitude, " << worst_bound_share << " of the bound (N + 9) / 2\n";
+}
+
 // AveragedModel(avg_fn=get_ema_avg_fn(d)): averaged_model_ema's policies and options (its preset is
 // the multi_avg_fn one), with the arithmetic set by hand.
 emakit::Ema<emakit::Fixed> averaged_model_avg_fn(FreeNet& net, double decay, bool use_buffers) {

@@ -119,13 +119,15 @@ EMAKIT_FUNC void check_config(const StateDict& state, const PolicyConfig& config
       fail("config differs: config.options.buffers (EmaOptions::buffers) is {} in the state, {} in this EMA",
            name(*theirs), name(ours));
   }
-  // A state from before the key was written was made by the only arithmetic there was, the lerp.
-  const std::string theirs = StateReader(state).optional_text("config.options.arithmetic").value_or("lerp");
-  const std::string_view ours = arithmetic_name(options.arithmetic());
-  if (theirs != ours)
-    fail("config differs: config.options.arithmetic (EmaOptions::arithmetic) is {} in the state, {} in this EMA: "
-         "its averages were computed another way (a checkpoint of another preset's EMA?)",
-         theirs, ours);
+  // A state from before the key was written loads into any arithmetic, as one without the buffer
+  // mode does: its averages are a lerp's, and a preset's EMA resumed from it goes on with its own.
+  if (const auto theirs = StateReader(state).optional_text("config.options.arithmetic")) {
+    const std::string_view ours = arithmetic_name(options.arithmetic());
+    if (*theirs != ours)
+      fail("config differs: config.options.arithmetic (EmaOptions::arithmetic) is {} in the state, {} in this EMA: "
+           "its averages were computed another way (a checkpoint of another preset's EMA?)",
+           *theirs, ours);
+  }
 }
 
 EMAKIT_FUNC Plan plan_load(const StateDict& state, LoadMode mode, const PolicyConfig& config, const EmaOptions& options,

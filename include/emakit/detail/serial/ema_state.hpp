@@ -9,7 +9,7 @@
 //   config.options.buffers              int64, EmaOptions::buffers (0 average, 1 copy, 2 ignore);
 //                                       absent in older states: then not checked
 //   config.options.arithmetic           EmaOptions::arithmetic by name (arithmetic_name), as uint8
-//                                       UTF-8 bytes; absent in older states: "lerp", the only one then
+//                                       UTF-8 bytes; absent in older states: then not checked
 //   counters.calls, counters.step, counters.num_updates, counters.last_update_step   int64
 //   counters.last_decay                 float64
 //   counters.non_finite_updates         int64 (absent in older states: 0)
