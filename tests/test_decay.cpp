@@ -170,7 +170,8 @@ TEST_CASE("InversePowerWarmup in single precision is ema-pytorch's float32 decay
     const double inv_gamma = 1.0, beta = 0.9999;
     const std::int64_t after = 10;
     const auto policy =
-        emakit::InversePowerWarmup(beta).inv_gamma(inv_gamma).power(power).update_after_step(after).single_precision(true);
+        emakit::InversePowerWarmup(beta).inv_gamma(inv_gamma).power(power).update_after_step(after).single_precision(
+            true);
     int compared = 0;
     for (std::int64_t step = 1; step <= 3000; ++step) {
       const auto epoch = at::scalar_tensor(static_cast<double>(step - after - 1), at::kFloat).clamp_min(0.0);
