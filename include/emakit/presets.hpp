@@ -416,7 +416,8 @@ struct CosineTeacherOptions {
   CosineEnd endpoint = CosineEnd::at_last_step;
   // > 1: the momentum is set per epoch of this many optimizer steps and total_steps counts epochs
   // (lightly's BYOL example: cosine_schedule(epoch, max_epochs, 0.996, 1) once per epoch, the
-  // update after every batch: {.total_steps = max_epochs, .steps_per_epoch = len(dataloader)}).
+  // update once per batch, at its start as the example does or after the step, the same point of
+  // every batch: {.total_steps = max_epochs, .steps_per_epoch = len(dataloader)}).
   std::int64_t steps_per_epoch = 1;
   // lightly's update_momentum (_foreach_mul_ then _foreach_add_ with alpha); DINO's
   // mul_(m).add_((1 - m) * x) is Arithmetic::weighted_sum.

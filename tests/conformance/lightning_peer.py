@@ -46,6 +46,24 @@ from a generator seeded with the optimizer step (global_step), so a resumed fit 
 trajectory (the data is already the same: an unshuffled loader restarts at the epoch's first
 batch, and SGD without momentum has no state). The other scenarios keep LitNet.
 
+The epoch-end scenarios (update_starting_at_epoch, EMAWeightAveraging's other trigger): the
+callback's on_train_epoch_end updates the average once more (update_parameters: a copy while
+n_averaged is 0) when current_epoch > _latest_update_epoch and should_update(epoch_idx=
+current_epoch), i.e. current_epoch >= update_starting_at_epoch; that update is not an optimizer
+step: global_step and _latest_update_step do not move, so the step trigger (step_idx % n,
+step_idx >= update_starting_at_step) is the same as without it. The recorder, after the callback
+in trainer.callbacks (Lightning runs the non-monitoring callbacks' on_train_epoch_end in that
+order; the recorder asserts the callback's _latest_update_epoch is this epoch when it updated),
+writes at the end of every epoch E (also those before update_starting_at_epoch, where the
+average must not move) epoch_EEEE.pt:
+  source.<name>   the module's state at the epoch's end (that of its last optimizer step)
+  peer.<name>     the callback's average after its on_train_epoch_end
+  called          1
+  counter.n_averaged, counter.global_step, counter.epoch, counter.latest_update_step,
+  counter.latest_update_epoch (the callback's _latest_update_epoch; -1 before any)
+and its meta.pt has epoch_records = 1 (the other scenarios write none). The checkpoint of the last
+epoch and end.pt come after the last epoch-end update.
+
 The scenarios run under `python lightning_peer.py OUT` (main); importing the module runs none, so
 that _peer_roundtrip.py resumes a fit with the same module, data, trainer options and records.
 """
@@ -122,6 +140,20 @@ def step_record(trainer, module, ema, batch_idx):
     return record
 
 
+def epoch_record(trainer, module, ema):
+    """What the recorder writes at the end of epoch trainer.current_epoch, after the callback's
+    on_train_epoch_end (the module's state, the callback's average and counters)."""
+    avg = ema._average_model
+    record = {"source." + k: v for k, v in state(module).items()}
+    record.update({"peer." + k: v for k, v in state(avg.module).items()})
+    record.update({"called": torch.tensor(1), "counter.n_averaged": avg.n_averaged.detach().clone(),
+                   "counter.global_step": torch.tensor(trainer.global_step),
+                   "counter.epoch": torch.tensor(trainer.current_epoch),
+                   "counter.latest_update_step": torch.tensor(ema._latest_update_step),
+                   "counter.latest_update_epoch": torch.tensor(ema._latest_update_epoch)})
+    return record
+
+
 def text_lines(name, keys):
     return [f"{name}: {', '.join(sorted(keys))}"]
 
@@ -130,10 +162,12 @@ class Recorder(pl.Callback):
     """keep_checkpoint: keep last.ckpt and epoch0.ckpt (every_epoch: epochE.ckpt at each epoch
     end but the last)."""
 
-    def __init__(self, folder, ema_callback, max_epochs, keep_checkpoint, every_epoch=False):
+    def __init__(self, folder, ema_callback, max_epochs, keep_checkpoint, every_epoch=False, record_epochs=False):
         self.folder, self.ema, self.max_epochs = folder, ema_callback, max_epochs
         self.keep_checkpoint, self.every_epoch = keep_checkpoint, every_epoch
+        self.record_epochs = record_epochs
         self.last_step = 0
+        self.epochs_recorded = 0
 
     def save(self, name, record):
         torch.save(record, os.path.join(self.folder, name))
@@ -150,6 +184,14 @@ class Recorder(pl.Callback):
 
     def on_train_epoch_end(self, trainer, module):
         epoch = trainer.current_epoch
+        if self.record_epochs:
+            # The callback's on_train_epoch_end ran before this one: when it was due, it updated.
+            start = self.ema.update_starting_at_epoch
+            due = start is not None and epoch >= start
+            assert self.ema._latest_update_epoch == (epoch if due else -1)
+            assert epoch == self.epochs_recorded
+            self.save("epoch_%04d.pt" % epoch, epoch_record(trainer, module, self.ema))
+            self.epochs_recorded += 1
         if self.keep_checkpoint and epoch < self.max_epochs - 1 and (epoch == 0 or self.every_epoch):
             trainer.save_checkpoint(os.path.join(self.folder, "epoch%d.ckpt" % epoch))
         if trainer.current_epoch != self.max_epochs - 1:
@@ -190,18 +232,22 @@ def make_trainer(epochs, accumulate, callbacks):
 
 
 def fit(out, scenario, batches_per_epoch, epochs, accumulate=1, seed=0, keep_checkpoint=False, every_epoch=False,
-        module_class=LitNet, **options):
+        module_class=LitNet, record_epochs=False, **options):
     folder = os.path.join(out, scenario)
     os.makedirs(folder, exist_ok=True)
     module = module_class(seed)
     buffers = {name for name, _ in module.named_buffers()}
     ema = EMAWeightAveraging(**options)
-    recorder = Recorder(folder, ema, epochs, keep_checkpoint, every_epoch)
+    recorder = Recorder(folder, ema, epochs, keep_checkpoint, every_epoch, record_epochs)
     trainer = make_trainer(epochs, accumulate, [ema, recorder])
+    assert trainer.callbacks.index(ema) < trainer.callbacks.index(recorder)  # the callback's hooks run first
     trainer.fit(module, make_loader(batches_per_epoch, seed))
     assert recorder.last_step == trainer.global_step
+    assert recorder.epochs_recorded == (epochs if record_epochs else 0)
     meta = {"steps": torch.tensor(trainer.global_step), "seed": torch.tensor(seed), "epochs": torch.tensor(epochs),
             "accumulate": torch.tensor(accumulate), "batches_per_epoch": torch.tensor(batches_per_epoch)}
+    if record_epochs:
+        meta["epoch_records"] = torch.tensor(1)
     meta.update({"buffer." + name: torch.tensor(1) for name in buffers})
     torch.save(meta, os.path.join(folder, "meta.pt"))
     print("wrote", folder, trainer.global_step, "optimizer steps")
@@ -230,6 +276,20 @@ def main(out):
     fit(out, "roundtrip", ROUNDTRIP["batches_per_epoch"], ROUNDTRIP["epochs"], accumulate=ROUNDTRIP["accumulate"],
         seed=ROUNDTRIP["seed"], keep_checkpoint=True, every_epoch=True, module_class=ROUNDTRIP["module_class"],
         **ROUNDTRIP["options"])
+    # update_starting_at_epoch = 1 with a step trigger: every third step from step_idx 2 (step_idx
+    # 3, 6, .., 18: global_step 4, 7, .., 19), 4 epochs of 5 optimizer steps (5 is not a multiple
+    # of 3, so an epoch-end update counted as a step would shift the step trigger), and once more
+    # at the end of epochs 1, 2, 3 (global_step 10, 15, 20; at 10 right after the step's own
+    # update, with the same weights). n_averaged 9 at the end, global_step 20.
+    fit(out, "epoch_ends_every3_from2", batches_per_epoch=5, epochs=4, decay=0.9, update_every_n_steps=3,
+        update_starting_at_step=2, update_starting_at_epoch=1, record_epochs=True)
+    # The epoch-end update first (a copy, at the end of epoch 0) and buffers copied at every update
+    # (use_buffers=False), accumulate_grad_batches = 2 (3 optimizer steps per epoch of 6 batches):
+    # epoch ends at global_step 3 (copy), 6, 9; the step trigger (every 4 from step_idx 5) at
+    # step_idx 8, global_step 9, the last step, before epoch 2's end. n_averaged 4 at the end.
+    fit(out, "epoch_end_first_accumulate2", batches_per_epoch=6, epochs=3, accumulate=2, decay=0.8,
+        update_every_n_steps=4, update_starting_at_step=5, update_starting_at_epoch=0, use_buffers=False,
+        record_epochs=True)
 
 
 if __name__ == "__main__":
