@@ -70,25 +70,14 @@ EMAKIT_FUNC void EmaHook::before_optimizer_step() {
   for (auto& e : entries_) e->wait_for_model_reads();
 }
 
-EMAKIT_FUNC std::vector<UpdateResult> EmaHook::after_optimizer_step(StepInfo info) {
-  require_training("after_optimizer_step");
-  for (auto& e : entries_) (void)e->live_model("after_optimizer_step");  // before any model's EMA steps
+EMAKIT_FUNC std::vector<UpdateResult> EmaHook::update_each(const char* what, const StepInfo& info,
+                                                           std::optional<std::int64_t> epoch) {
+  require_training(what);
+  for (auto& e : entries_) (void)e->live_model(what);  // before any model's EMA updates
   std::vector<UpdateResult> out;
   out.reserve(entries_.size());
   for (auto& e : entries_) {
-    out.push_back(e->step(info));
-    if (!waits_before_step_) e->wait_for_model_reads();
-  }
-  return out;
-}
-
-EMAKIT_FUNC std::vector<UpdateResult> EmaHook::train_epoch_end(std::int64_t epoch) {
-  require_training("train_epoch_end");
-  for (auto& e : entries_) (void)e->live_model("train_epoch_end");
-  std::vector<UpdateResult> out;
-  out.reserve(entries_.size());
-  for (auto& e : entries_) {
-    out.push_back(e->epoch_end(epoch));
+    out.push_back(epoch ? e->epoch_end(*epoch) : e->step(info));
     if (!waits_before_step_) e->wait_for_model_reads();
   }
   return out;

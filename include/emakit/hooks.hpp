@@ -393,12 +393,14 @@ class EmaHook {
   // After each optimizer step (each micro-batch with an accumulation window); `vetoed` when the
   // optimizer skipped the step. Returns what each model's EMA did, in the order of add(). Without
   // before_optimizer_step(), a side-stream update is waited for here.
-  std::vector<UpdateResult> after_optimizer_step(StepInfo info = {});
+  std::vector<UpdateResult> after_optimizer_step(StepInfo info = {}) {
+    return update_each("after_optimizer_step", info, std::nullopt);
+  }
 
   // At the end of each training epoch (0-based `epoch`): Ema::epoch_end() of every model's EMA,
   // which updates only where its options ask for it (EmaOptions::update_at_epoch_ends: Lightning's
   // update_starting_at_epoch, lightning_ema_weight_averaging_recipe). Returns what each did.
-  std::vector<UpdateResult> train_epoch_end(std::int64_t epoch);
+  std::vector<UpdateResult> train_epoch_end(std::int64_t epoch) { return update_each("train_epoch_end", {}, epoch); }
 
   void validation_start() { start(Stage::validation); }
   void validation_end() { finish(Stage::validation); }
@@ -467,6 +469,10 @@ class EmaHook {
     return stage_ == Stage::validation ? "validation" : stage_ == Stage::test ? "test" : "training";
   }
   void require_training(const char* what) const;
+  // after_optimizer_step() (each EMA's update(info)) or train_epoch_end() (its epoch_end(epoch)):
+  // every model checked alive first, each side-stream update waited for unless
+  // before_optimizer_step() does it.
+  std::vector<UpdateResult> update_each(const char* what, const StepInfo& info, std::optional<std::int64_t> epoch);
 
   detail::HookEntryBase& entry(const std::string& key) const;
 
