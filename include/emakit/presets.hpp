@@ -248,7 +248,7 @@ template <StoragePolicy Storage = FlatStorage>
 
 // ModelEma(model, decay, use_dynamic_decay=True, decay_tau): d = decay * (1 - exp(-updates/tau))
 // over the whole state dict, non-floats copied. use_dynamic_decay=False is FixedEma with
-// keep_model_dtype(true).
+// luxonis_options() (keep_model_dtype(true), Arithmetic::fused_lerp).
 // luxonis-train's ModelEma and EMACallback update with torch._foreach_lerp_ (Arithmetic::fused_lerp).
 inline EmaOptions luxonis_options() { return EmaOptions().keep_model_dtype(true).arithmetic(Arithmetic::fused_lerp); }
 

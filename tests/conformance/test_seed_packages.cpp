@@ -287,7 +287,8 @@ TEST_CASE("luxonis-train ModelEma: use_dynamic_decay=False is FixedEma in the mo
   const auto dir = scenario_dir("luxonis_peer", "fixed_decay");
   if (!dir) return;
   auto sources = sources_from(*dir);
-  emakit::FixedEma ema(sources, emakit::Fixed(0.7), {}, emakit::EmaOptions().keep_model_dtype(true));
+  emakit::FixedEma ema(sources, emakit::Fixed(0.7), {},
+                       emakit::EmaOptions().keep_model_dtype(true).arithmetic(emakit::Arithmetic::fused_lerp));
   const auto r = replay(
       *dir, sources, ema, false,
       [](const auto& e, const Dict& rec) {
