@@ -479,8 +479,26 @@ TEST_CASE("A bit-flipped Ema file is an error or loads exactly what was saved, n
     emakit_test::perturb(*model);
     ema.update();
     auto current = emakit_test::snapshot(ema.averages());
-    int failed = 0, tried = 0;
+    int failed = 0, tried = 0, left_to_the_check = 0;
     for (const auto& [file, at] : emakit_test::flipped_copies(good, dir.path)) {
+#if defined(__SANITIZE_ADDRESS__)
+      // torch::load hands the file to LibTorch's reader before emakit sees it, and a flipped record
+      // size makes that reader allocate it (26 GB at one byte of today's layout): a std::bad_alloc,
+      // an error like the others, everywhere but under ASan, whose operator new aborts instead. Under
+      // ASan such a file is left to the checked path, which refuses it before LibTorch reads it.
+      if (!checked) {
+        bool refused = false;
+        try {
+          emakit::detail::scan_archive_file(file, "test");
+        } catch (const std::exception&) {
+          refused = true;
+        }
+        if (refused) {
+          ++left_to_the_check;
+          continue;
+        }
+      }
+#endif
       ++tried;
       INFO("byte " << at);
       try {
@@ -496,8 +514,12 @@ TEST_CASE("A bit-flipped Ema file is an error or loads exactly what was saved, n
         CHECK(emakit_test::same_averages(ema.averages(), current));  // failed: nothing changed
       }
     }
-    CHECK(tried >= 40);
-    CHECK(failed >= tried / 4);
+    INFO(left_to_the_check << " files left to the checked path (ASan only)");
+    CHECK(tried + left_to_the_check >= 40);
+    CHECK(tried >= 20);
+    // The flips hit what a reader checks often enough (under ASan the torch::load path keeps only
+    // files the scanner accepts, which mostly load the saved values: the checked path counts there).
+    if (left_to_the_check == 0) CHECK(failed >= tried / 4);
   }
 }
 
