@@ -13,10 +13,10 @@
 
 // Expanded for each flat alias (aliases.hpp's one list): the class, its checkpoint file
 // functions, its description.
-#define EMAKIT_INSTANTIATE(Decay)                                                                     \
-  template class Ema<Decay, StepSchedule, FlatStorage>;                                               \
-  template void save(const Ema<Decay, StepSchedule, FlatStorage>&, const std::filesystem::path&);     \
-  template void load(Ema<Decay, StepSchedule, FlatStorage>&, const std::filesystem::path&, LoadMode); \
+#define EMAKIT_INSTANTIATE(Decay)                                                                           \
+  template class Ema<Decay, StepSchedule, FlatStorage>;                                                     \
+  template void save(const Ema<Decay, StepSchedule, FlatStorage>&, const std::filesystem::path&);           \
+  template LoadReport load(Ema<Decay, StepSchedule, FlatStorage>&, const std::filesystem::path&, LoadMode); \
   template std::string describe(const Ema<Decay, StepSchedule, FlatStorage>&);
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE {

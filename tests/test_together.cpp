@@ -4,15 +4,17 @@
 // (fp32, bf16, fp16, fp64, integers; contiguous, transposed, zero-size, large enough to be cut
 // between threads and blocks), members with their own decay, schedule (start, every, offset,
 // warmup mode), buffer and dtype options, vetoed steps and non-finite steps; against the same
-// members updated one by one, on the same model.
+// members updated one by one, on the same model; the drift each measures (EmaOptions::drift_every)
+// bitwise too.
 // And the drift the same passes measure (EmaOptions::drift_every, emakit::Drift): over generated
 // tensors of every dtype pair and layout, on the fused pass and the foreach path, the sums are
-// those of the averages as written, against a double reference, and measuring them changes no
-// average.
+// those of the averages as written, against a double reference, measuring them changes no
+// average, and the same update measures the same drift, bitwise, with any number of threads.
 #include <emakit/emakit.hpp>
 
 #include "helpers.hpp"
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/randn.h>
 #include <torch/nn/modules/linear.h>
@@ -167,11 +169,18 @@ bool close_drift(double a, double b) {
   return std::abs(a - b) <= 2 * drift_roundings * 0x1.0p-24 * std::max(std::abs(a), std::abs(b));
 }
 
+bool same_double(double a, double b) { return std::bit_cast<std::uint64_t>(a) == std::bit_cast<std::uint64_t>(b); }
+
+// Two drifts measured of the same averages: the same bits (NaN as NaN).
+bool same_drift(const std::optional<emakit::Drift>& a, const std::optional<emakit::Drift>& b) {
+  const auto same = [](double x, double y) { return same_double(x, y) || (std::isnan(x) && std::isnan(y)); };
+  return a.has_value() == b.has_value() &&
+         (!a || (a->step == b->step && same(a->relative, b->relative) && a->farthest == b->farthest &&
+                 same(a->farthest_relative, b->farthest_relative)));
+}
+
 bool same_result(const emakit::UpdateResult& a, const emakit::UpdateResult& b) {
-  const bool drift =
-      a.drift.has_value() == b.drift.has_value() &&
-      (!a.drift || (a.drift->step == b.drift->step && close_drift(a.drift->relative, b.drift->relative) &&
-                    close_drift(a.drift->farthest_relative, b.drift->farthest_relative)));
+  const bool drift = same_drift(a.drift, b.drift);
   return a.action == b.action && a.step == b.step && a.non_finite == b.non_finite &&
          std::bit_cast<std::uint64_t>(a.decay) == std::bit_cast<std::uint64_t>(b.decay) && drift;
 }
@@ -221,8 +230,8 @@ TEST_CASE("update_together is bitwise each member's own update(), over generated
   CHECK(fallback_cases > 0);       // and so did the members' own kernels (transposed sources)
   CHECK(drifts_compared > results_compared / 10);  // members measured their drift (drift_every 1 or 2)
   std::cout << "update_together: " << cases << " cases, " << results_compared << " results and " << tensors_compared
-            << " tensors compared bitwise (" << drifts_compared << " drifts within their bound); " << fused_cases
-            << " cases fused, " << fallback_cases << " with a member's own kernel" << std::endl;
+            << " tensors and " << drifts_compared << " drifts compared bitwise; " << fused_cases << " cases fused, "
+            << fallback_cases << " with a member's own kernel" << std::endl;
 }
 
 TEST_CASE("update_together of different Ema types, and PostHocEma's profiles, run one fused pass", "[together]") {
@@ -349,14 +358,25 @@ TEST_CASE("update_together refuses, before anything changes, what one pass canno
                     Contains("update_together: the same Ema is given twice (members 0 and 2)"));
   unchanged();
   CHECK_THROWS_WITH(emakit::update_together(a, elsewhere),
-                    Contains("update_together: member 1 is bound to another model than member 0"));
+                    Contains("update_together: member 1 is bound to another model than member 0 (they hold no "
+                             "model tensor in common)"));
+  unchanged();
+  // An EMA of the model and one of its sub-module: two modules, which share the sub-module's tensors.
+  emakit::Ema<emakit::Fixed> part(*model->fc, emakit::Fixed(0.9));
+  CHECK_THROWS_WITH(emakit::update_together(a, part),
+                    Contains("update_together: member 1 is bound to another model than member 0 (another module, "
+                             "though they read some of the same tensors, e.g. 'weight'"));
+  CHECK(part.calls() == 0);
   unchanged();
   CHECK_THROWS_WITH(emakit::update_together(a, switching),
                     Contains("update_together: member 1 writes the model after its update (EmaOptions::switch_model)"));
   unchanged();
   {
     auto guard = b.swap_into();  // the model holds b's average now
-    CHECK_THROWS_WITH(emakit::update_together(a, b), Contains("while the model holds another Ema's weights"));
+    CHECK_THROWS_WITH(emakit::update_together(a, b),
+                      Contains("update_together: member 0: an update while the model holds another Ema's weights"));
+    CHECK_THROWS_WITH(emakit::update_together(b, a),
+                      Contains("update_together: member 0: an update while a SwapGuard holds the EMA weights"));
   }
   unchanged();
   // A step going back, for one member: nothing moves for the other either.
@@ -465,6 +485,64 @@ TEST_CASE("Drift sums are those of the averages as written, on the fused pass an
   CHECK(sums_compared >= 200);
   CHECK(in_pass >= 20);  // both kinds of slot of the fused path were measured
   CHECK(outside >= 5);
+}
+
+// The fused pass's drift sums do not depend on how its tensors are cut between threads (each
+// drift chunk is one thread's, added up in order after the pass); those that ATen's reductions
+// take (slots outside the pass: dtype pairs the pass does not fuse) follow ATen's threads. Either
+// way a kernel in a group measures what it measures alone.
+TEST_CASE("The fused pass's drift sums are the same bits with any number of threads, alone and in a group of kernels",
+          "[together][drift]") {
+  const int threads_before = at::get_num_threads();
+  std::size_t compared = 0, across_threads = 0;
+  for (std::uint64_t seed = 1; seed <= 12; ++seed) {
+    torch::manual_seed(seed);
+    std::string text;
+    std::vector<Slot> slots = drift_slots(seed, text);
+    // One tensor of several parallel grains: the threads' shares cut it (and the others, at times).
+    Slot big;
+    big.name = "big";
+    big.source = at::randn({300001});
+    big.average = (big.source + at::randn({300001})).contiguous();
+    big.averaged = true;
+    slots.push_back(std::move(big));
+    INFO("seed " << seed << ": " << text << "float <- float[300001]");
+    std::vector<double> alone_1, group_1;  // the sums with one thread
+    for (const int threads : {1, 2, 5}) {
+      at::set_num_threads(threads);
+      REQUIRE(at::get_num_threads() == threads);
+      INFO(threads << " threads");
+      UpdateKernel alone(clone_slots(slots), CpuPath::fused), first(clone_slots(slots), CpuPath::fused),
+          second(clone_slots(slots), CpuPath::fused);
+      alone.average(0.3, /*drift=*/true);
+      const UpdateKernel::Work work[] = {{&first, true, {0.3, 0.7}, true}, {&second, true, {0.01, 0.99}, true}};
+      UpdateKernel::run_together(work);
+      std::vector<double> alone_sums(alone.drift_sums().begin(), alone.drift_sums().end());
+      std::vector<double> group_sums(first.drift_sums().begin(), first.drift_sums().end());
+      group_sums.insert(group_sums.end(), second.drift_sums().begin(), second.drift_sums().end());
+      if (threads == 1) {
+        alone_1 = alone_sums;
+        group_1 = group_sums;
+      }
+      // The group's first member is the kernel alone, run with another beside it.
+      REQUIRE(alone_sums.size() == slots.size() * 2);
+      for (std::size_t i = 0; i < group_sums.size(); ++i) {
+        const Slot& slot = slots[i % slots.size()];
+        INFO("sum " << i << " (" << slot.name << "): " << group_sums[i] << ", with one thread " << group_1[i]);
+        if (i < alone_sums.size()) CHECK(same_double(group_sums[i], alone_sums[i]));
+        ++compared;
+        if (!emakit::detail::fused_pair(slot.average.scalar_type(), slot.source.scalar_type())) continue;
+        CHECK(same_double(group_sums[i], group_1[i]));
+        if (i < alone_sums.size()) CHECK(same_double(alone_sums[i], alone_1[i]));
+        across_threads += threads > 1 ? 1 : 0;
+      }
+      CHECK(alone_sums[alone_sums.size() - 2] > 0.0);  // the big tensor was measured
+    }
+  }
+  at::set_num_threads(threads_before);
+  INFO("sums compared " << compared << ", across threads " << across_threads);
+  CHECK(compared >= 12 * 3 * 4);
+  CHECK(across_threads >= 12 * 2 * 4);  // the big tensor's, at least
 }
 
 TEST_CASE("drift_every measures on every n-th averaging update: the result, last_drift(), describe() and the "

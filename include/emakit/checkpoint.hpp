@@ -48,18 +48,25 @@ void save(const Ema<D, S, St>& ema, const std::filesystem::path& path) {
 
 // Reads an EMA that save() or torch::save wrote, after checking the file (see above). Strict: a
 // file of another model or config is an error naming the first mismatch; lenient: warns and
-// keeps the current values. On any error the EMA is unchanged.
+// keeps the current values, and the report lists them (Ema::load_state_dict's). On any error the
+// EMA is unchanged. A sharded checkpoint loads strictly only: its report is clean.
 template <DecayPolicy D, SchedulePolicy S, StoragePolicy St>
-void load(Ema<D, S, St>& ema, const std::filesystem::path& path, LoadMode mode = LoadMode::strict) {
-  if constexpr (CheckpointingStorage<St, Ema<D, S, St>>) return ema.storage().load_checkpoint(ema, path, mode);
-  detail::load_ema_file([&](torch::serialize::InputArchive& archive) { ema.load(archive, mode); }, path);
+LoadReport load(Ema<D, S, St>& ema, const std::filesystem::path& path, LoadMode mode = LoadMode::strict) {
+  if constexpr (CheckpointingStorage<St, Ema<D, S, St>>) {
+    ema.storage().load_checkpoint(ema, path, mode);
+    return {};
+  } else {
+    LoadReport report;
+    detail::load_ema_file([&](torch::serialize::InputArchive& archive) { report = ema.load(archive, mode); }, path);
+    return report;
+  }
 }
 
 // Compiled mode (detail/config.hpp): save and load of the flat aliases come from the library.
 #if EMAKIT_EXTERN_ALIASES
 #define EMAKIT_EXTERN_CHECKPOINT(Decay)                                                                  \
   extern template void save(const Ema<Decay, StepSchedule, FlatStorage>&, const std::filesystem::path&); \
-  extern template void load(Ema<Decay, StepSchedule, FlatStorage>&, const std::filesystem::path&, LoadMode);
+  extern template LoadReport load(Ema<Decay, StepSchedule, FlatStorage>&, const std::filesystem::path&, LoadMode);
 EMAKIT_FOR_EACH_FLAT_ALIAS_DECAY(EMAKIT_EXTERN_CHECKPOINT)
 #undef EMAKIT_EXTERN_CHECKPOINT
 #endif

@@ -190,11 +190,15 @@ EMAKIT_FUNC bool EmaCore::same_model(const EmaCore& other) const {
   // EMAs of one model list its tensors in the same order: the first position decides at once.
   for (std::size_t k = 0; k < std::min(sources_.size(), other.sources_.size()); ++k)
     if (sources_[k].is_same(other.sources_[k])) return true;
+  return !shared_tensor(other).empty();
+}
+
+EMAKIT_FUNC std::string EmaCore::shared_tensor(const EmaCore& other) const {
   std::unordered_set<const void*> mine;
   for (const auto& a : sources_) mine.insert(a.unsafeGetTensorImpl());
-  for (const auto& b : other.sources_)
-    if (mine.contains(b.unsafeGetTensorImpl())) return true;
-  return false;
+  for (const auto& e : other.entries_)
+    if (mine.contains(other.sources_[e.slot].unsafeGetTensorImpl())) return e.name;
+  return {};
 }
 
 // The busy flags of update_together's members, taken in order and given back by the destructor
@@ -237,10 +241,17 @@ EMAKIT_FUNC void EmaCore::update_together(std::span<const Member> members, const
     for (std::size_t j = 0; j < i; ++j)
       if (members[j].core == members[i].core)
         fail("update_together: the same Ema is given twice (members {} and {}); each EMA updates once per step", j, i);
-    if (i > 0 && !members[0].core->same_model(m))
-      fail("update_together: member {} is bound to another model than member 0 (they hold no model tensor in "
-           "common); update_together reads one model once for EMAs of that model: update each model's EMAs apart",
-           i);
+    if (i > 0 && !members[0].core->same_model(m)) {
+      const std::string shared = members[0].core->shared_tensor(m);
+      fail("update_together: member {} is bound to another model than member 0 ({}); update_together reads one "
+           "model once for the EMAs of that model: update each model's EMAs apart",
+           i,
+           shared.empty() ? std::string("they hold no model tensor in common")
+                          : fmt::format("another module, though they read some of the same tensors, e.g. '{}' (one "
+                                        "module part of the other, or parameters shared between them)",
+                                        shared));
+    }
+    m.check_model_not_swapped("update_together", i);
     if (m.options_.switch_every() > 0)
       fail("update_together: member {} writes the model after its update (EmaOptions::switch_model), which the "
            "other members would read in the same step; update it on its own, after the others",
@@ -417,9 +428,9 @@ EMAKIT_FUNC void EmaCore::save(torch::serialize::OutputArchive& archive, const e
   ema_state::save_archive(archive, state_dict(config));
 }
 
-EMAKIT_FUNC void EmaCore::load(torch::serialize::InputArchive& archive, LoadMode mode,
-                               const ema_state::PolicyConfig& config) {
-  ema_state::load_archive(archive, [&](const StateDict& state) { load_state_dict(state, mode, config); });
+EMAKIT_FUNC LoadReport EmaCore::load(torch::serialize::InputArchive& archive, LoadMode mode,
+                                     const ema_state::PolicyConfig& config) {
+  return ema_state::load_archive(archive, [&](const StateDict& state) { return load_state_dict(state, mode, config); });
 }
 
 EMAKIT_FUNC SwapGuard EmaCore::open_swap_over(std::vector<at::Tensor> targets,
@@ -630,15 +641,18 @@ EMAKIT_FUNC void EmaCore::bind(const torch::nn::Module* model, std::vector<Sourc
   bound_ = true;
 }
 
-EMAKIT_FUNC void EmaCore::check_model_not_swapped(const char* what) const {
+EMAKIT_FUNC void EmaCore::check_model_not_swapped(const char* what, std::size_t member) const {
+  const auto call = [&] {
+    return member == no_member ? fmt::format("{}()", what) : fmt::format("{}: member {}: an update", what, member);
+  };
   if (swap_->guards > 0)
-    fail("{}() while a SwapGuard holds the EMA weights in the model would average the EMA with itself; "
+    fail("{} while a SwapGuard holds the EMA weights in the model would average the EMA with itself; "
          "end the guard's scope (or call restore()) first",
-         what);
+         call());
   if (swap_registry().holder(sources_, swap_.get()) != nullptr)
-    fail("{}() while the model holds another Ema's weights (a SwapGuard of another Ema bound to this "
+    fail("{} while the model holds another Ema's weights (a SwapGuard of another Ema bound to this "
          "model is open) would average that EMA's weights; end that guard's scope first",
-         what);
+         call());
 }
 
 EMAKIT_FUNC void EmaCore::check_step_in(const StepInfo& info) const {

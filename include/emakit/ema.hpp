@@ -228,7 +228,8 @@ class EmaCore {
                                           const ema_state::PolicyConfig& config) const;
   EMAKIT_FUNC void advance(std::int64_t calls, std::int64_t step);
   EMAKIT_FUNC void save(torch::serialize::OutputArchive& archive, const ema_state::PolicyConfig& config) const;
-  EMAKIT_FUNC void load(torch::serialize::InputArchive& archive, LoadMode mode, const ema_state::PolicyConfig& config);
+  EMAKIT_FUNC LoadReport load(torch::serialize::InputArchive& archive, LoadMode mode,
+                              const ema_state::PolicyConfig& config);
 
   void ensure_bound(const char* what) const {
     if (!bound_) fail_moved_from(what);
@@ -268,6 +269,8 @@ class EmaCore {
   // Whether `other` is bound to the model this EMA is bound to: the same owned module, or, for a
   // module not owned by a shared_ptr or a list of tensors, a model tensor in common.
   EMAKIT_FUNC bool same_model(const EmaCore& other) const;
+  // The name (in `other`) of a model tensor that both EMAs read; empty if none.
+  EMAKIT_FUNC std::string shared_tensor(const EmaCore& other) const;
 
   // The one way a swap opens (swap_into, swap_gathered_into): backs up `targets`, opens this
   // Ema's swap over them (update() is refused until its guards end) and writes `values` into them.
@@ -277,8 +280,10 @@ class EmaCore {
                                         const ema_state::PolicyConfig& config) const;
 
   // update() refuses while the model holds EMA weights: this Ema's own SwapGuard (it would average
-  // the EMA with itself) or another Ema's (it would average that EMA's weights).
-  EMAKIT_FUNC void check_model_not_swapped(const char* what) const;
+  // the EMA with itself) or another Ema's (it would average that EMA's weights). `member`: the
+  // index of this EMA in update_together's list, named in the message.
+  EMAKIT_FUNC void check_model_not_swapped(const char* what, std::size_t member = no_member) const;
+  static constexpr std::size_t no_member = static_cast<std::size_t>(-1);
 
   // What the schedule may compute from: no counter about to overflow, no negative given step.
   // Checked before anything changes, so that every state update() reaches can be saved and loaded;
@@ -509,8 +514,9 @@ class Ema {
   // The archive holds the state dict and a CRC-32 per tensor ("emakit_checksums"), checked by
   // load(): a damaged file is an error, never a different average.
   void save(torch::serialize::OutputArchive& archive) const { core_.save(archive, policy_config(decay_, schedule_)); }
-  void load(torch::serialize::InputArchive& archive, LoadMode mode = LoadMode::strict) {
-    core_.load(archive, mode, policy_config(decay_, schedule_));
+  // What load_state_dict() reports (lenient: what was missing, unexpected or mismatched).
+  LoadReport load(torch::serialize::InputArchive& archive, LoadMode mode = LoadMode::strict) {
+    return core_.load(archive, mode, policy_config(decay_, schedule_));
   }
 
  private:

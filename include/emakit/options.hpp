@@ -135,8 +135,9 @@ class EmaOptions {
     skip_non_finite_ = value;
     return *this;
   }
-  // Measure how far the EMA is from the model (emakit::Drift) on every n-th update that averages
-  // (num_updates() a multiple of n); 0 = never (default). The result is in UpdateResult::drift and
+  // Measure how far the EMA is from the model (emakit::Drift) at every applied update that makes
+  // num_updates() a multiple of n (copies count towards it) and averages (a copy is not
+  // measured); 0 = never (default). The result is in UpdateResult::drift and
   // Ema::last_drift(), and describe() prints it. On the fused CPU pass it costs arithmetic only
   // (the pass holds both values as it writes the average); elsewhere (GPU foreach lists), ATen
   // ops over the averaged tensors in chunks of at most staging_bytes() and one host sync.

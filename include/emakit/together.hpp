@@ -1,8 +1,9 @@
 // Several EMAs of one model updated in one pass: a fast and a slow EMA, the profiles of post-hoc
 // EMA, a fixed and a warmup EMA side by side. Each keeps its own decay, schedule, options,
 // counters and checkpoint, and decides for itself whether this step skips, copies or averages;
-// the result is exactly (bitwise, with the same UpdateResults) that of calling each one's
-// update() in turn, but on CPU the model is read once for all of them instead of once each:
+// the result is exactly (bitwise, with the same UpdateResults, drift included) that of calling
+// each one's update() in turn, but on CPU the model is read once for all of them instead of once
+// each:
 //
 //   emakit::Ema<emakit::Fixed> fast(*model, emakit::Fixed(0.99)), slow(*model, emakit::Fixed(0.9999));
 //   ...
@@ -52,7 +53,8 @@ template <detail::TogetherMember... E>
   requires(sizeof...(E) >= 1)
 std::array<UpdateResult, sizeof...(E)> update_together(E&... emas) { return update_together(StepInfo{}, emas...); }
 
-// A range of EMAs of one type (a std::vector<Ema<...>>): each one's update(info), in one pass.
+// A range of EMAs of one type (a std::vector<Ema<...>>): each one's update(info), in one pass. An
+// empty range updates nothing and returns an empty vector.
 template <detail::TogetherMember E>
 std::vector<UpdateResult> update_together(std::span<E> emas, const StepInfo& info = {}) {
   std::vector<detail::EmaCore::Member> members;

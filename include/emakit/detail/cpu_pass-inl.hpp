@@ -14,8 +14,9 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 EMAKIT_FUNC void CpuPass::add(SegmentFn fn, std::size_t slot, std::int64_t n, std::int64_t cost, void* a,
                               const void* x) {
   if (n == 0) return;
-  segments_.push_back(Segment{fn, slot, n, cost, total_, a, x});
+  segments_.push_back(Segment{fn, slot, n, cost, total_, chunks_, a, x});
   total_ += n * cost;
+  chunks_ += drift_chunk_count(n);
 }
 
 EMAKIT_FUNC void CpuPass::run(Weights weights, std::int64_t grain, double* drift) const {
@@ -32,13 +33,8 @@ EMAKIT_FUNC void CpuPass::run_share(std::int64_t c0, std::int64_t c1, Weights we
     const std::int64_t lo = element_at(*it, c0);
     const std::int64_t hi = element_at(*it, c1);
     if (lo >= hi) continue;
-    if (drift == nullptr) {
-      it->fn(it->a, it->x, lo, hi, weights, nullptr);
-    } else {
-      double sums[2] = {0.0, 0.0};
-      it->fn(it->a, it->x, lo, hi, weights, sums);
-      add_drift(drift + 2 * it->slot, sums, /*shared=*/lo > 0 || hi < it->n);
-    }
+    // lo is a whole number of drift chunks into the segment (element_at)
+    it->fn(it->a, it->x, lo, hi, weights, drift == nullptr ? nullptr : drift + 2 * (it->chunk + lo / drift_chunk));
   }
 }
 
@@ -54,10 +50,11 @@ EMAKIT_FUNC void GroupPass::build(std::span<const Input> passes) {
             std::equal(passes.begin(), passes.end(), built_from_.begin(), [](const Input& p, const auto& b) {
               return p.pass == b.first && p.pass->generation() == b.second;
             });
+  drift_ = std::any_of(passes.begin(), passes.end(), [](const Input& p) { return p.drift != nullptr; });
   if (reused_) {
     for (Entry& e : entries_) {
       e.weights = passes[e.pass].weights;
-      e.drift = passes[e.pass].drift != nullptr ? passes[e.pass].drift + 2 * e.slot : nullptr;
+      e.drift = passes[e.pass].drift != nullptr ? passes[e.pass].drift + 2 * e.chunk : nullptr;
     }
     return;
   }
@@ -95,8 +92,8 @@ EMAKIT_FUNC void GroupPass::build(std::span<const Input> passes) {
   for (std::size_t p = 0; p < passes.size(); ++p) {
     for (const auto& seg : passes[p].pass->segments()) {
       Group& g = groups_[group_of_[k++]];
-      double* drift = passes[p].drift != nullptr ? passes[p].drift + 2 * seg.slot : nullptr;
-      entries_[g.first + g.count++] = Entry{seg.fn, seg.a, passes[p].weights, drift, seg.slot, p};
+      double* drift = passes[p].drift != nullptr ? passes[p].drift + 2 * seg.chunk : nullptr;
+      entries_[g.first + g.count++] = Entry{seg.fn, seg.a, passes[p].weights, drift, seg.chunk, p};
     }
   }
 }
@@ -115,29 +112,17 @@ EMAKIT_FUNC void GroupPass::run_share(std::int64_t c0, std::int64_t c1) const {
     const std::int64_t hi = element_at(*it, c1);
     if (lo >= hi) continue;
     const void* x = it->x;
-    // Each member's drift sums over this share, added once after it (at most the few members that
-    // measure drift this step; more than fit here add theirs per block).
-    constexpr std::size_t kept = 8;
-    double sums[kept][2] = {};
-    const bool shared = lo > 0 || hi < it->n;  // another share has part of this group
-    for (std::int64_t b = lo; b < hi; b += it->block) {
-      const std::int64_t e = std::min(hi, b + it->block);
+    // lo and every block start are whole drift chunks into the group's tensor (element_at, and
+    // blocks of whole chunks when a member measures drift): each chunk's sums are one call's.
+    const std::int64_t block = drift_ ? (it->block + drift_chunk - 1) / drift_chunk * drift_chunk : it->block;
+    for (std::int64_t b = lo; b < hi; b += block) {
+      const std::int64_t e = std::min(hi, b + block);
       for (std::size_t k = it->first; k < it->first + it->count; ++k) {
         const Entry& entry = entries_[k];
-        const std::size_t j = k - it->first;
-        if (entry.drift == nullptr) {
-          entry.fn(entry.a, x, b, e, entry.weights, nullptr);
-        } else if (j < kept) {
-          entry.fn(entry.a, x, b, e, entry.weights, sums[j]);
-        } else {
-          double block_sums[2] = {0.0, 0.0};
-          entry.fn(entry.a, x, b, e, entry.weights, block_sums);
-          add_drift(entry.drift, block_sums, shared);
-        }
+        entry.fn(entry.a, x, b, e, entry.weights,
+                 entry.drift == nullptr ? nullptr : entry.drift + 2 * (b / drift_chunk));
       }
     }
-    for (std::size_t k = it->first; k < it->first + std::min(it->count, kept); ++k)
-      if (entries_[k].drift != nullptr) add_drift(entries_[k].drift, sums[k - it->first], shared);
   }
 }
 

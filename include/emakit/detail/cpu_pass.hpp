@@ -58,8 +58,8 @@ void dispatch_pair(c10::ScalarType a, c10::ScalarType s, F&& f) {
 }
 
 // Work on one tensor: fn(a, x, begin, end, weights, drift) over elements [begin, end). An average
-// given `drift` (not null) also adds the drift sums of what it wrote to drift[0] and drift[1]
-// (average_drift_range); copies ignore it.
+// given `drift` (not null) also stores the drift sums of what it wrote, two per drift_chunk
+// elements from `begin`, in drift[0], drift[1], ... (average_drift_range); copies ignore it.
 using SegmentFn = void (*)(void*, const void*, std::int64_t, std::int64_t, Weights, double*) noexcept;
 
 // The segment functions, once per instruction set: average_segment<F, A, S> (F an Arithmetic) /
@@ -134,25 +134,14 @@ inline SegmentFn byte_copy_fn(std::size_t element_size) {
   }
 }
 
-// sums[0..1] += add[0..1]: atomically when `shared` (a slot cut between shares, which threads add
-// to at once), else plainly (a slot that one share holds whole: only its thread writes its sums).
-inline void add_drift(double* sums, const double* add, bool shared) noexcept {
-  if (shared) {
-    std::atomic_ref<double>(sums[0]).fetch_add(add[0], std::memory_order_relaxed);
-    std::atomic_ref<double>(sums[1]).fetch_add(add[1], std::memory_order_relaxed);
-  } else {
-    sums[0] += add[0];
-    sums[1] += add[1];
-  }
-}
-
 // The CPU tensors of one update laid end to end. `cost` is bytes moved per element; a thread's
 // share is a range of the summed cost, mapped back to element ranges of the segments it covers.
 class CpuPass {
  public:
-  // Elements per cut: shares start on multiples of this (64 bytes of fp32), so that two threads
-  // write the same cache line at most once per cut.
-  static constexpr std::int64_t align_elements = 16;
+  // Elements per cut: shares start on multiples of this within a segment, a whole drift chunk
+  // (average_drift_range), so that a chunk's drift sums are one thread's and the same however the
+  // pass is cut (and two threads never write one cache line).
+  static constexpr std::int64_t align_elements = drift_chunk;
 
   struct Segment {
     SegmentFn fn;
@@ -160,6 +149,7 @@ class CpuPass {
     std::int64_t n;          // elements
     std::int64_t cost;       // bytes moved per element
     std::int64_t begin = 0;  // first cost unit (prefix sum)
+    std::int64_t chunk = 0;  // its first drift chunk among the pass's (prefix sum of drift_chunk_count(n))
     // The data the segment writes and reads, taken when the plan is made: UpdateKernel runs a
     // pass only after check_sources() found every tensor on the memory it was planned on (or
     // re-planned). Reading each tensor's data pointer in the pass instead cost an update of 2000
@@ -168,11 +158,6 @@ class CpuPass {
     const void* x = nullptr;
   };
 
-  void clear() {
-    segments_.clear();
-    total_ = 0;
-    generation_ = next_generation();
-  }
   void add(SegmentFn fn, std::size_t slot, std::int64_t n, std::int64_t cost, void* a = nullptr,
            const void* x = nullptr);
   bool empty() const noexcept { return segments_.empty(); }
@@ -180,6 +165,8 @@ class CpuPass {
   // a GroupPass built from this pass checks before it reuses its grouping.
   std::uint64_t generation() const noexcept { return generation_; }
   std::int64_t total_cost() const noexcept { return total_; }
+  // The drift chunks of all segments: the size of run()'s `drift` is twice this.
+  std::int64_t drift_chunks() const noexcept { return chunks_; }
   std::vector<Segment>& segments() noexcept { return segments_; }
   const std::vector<Segment>& segments() const noexcept { return segments_; }
 
@@ -187,10 +174,9 @@ class CpuPass {
   // on the calling thread (a parallel region costs a few microseconds).
   // (Compiled with the library's OpenMP flags in compiled mode: at::parallel_for's
   // `#pragma omp parallel` is expanded where this is compiled.)
-  // `drift` (null: not measured): two sums per slot, [2 * slot] += sum((a' - x)^2) and
-  // [2 * slot + 1] += sum(x^2) over each lerp segment of the slot (lerp_drift_range); the caller
-  // zeroes them. A slot cut between shares gets its threads' sums atomically: their order, and so
-  // the last bits of its sums, follow the split.
+  // `drift` (null: not measured): two sums per drift chunk (average_drift_range), those of segment
+  // s from drift[2 * s.chunk]; fold_drift_chunks() adds up a segment's. Each chunk is written by
+  // the one thread whose share holds it, so the sums do not depend on the threads.
   void run(Weights weights, std::int64_t grain, double* drift = nullptr) const;
 
   // The segments' work between cost units [c0, c1).
@@ -208,6 +194,7 @@ class CpuPass {
 
   std::vector<Segment> segments_;
   std::int64_t total_ = 0;
+  std::int64_t chunks_ = 0;
   std::uint64_t generation_ = next_generation();
 };
 
@@ -219,7 +206,9 @@ class CpuPass {
 // one block stay in L1 together (2048 elements for one fp32 EMA, 672 for four; with 2048 for four,
 // 40 KB, the input falls out of a 32 KB L1: a plain loop ran 9-23% slower). Each element is computed
 // by the segment function and weight of its own pass, independently of where blocks and shares
-// are cut: bitwise the result of running the passes one after another.
+// are cut: bitwise the result of running the passes one after another. So are the drift sums: when
+// a member measures them, blocks are whole drift chunks, each chunk's sums computed as its own
+// pass computes them (average_drift_range).
 class GroupPass {
  public:
   static constexpr std::int64_t block_bytes = 32 * 1024;
@@ -246,9 +235,9 @@ class GroupPass {
     SegmentFn fn;
     void* a;
     Weights weights;
-    double* drift;     // this slot's two drift sums, or null
-    std::size_t slot;  // in its pass's kernel
-    std::size_t pass;  // index into build()'s passes, whose weight and drift sums it takes
+    double* drift;       // the drift chunk sums of this segment (from its first chunk), or null
+    std::int64_t chunk;  // the segment's first drift chunk in its pass (CpuPass::Segment::chunk)
+    std::size_t pass;    // index into build()'s passes, whose weight and drift sums it takes
   };
   struct Group {
     const void* x;
@@ -278,6 +267,7 @@ class GroupPass {
   std::vector<std::pair<const CpuPass*, std::uint64_t>> built_from_;  // the passes and generations
   std::int64_t total_ = 0;
   bool reused_ = false;
+  bool drift_ = false;  // an input measures its drift: blocks are whole drift chunks
 };
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

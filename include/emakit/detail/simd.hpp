@@ -249,21 +249,24 @@ EMAKIT_ALWAYS_INLINE void average_drift_chunk(A* __restrict a, const typename Lo
   x2_out = x2;
 }
 
-// average_range, and the drift of the result: adds sum((a' - x)^2) and sum(x^2) over the n elements
-// (a' the average as stored, in its dtype) to sums[0] and sums[1]. The averages are computed by
-// the same combine() as average_range's, so they are bitwise the same; the sums are taken in
-// opmath_t<A> over chunks of drift_chunk elements (`omp simd` reduces them in vector lanes), each
-// chunk's sum added in double: a sum is within drift_chunk + 3 roundings of opmath_t<A> of the
-// exact one, relative to it (each term: the difference and the square; then the chunk's sum).
+// average_range, and the drift of the result, per chunk of drift_chunk elements: chunk k (elements
+// [k * drift_chunk, (k + 1) * drift_chunk) of the n) stores sum((a' - x)^2) in partials[2k] and
+// sum(x^2) in partials[2k + 1] (a' the average as stored, in its dtype). The averages are computed
+// by the same combine() as average_range's, so they are bitwise the same; each chunk's sums are
+// taken in opmath_t<A> (`omp simd` reduces them in vector lanes): within drift_chunk + 3 roundings
+// of opmath_t<A> of the exact ones, relative to them (each term: the difference and the square;
+// then the chunk's sum). A chunk's sums depend only on its elements and where they lie, never on
+// how a pass cut the tensor between threads or blocks (the cuts fall on chunk boundaries): the
+// caller adds the chunks up in order (fold_drift_chunks).
 inline constexpr std::int64_t drift_chunk = 1024;
+constexpr std::int64_t drift_chunk_count(std::int64_t n) noexcept { return (n + drift_chunk - 1) / drift_chunk; }
 template <Arithmetic F, class A, class S>
 EMAKIT_ALWAYS_INLINE void average_drift_range(A* __restrict a, const S* __restrict x, std::int64_t n, Weights w,
-                                              double* __restrict sums) noexcept {
+                                              double* __restrict partials) noexcept {
   using T = opmath_t<A>;
   const auto* __restrict xr = reinterpret_cast<const typename Load<S>::raw*>(x);
   const auto k = op_weights<A>(w);
   const bool low = !two_forms<F> || k.low;
-  double dd = 0, xx = 0;
   for (std::int64_t b = 0; b < n; b += drift_chunk) {
     const std::int64_t e = std::min(n, b + drift_chunk);
     T d2 = 0, x2 = 0;
@@ -272,8 +275,18 @@ EMAKIT_ALWAYS_INLINE void average_drift_range(A* __restrict a, const S* __restri
     } else {
       average_drift_chunk<F, false, A, S>(a, xr, b, e, k, d2, x2);
     }
-    dd += static_cast<double>(d2);
-    xx += static_cast<double>(x2);
+    partials[2 * (b / drift_chunk)] = static_cast<double>(d2);
+    partials[2 * (b / drift_chunk) + 1] = static_cast<double>(x2);
+  }
+}
+
+// The drift sums of one tensor from its chunks' (average_drift_range): added in chunk order, so
+// the same chunks give the same sums however the pass was cut.
+inline void fold_drift_chunks(const double* partials, std::int64_t chunks, double* sums) noexcept {
+  double dd = 0, xx = 0;
+  for (std::int64_t k = 0; k < chunks; ++k) {
+    dd += partials[2 * k];
+    xx += partials[2 * k + 1];
   }
   sums[0] += dd;
   sums[1] += xx;

@@ -19,11 +19,13 @@ EMAKIT_FUNC UpdateKernel& UpdateKernel::operator=(UpdateKernel&& other) noexcept
   cpu_path_ = other.cpu_path_;
   side_stream_ = other.side_stream_;
   staging_bytes_ = other.staging_bytes_;
+  arithmetic_ = other.arithmetic_;
   plan_ = std::move(other.plan_);
   lanes_ = std::move(other.lanes_);
   finite_checks_[0] = std::move(other.finite_checks_[0]);
   finite_checks_[1] = std::move(other.finite_checks_[1]);
   drift_sums_ = std::move(other.drift_sums_);
+  drift_chunks_ = std::move(other.drift_chunks_);
   drift_outside_ = std::move(other.drift_outside_);
   sources_checked_ = other.sources_checked_ = false;  // the next run of either checks first
   return *this;
@@ -188,7 +190,8 @@ EMAKIT_FUNC void UpdateKernel::run_lists(bool averaging, Weights weights, std::s
 
 EMAKIT_FUNC void UpdateKernel::run_cpu(bool averaging, Weights weights, bool drift) {
   (averaging ? plan_.average_pass : plan_.copy_pass)
-      .run(weights, chunk_elements * 12, drift ? drift_sums_.data() : nullptr);
+      .run(weights, chunk_elements * 12, drift ? drift_chunks_.data() : nullptr);
+  if (drift) fold_drift();
   if (averaging) {
     for (auto i : plan_.generic) {
       if (arithmetic_ == Arithmetic::lerp || arithmetic_ == Arithmetic::fused_lerp) {
@@ -218,7 +221,7 @@ EMAKIT_FUNC void UpdateKernel::run_together(std::span<const Work> work) {
       const bool drift = w.drift && w.averaging;
       if (drift) w.kernel->begin_drift();
       passes.push_back({w.averaging ? &w.kernel->plan_.average_pass : &w.kernel->plan_.copy_pass, w.weights,
-                        drift ? w.kernel->drift_sums_.data() : nullptr});
+                        drift ? w.kernel->drift_chunks_.data() : nullptr});
     } else {
       w.kernel->run(w.averaging, w.weights, w.drift);
     }
@@ -233,6 +236,14 @@ EMAKIT_FUNC void UpdateKernel::run_together(std::span<const Work> work) {
     sync_counts().fused_kernels += passes.size();
     sync_counts().fused_groupings += group.reused() ? 0 : 1;
   }
+  for (const Work& w : work)
+    if (w.drift && w.averaging && w.kernel->cpu_pass_only()) w.kernel->fold_drift();
+}
+
+EMAKIT_FUNC void UpdateKernel::fold_drift() noexcept {
+  for (const auto& seg : plan_.average_pass.segments())
+    fold_drift_chunks(drift_chunks_.data() + 2 * seg.chunk, drift_chunk_count(seg.n),
+                      drift_sums_.data() + 2 * seg.slot);
 }
 
 EMAKIT_FUNC void UpdateKernel::stage_copy(Slot& s) {

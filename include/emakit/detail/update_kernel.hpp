@@ -182,8 +182,15 @@ class UpdateKernel {
 
   void run(bool averaging, Weights weights, bool drift = false);
 
-  // Zeroes the drift sums before an update that measures them.
-  void begin_drift() noexcept { std::fill(drift_sums_.begin(), drift_sums_.end(), 0.0); }
+  // Zeroes the drift sums before an update that measures them (and sizes the fused pass's chunk
+  // sums: an allocation at the first such update after a plan).
+  void begin_drift() {
+    std::fill(drift_sums_.begin(), drift_sums_.end(), 0.0);
+    drift_chunks_.assign(static_cast<std::size_t>(2 * plan_.average_pass.drift_chunks()), 0.0);
+  }
+  // Adds the fused pass's drift chunk sums up into drift_sums_, each slot's in chunk order: the
+  // same sums for update() and update_together(), with any number of threads.
+  void fold_drift() noexcept;
   // The drift sums of the averaged slots that the fused CPU pass does not write (drift_outside_),
   // once the update is finished.
   void measure_drift_outside();
@@ -221,6 +228,7 @@ class UpdateKernel {
   mutable std::future<void> host_;          // the CPU pass of an offloaded side-stream update
   NonFiniteCheck finite_checks_[2];         // [0] for averaging updates, [1] for copies
   std::vector<double> drift_sums_;          // two per slot (drift_sums()); sized by plan()
+  std::vector<double> drift_chunks_;        // two per drift chunk of the fused average pass (CpuPass::run)
   std::vector<std::size_t> drift_outside_;  // averaged slots whose drift the fused CPU pass does not measure
 };
 

@@ -151,10 +151,10 @@ EMAKIT_FUNC Plan plan_load(const StateDict& state, LoadMode mode, const PolicyCo
 // The archive of torch::save(ema): the state dict and a CRC-32 per tensor.
 EMAKIT_FUNC void save_archive(torch::serialize::OutputArchive& archive, const StateDict& state);
 
-// Reads the state of save_archive() (every checksum checked first) and hands it to `load`; an
-// invalid_argument from `load` names the emakit version that wrote the file.
+// Reads the state of save_archive() (every checksum checked first) and hands it to `load`, whose
+// result it returns; an invalid_argument from `load` names the emakit version that wrote the file.
 template <class Load>
-void load_archive(torch::serialize::InputArchive& archive, const Load& load) {
+auto load_archive(torch::serialize::InputArchive& archive, const Load& load) {
   const std::string where = "torch::load(ema)";
   auto items = read_tensor_dict(archive, "emakit_state", where);
   if (!items)
@@ -169,7 +169,7 @@ void load_archive(torch::serialize::InputArchive& archive, const Load& load) {
     fail("{}: the archive holds {} checksums for {} tensors; the checkpoint is damaged", where, sums.read.size(),
          state.size());
   try {
-    load(state);
+    return load(state);
   } catch (const std::invalid_argument&) {
     c10::IValue writer;
     if (!archive.try_read("emakit_version", writer) || !writer.isString()) throw;
