@@ -701,12 +701,116 @@ TEST_CASE("A PostHocEma resumes from its state dict, and a state of other profil
   CHECK(other.step() == 0);
 }
 
+namespace {
+// A PostHocEma's whole state, as plain tensors (to compare before and after).
+std::map<std::string, torch::Tensor> state_of(const emakit::PostHocEma& p) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& item : p.state_dict()) out.emplace(item.key(), item.value().clone());
+  return out;
+}
+bool same_state(const emakit::PostHocEma& p, const std::map<std::string, torch::Tensor>& want) {
+  const auto got = p.state_dict();
+  if (got.size() != want.size()) return false;
+  for (const auto& item : got)
+    if (!want.count(item.key()) || !emakit::detail::bitwise_equal(item.value(), want.at(item.key())))
+      return false;  // the same bytes (an EMA never updated holds a NaN last decay)
+  return true;
+}
+}  // namespace
+
+TEST_CASE("emakit::save and emakit::load keep a PostHocEma in a checked file: a round trip resumes bitwise, a "
+          "damaged or foreign file is refused and changes nothing",
+          "[posthoc][state][untrusted]") {
+  TempFolder folder("posthoc-file"), files("posthoc-file-saved");
+  torch::manual_seed(8);
+  emakit_test::TinyNet model;
+  const auto options = emakit::PostHocOptions(folder.path).update_every(2).snapshot_every(4);
+  emakit::PostHocEma first(*model, options);
+  for (int s = 1; s <= 6; ++s) {
+    emakit_test::perturb(*model);
+    first.update();
+  }
+  const fs::path good = files.path / "posthoc.pt";
+  emakit::save(first, good);
+  emakit::PostHocEma resumed(*model, options);
+  emakit::load(resumed, good);
+  CHECK(same_state(resumed, state_of(first)));
+  CHECK(resumed.run() == first.run());
+  for (int s = 7; s <= 12; ++s) {
+    emakit_test::perturb(*model);
+    first.update();
+    resumed.update();
+  }
+  CHECK(same_state(resumed, state_of(first)));
+  std::size_t compared = 0;
+  for (std::size_t i = 0; i < first.size(); ++i)
+    for (const auto& item : first.ema(i).averages()) {
+      CHECK(emakit_test::bitwise_equal(resumed.ema(i).average(item.key()), item.value()));
+      ++compared;
+    }
+  CHECK(compared == 2 * first.ema(0).averages().size());
+
+  // A second save over the first is atomic (write_archive): the file is whole before and after.
+  emakit::save(first, good);
+  emakit::PostHocEma reread(*model, options);
+  emakit::load(reread, good);
+  CHECK(same_state(reread, state_of(first)));
+
+  // Damaged copies: each is refused naming the file and changes nothing, or loads exactly what was saved.
+  int refused = 0, tried = 0;
+  for (const auto& [file, at] : emakit_test::flipped_copies(good, files.path)) {
+    INFO("byte " << at);
+    ++tried;
+    emakit::PostHocEma target(*model, options);
+    const auto untouched = state_of(target);
+    try {
+      emakit::load(target, file);
+      CHECK(same_state(target, state_of(first)));  // loaded: exactly what was saved
+    } catch (const std::exception& e) {
+      ++refused;
+      CHECK_THAT(e.what(), Contains(file.filename().string()));
+      CHECK(same_state(target, untouched));
+    }
+  }
+  CHECK(tried >= 20);
+  CHECK(refused >= tried / 4);
+  // Truncated.
+  {
+    auto bytes = read_bytes(good);
+    bytes.resize(bytes.size() / 2);
+    write_bytes(files.path / "truncated.pt", bytes);
+    emakit::PostHocEma fresh(*model, options);
+    const auto before = state_of(fresh);
+    CHECK_THROWS_WITH(emakit::load(fresh, files.path / "truncated.pt"), Contains("truncated.pt"));
+    CHECK(same_state(fresh, before));
+  }
+  // An Ema's file is not a PostHocEma's, and the other way round; other profiles are refused whole.
+  emakit::FixedEma ema(*model);
+  emakit::save(ema, files.path / "ema.pt");
+  emakit::PostHocEma fresh(*model, options);
+  const auto before = state_of(fresh);
+  CHECK_THROWS_WITH(emakit::load(fresh, files.path / "ema.pt"),
+                    Contains("ema.pt") && Contains("not a PostHocEma's state_dict() (it is an Ema's)"));
+  CHECK(same_state(fresh, before));
+  const auto ema_before = emakit_test::snapshot(ema.averages());
+  CHECK_THROWS_WITH(emakit::load(ema, good), Contains("posthoc.pt"));
+  CHECK(emakit_test::same_averages(ema.averages(), ema_before));
+  emakit::PostHocEma other(
+      *model, emakit::PostHocOptions(folder.path).sigma_rels({0.05, 0.12}).update_every(2).snapshot_every(4));
+  const auto other_before = state_of(other);
+  CHECK_THROWS_WITH(emakit::load(other, good),
+                    Contains("posthoc.pt") && Contains("profile 1") && Contains("config.decay.gamma"));
+  CHECK(same_state(other, other_before));
+}
+
 // ---- a real kill in mid-write ---------------------------------------------------------------
 
 // The child of the kill test (hidden: runs only when named, with EMAKIT_POSTHOC_WRITER_DIR set).
-// Writes 2 x 16 MB snapshots for steps 1..3, then rewrites the step-3 ones until it is killed.
-// Every writer is the same run: the first saves its state (the run id) before any snapshot, the
-// next ones resume it, as a trainer restarted from its checkpoint would.
+// Writes 2 x 16 MB snapshots at three more steps, then rewrites the last ones until it is killed.
+// Every writer is the same run, as a trainer restarted from its checkpoint would be: it saves its
+// state (atomically) after each update, and the next writer resumes from the last one saved (a
+// kill between an update and its save leaves that step's snapshots to the next writer, which
+// sets them aside: another history of the run).
 TEST_CASE("posthoc kill-test writer", "[.posthoc-writer]") {
   const char* dir = std::getenv("EMAKIT_POSTHOC_WRITER_DIR");
   if (dir == nullptr) return;
@@ -714,18 +818,14 @@ TEST_CASE("posthoc kill-test writer", "[.posthoc-writer]") {
   emakit::PostHocEma posthoc(sources, emakit::PostHocOptions(dir).snapshot_every(1));
   const fs::path state = fs::path(dir) / "writer-state.pt";
   if (fs::exists(state)) {
-    emakit::StateDict saved;
-    for (const auto& item : emakit::detail::read_pickle_dict(state, "the writer's state"))
-      saved.insert(item.key().toStringRef(), item.value().toTensor());
-    posthoc.load_state_dict(saved);
+    emakit::load(posthoc, state);
   } else {
-    c10::impl::GenericDict saved(c10::StringType::get(), c10::TensorType::get());
-    for (const auto& item : posthoc.state_dict()) saved.insert(item.key(), item.value());
-    emakit::detail::write_tensor_dict(state, saved);
+    emakit::save(posthoc, state);
   }
   for (int step = 1; step <= 3; ++step) {
     for (auto& s : sources) s.tensor.uniform_();
     posthoc.update();
+    emakit::save(posthoc, state);
   }
   // Until killed; a guard against an orphan that nobody kills (it also dies with its parent).
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(300);
@@ -756,9 +856,10 @@ TEST_CASE("A snapshot folder survives a writer killed (SIGKILL) in mid-write", "
     // rounds) or at a random moment within the next 300 ms (even rounds).
     const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);
     auto alive = [&] { return child.running(); };
-    // The first round also waits for the writer's first two snapshots (the checks below want
-    // two whole files; a slow machine, or one under a sanitizer, may take most of a second).
-    while (round == 0 && emakit::list_snapshots(folder.path).size() < 2 && alive() &&
+    // The first round also waits for the writer's first two steps of snapshots (the checks below
+    // want two whole files: those of step 1, which the state saved before step 2 keeps for every
+    // later writer; a slow machine, or one under a sanitizer, may take most of a second).
+    while (round == 0 && emakit::list_snapshots(folder.path).size() < 4 && alive() &&
            std::chrono::steady_clock::now() < give_up)
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     while (count_temporary(".phema-") == 0 && alive() && std::chrono::steady_clock::now() < give_up)
@@ -789,9 +890,10 @@ TEST_CASE("A snapshot folder survives a writer killed (SIGKILL) in mid-write", "
   CHECK(killed_with_temporary >= 1);
   WARN(fmt::format("{} kills; {} of the {} immediate ones left a temporary file; {} temporary files in all", rounds,
                    killed_with_temporary, rounds / 2, left_total));
-  // A kill between the profiles of one step leaves that step's set incomplete (each round's writer
-  // goes on at a later step): the completeness check refuses such a folder unless allowed, and
-  // each kill leaves at most one profile of one step missing.
+  // A kill between the profiles of one step leaves that step's set incomplete (the next writer,
+  // resumed from the state of the step before, sets it aside; the last kill's stays): the
+  // completeness check refuses such a folder unless allowed, and each kill leaves at most one
+  // profile of one step missing.
   auto options = emakit::SynthesisOptions::from_sigma_rel(0.07);
   const auto missing = emakit::detail::missing_snapshots(emakit::list_snapshots(folder.path));
   if (!missing.empty()) CHECK_THROWS_AS(emakit::plan_synthesis(folder.path, options), emakit::SynthesisRefused);
@@ -936,6 +1038,89 @@ TEST_CASE("Another run's snapshots in the folder are refused at the first update
                     Contains("2 training runs") && Contains("run " + first.run().short_hex() + " (started ") &&
                         Contains("6 snapshots, t = 2 to 6") && Contains("run " + third.run().short_hex()) &&
                         Contains("1 snapshot, t = 8 to 8"));
+}
+
+// A run resumed from an older checkpoint than its last snapshot: the snapshots written after that
+// checkpoint by the run that crashed are another history of the same run (same id, correct
+// previous-step links). They are set aside at the resumed run's first update, so that the folder
+// is, and synthesizes, exactly as if that branch had never run (against a run that never had it).
+TEST_CASE("A run resumed from an older checkpoint sets aside its abandoned branch's snapshots and synthesizes as "
+          "if it had never run",
+          "[posthoc][runs]") {
+  TempFolder folder("resume-branch"), reference_folder("resume-branch-reference");
+  torch::manual_seed(21);
+  emakit_test::TinyNet model;
+  const auto options = emakit::PostHocOptions(folder.path).snapshot_every(10);
+  const auto train = [&](emakit::PostHocEma& ema, int from, int to, std::uint64_t seed, double lr) {
+    torch::manual_seed(seed);
+    for (int s = from; s <= to; ++s) {
+      emakit_test::perturb(*model, lr);
+      ema.update();
+    }
+  };
+  const auto restore = [&](const std::map<std::string, torch::Tensor>& weights) {
+    torch::NoGradGuard no_grad;
+    for (auto& p : model->named_parameters()) p.value().copy_(weights.at(p.key()));
+    for (auto& b : model->named_buffers()) b.value().copy_(weights.at(b.key()));
+  };
+  emakit::StateDict checkpoint;  // the state at step 30, and the model's weights then
+  std::map<std::string, torch::Tensor> weights;
+  std::map<std::string, std::vector<char>> dead_files;
+  emakit::RunId run;
+  {
+    emakit::PostHocEma first(*model, options);
+    train(first, 1, 30, 1, 0.1);
+    checkpoint = first.state_dict();
+    weights = emakit_test::model_snapshot(*model);
+    for (const auto& f : fs::directory_iterator(folder.path))  // the reference run's history up to step 30
+      fs::copy_file(f.path(), reference_folder.path / f.path().filename());
+    train(first, 31, 55, 2, 0.1);  // snapshots at 40 and 50, then the process dies at 55
+    run = first.run();
+    for (const auto& [name, bytes] : folder_bytes(folder.path))
+      if (emakit::is_snapshot_file_name(name) && std::stoll(name.substr(6, 10)) > 30) dead_files[name] = bytes;
+  }
+  REQUIRE(dead_files.size() == 2 * 2);  // steps 40 and 50, two profiles
+
+  // Resumed from step 30 with another learning rate, stopped at 45.
+  restore(weights);
+  emakit::PostHocEma resumed(*model, options);
+  resumed.load_state_dict(checkpoint);
+  emakit_test::WarningCapture warnings;
+  train(resumed, 31, 45, 3, 0.05);
+  const std::string aside_name = fmt::format("abandoned-{}-after-30", run.short_hex());
+  REQUIRE(warnings.messages.size() == 1);  // said once, at the first update
+  CHECK_THAT(warnings.messages[0], Contains("run " + run.short_hex() + " goes on from step 30") &&
+                                       Contains("4 of its snapshots from after that step (t = 40 to 50)") &&
+                                       Contains((folder.path / aside_name).string()));
+  CHECK(folder_bytes(folder.path / aside_name) == dead_files);  // moved whole, not rewritten
+
+  // The same history without the crashed branch, in a folder of its own.
+  restore(weights);
+  emakit::PostHocEma reference(*model, emakit::PostHocOptions(reference_folder.path).snapshot_every(10));
+  reference.load_state_dict(checkpoint);
+  train(reference, 31, 45, 3, 0.05);
+
+  const auto listed = emakit::list_snapshots(folder.path), expected = emakit::list_snapshots(reference_folder.path);
+  REQUIRE(listed.size() == 4 * 2);
+  REQUIRE(listed.size() == expected.size());
+  for (std::size_t i = 0; i < listed.size(); ++i) {
+    CHECK(listed[i].path.filename() == expected[i].path.filename());
+    CHECK(read_bytes(listed[i].path) == read_bytes(expected[i].path));
+  }
+  for (const double sigma_rel : {0.07, 0.12}) {
+    const auto plan = resumed.plan(emakit::SynthesisOptions::from_sigma_rel(sigma_rel));
+    CHECK(plan.target.t == 40);
+    const auto got = emakit::synthesize(plan);
+    const auto want = reference.synthesize(emakit::SynthesisOptions::from_sigma_rel(sigma_rel));
+    REQUIRE(got.size() == want.size());
+    for (const auto& item : want) CHECK(emakit_test::bitwise_equal(got[item.key()], item.value()));
+  }
+  // A later resume from the same checkpoint sets the newer branch aside beside the first.
+  restore(weights);
+  emakit::PostHocEma again(*model, options);
+  again.load_state_dict(checkpoint);
+  again.update();
+  CHECK(folder_bytes(folder.path / (aside_name + "-2")).size() == 1 * 2);  // step 40 of the second branch
 }
 
 TEST_CASE("ExistingSnapshots::move_aside moves another run's snapshots into previous-run-<id>, whole",

@@ -84,6 +84,10 @@ EMAKIT_FUNC StateDict PostHocEma::state_dict() const {
 
 EMAKIT_FUNC void PostHocEma::load_state_dict(const StateDict& state) {
   const detail::StateReader in(state, "PostHocEma::load_state_dict");
+  if (in.find("posthoc.format") == nullptr)
+    detail::fail("PostHocEma::load_state_dict: the state has no 'posthoc.format': it is not a PostHocEma's "
+                 "state_dict(){}",
+                 in.find("counters.calls") != nullptr ? " (it is an Ema's)" : "");
   const std::int64_t format = in.counter("posthoc.format");
   detail::formats::check_version(detail::formats::posthoc_state, format, "PostHocEma::load_state_dict");
   const std::int64_t profiles = in.counter("posthoc.profiles");
@@ -136,44 +140,72 @@ EMAKIT_FUNC void PostHocEma::load_state_dict(const StateDict& state) {
   folder_checked_ = false;  // the folder is checked again for this run
 }
 
+namespace detail {
+// Moves `files` into a new folder "<folder>/<name>" ("<name>-2", ... if taken); returns it.
+EMAKIT_FUNC std::filesystem::path move_into_new_folder(const std::filesystem::path& folder, const std::string& name,
+                                                       const std::vector<SnapshotInfo>& files,
+                                                       const std::string& whose) {
+  std::filesystem::path aside = folder / name;
+  for (int n = 2; std::filesystem::exists(aside); ++n) aside = folder / fmt::format("{}-{}", name, n);
+  std::error_code ec;
+  std::filesystem::create_directory(aside, ec);
+  if (ec) detail::fail_runtime("cannot create '{}' to move {} into: {}", aside.string(), whose, ec.message());
+  for (const auto& s : files) {
+    std::filesystem::rename(s.path, aside / s.path.filename(), ec);
+    if (ec)
+      detail::fail_runtime("cannot move '{}' into '{}' (moving {} there): {}", s.path.string(), aside.string(), whose,
+                           ec.message());
+  }
+  detail::fsync_directory(aside);
+  return aside;
+}
+}  // namespace detail
+
 EMAKIT_FUNC void PostHocEma::check_folder() {
   const auto& folder = options_.folder();
-  std::vector<SnapshotInfo> others;
-  for (auto& s : list_snapshots(folder))
-    if (s.run != run_) others.push_back(std::move(s));
-  if (!others.empty()) {
-    const auto runs = snapshot_runs(others);
-    if (options_.existing_snapshots() == ExistingSnapshots::refuse) {
-      std::string which;
-      for (const auto& r : runs) which += fmt::format("\n  - {}", r.describe());
-      detail::fail_runtime(
-          "the snapshot folder '{}' holds the snapshots of another training run:{}\nThis PostHocEma is run {}; a "
-          "synthesis from a folder of two runs would mix them. To continue that run, load its state "
-          "(PostHocEma::load_state_dict) before the first update; to start a new run here, set "
-          "PostHocOptions::existing_snapshots(ExistingSnapshots::move_aside), which moves them into "
-          "'{}/previous-run-<id>'; or give this run another folder",
-          folder.string(), which, run_.short_hex(), folder.string());
+  // Another run's snapshots, and this run's after the step it goes on from: those a run resumed
+  // from an older checkpoint wrote before (a crash after step 500, resumed from the state of step
+  // 300): another history of this run, which a synthesis must not mix with this one.
+  std::vector<SnapshotInfo> others, abandoned;
+  const std::int64_t from = step();
+  for (auto& s : list_snapshots(folder)) {
+    if (s.run != run_) {
+      others.push_back(std::move(s));
+    } else if (s.step > from) {
+      abandoned.push_back(std::move(s));
     }
-    for (const auto& r : runs) {
-      std::filesystem::path aside = folder / fmt::format("previous-run-{}", r.id.short_hex());
-      for (int n = 2; std::filesystem::exists(aside); ++n)
-        aside = folder / fmt::format("previous-run-{}-{}", r.id.short_hex(), n);
-      std::error_code ec;
-      std::filesystem::create_directory(aside, ec);
-      if (ec)
-        detail::fail_runtime("cannot create '{}' to move another run's snapshots into: {}", aside.string(),
-                             ec.message());
-      for (const auto& s : others) {
-        if (s.run != r.id) continue;
-        std::filesystem::rename(s.path, aside / s.path.filename(), ec);
-        if (ec)
-          detail::fail_runtime("cannot move the snapshot '{}' of run {} into '{}': {}", s.path.string(),
-                               r.id.short_hex(), aside.string(), ec.message());
-      }
-      detail::fsync_directory(aside);
-    }
-    detail::fsync_directory(folder);
   }
+  const auto runs = snapshot_runs(others);
+  if (!others.empty() && options_.existing_snapshots() == ExistingSnapshots::refuse) {
+    std::string which;
+    for (const auto& r : runs) which += fmt::format("\n  - {}", r.describe());
+    detail::fail_runtime(
+        "the snapshot folder '{}' holds the snapshots of another training run:{}\nThis PostHocEma is run {}; a "
+        "synthesis from a folder of two runs would mix them. To continue that run, load its state "
+        "(PostHocEma::load_state_dict) before the first update; to start a new run here, set "
+        "PostHocOptions::existing_snapshots(ExistingSnapshots::move_aside), which moves them into "
+        "'{}/previous-run-<id>'; or give this run another folder",
+        folder.string(), which, run_.short_hex(), folder.string());
+  }
+  for (const auto& r : runs) {
+    std::vector<SnapshotInfo> of_run;
+    for (const auto& s : others)
+      if (s.run == r.id) of_run.push_back(s);
+    detail::move_into_new_folder(folder, fmt::format("previous-run-{}", r.id.short_hex()), of_run,
+                                 fmt::format("the snapshots of run {}", r.id.short_hex()));
+  }
+  if (!abandoned.empty()) {  // always set aside, never deleted: this run's own files
+    const SnapshotRun branch = snapshot_runs(abandoned).front();
+    const auto aside =
+        detail::move_into_new_folder(folder, fmt::format("abandoned-{}-after-{}", run_.short_hex(), from), abandoned,
+                                     fmt::format("the snapshots of run {} after step {}", run_.short_hex(), from));
+    TORCH_WARN("emakit: PostHocEma: run ", run_.short_hex(), " goes on from step ", from, ", but the folder held ",
+               branch.snapshots, " of its snapshots from after that step (t = ", branch.first_t, " to ", branch.last_t,
+               "): another history of the run (one resumed from an older checkpoint), which a "
+               "synthesis must not mix with this one; moved them into '",
+               aside.string(), "'");
+  }
+  if (!others.empty() || !abandoned.empty()) detail::fsync_directory(folder);
   folder_checked_ = true;
 }
 
@@ -198,6 +230,20 @@ EMAKIT_FUNC void PostHocEma::check_loadable(std::size_t i, const StateDict& part
     detail::rethrow_with_context(" (the profiles or the model changed)",
                                  fmt::format("PostHocEma::load_state_dict: profile {}: ", i));
   }
+}
+
+EMAKIT_FUNC void save(const PostHocEma& posthoc, const std::filesystem::path& path) {
+  detail::save_ema_file(
+      [&](torch::serialize::OutputArchive& archive) { detail::ema_state::save_archive(archive, posthoc.state_dict()); },
+      path);
+}
+
+EMAKIT_FUNC void load(PostHocEma& posthoc, const std::filesystem::path& path) {
+  detail::load_ema_file(
+      [&](torch::serialize::InputArchive& archive) {
+        detail::ema_state::load_archive(archive, [&](const StateDict& state) { posthoc.load_state_dict(state); });
+      },
+      path);
 }
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

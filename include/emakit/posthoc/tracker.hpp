@@ -12,9 +12,11 @@
 #pragma once
 
 #include <emakit/detail/config.hpp>
+#include <emakit/checkpoint.hpp>
 #include <emakit/concepts.hpp>
 #include <emakit/decay.hpp>
 #include <emakit/detail/check.hpp>
+#include <emakit/detail/serial/ema_state.hpp>
 #include <emakit/detail/serial/formats.hpp>
 #include <emakit/detail/serial/state_reader.hpp>
 #include <emakit/ema.hpp>
@@ -28,6 +30,7 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
+#include <c10/util/Exception.h>
 #include <fmt/core.h>
 #include <torch/nn/module.h>
 
@@ -73,7 +76,9 @@ class PostHocEma {
   // Call after each optimizer step: updates every profile (in one pass over the model, update_together) and writes
   // snapshots at multiples of snapshot_every. A failed snapshot write throws (naming the file) after the update was
   // applied. The first call (and the first after load_state_dict) checks the folder first: another run's snapshots
-  // there are refused, before anything changes, or moved aside (PostHocOptions::existing_snapshots).
+  // there are refused, before anything changes, or moved aside (PostHocOptions::existing_snapshots); this run's
+  // snapshots from after the step it goes on from (a run resumed from an older checkpoint than its last snapshot:
+  // the crashed branch's) are always moved into "<folder>/abandoned-<id>-after-<step>", with a warning.
   PostHocUpdate update(StepInfo info = {});
 
   // Writes a snapshot of every profile now; returns the files. Needs at least one applied update.
@@ -104,7 +109,8 @@ class PostHocEma {
 
   // Loads a state_dict() of a PostHocEma with the same profiles and model (format 2, or format 1
   // from before run ids), and takes on its run: the snapshots this PostHocEma writes next belong
-  // to that run. Everything is checked first: a failed load changes nothing.
+  // to that run. Everything is checked first: a failed load changes nothing. The first update
+  // after it sets aside the snapshots of this run from after the loaded step (see update()).
   void load_state_dict(const StateDict& state);
 
  private:
@@ -129,6 +135,14 @@ class PostHocEma {
   std::int64_t run_started_ = 0;
   bool folder_checked_ = false;
 };
+
+// A PostHocEma in a file of its own (its state_dict(): every profile and the run), as
+// emakit::save and emakit::load keep an Ema (checkpoint.hpp): written atomically, a crash
+// mid-write leaves the previous file readable; read only after the file is checked (nothing but
+// tensors and plain values, each tensor's CRC-32), then load_state_dict()'s checks (the profiles,
+// the model, each profile's config). A failed load leaves the PostHocEma as it was.
+EMAKIT_FUNC void save(const PostHocEma& posthoc, const std::filesystem::path& path);
+EMAKIT_FUNC void load(PostHocEma& posthoc, const std::filesystem::path& path);
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
 
