@@ -37,6 +37,7 @@
 #include <emakit/presets-inl.hpp>
 #include <emakit/storage-inl.hpp>
 #include <emakit/teacher-inl.hpp>
+#include <emakit/update_bn-inl.hpp>
 
 // Not compiled here, inline in both modes: sharded.hpp and sharded/*, gloo.hpp, jit.hpp (they
 // need c10d, Gloo and TorchScript, which the library would impose on every user).

@@ -7,10 +7,20 @@
 
 #include "helpers.hpp"
 
+#include <c10/core/GradMode.h>
+#include <torch/data.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/functional/instancenorm.h>  // before the module, which LibTorch 1.13 does not include it in
+#include <torch/nn/modules/instancenorm.h>
+#include <torch/nn/modules/linear.h>
+
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <regex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -88,7 +98,7 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
   // numbers the checks expect are read from the table's Python column. An edit to the table, to
   // this code or to a preset fails here.
   const auto rows = migration_table();
-  REQUIRE(rows.size() == 12);
+  REQUIRE(rows.size() == 13);
   std::vector<std::string> code(rows.size());
   const std::int64_t step = 1;
   const bool will_skip = true;
@@ -148,53 +158,69 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
   }
   {
     TinyNet model;
-    EMAKIT_ROW(code[5],
+    auto swa = emakit::averaged_model_swa(*model);
+    emakit_test::fill_floats(*model, 2.0);
+    swa.update();                           // the first update copies: the average is 2 everywhere
+    emakit_test::fill_floats(*model, 0.0);  // and the model's own weights something else
+    const std::vector<torch::Tensor> loader{torch::randn({4, 3}), torch::randn({5, 3})};
+    model->eval();
+    EMAKIT_ROW(code[5], swa.copy_to(*model); emakit::update_bn(model, loader);)
+    CHECK(rows[5].python.at(0) == "update_bn(loader, swa_model)");
+    CHECK(torch::equal(model->fc->weight, torch::full_like(model->fc->weight, 2.0)));  // the SWA weights
+    CHECK(model->bn->num_batches_tracked.item<std::int64_t>() == 2);  // recomputed over the two batches
+    CHECK_FALSE(torch::equal(model->bn->running_mean, torch::full_like(model->bn->running_mean, 2.0)));
+    CHECK(model->bn->options.momentum() == 0.1);
+    CHECK_FALSE(model->is_training());
+  }
+  {
+    TinyNet model;
+    EMAKIT_ROW(code[6],
                auto ema = emakit::nvalchemi_ema(*model, {.decay = 0.999, .update_every = 2, .start_step = 100});
                ema.update({.vetoed = will_skip});)
-    CHECK(ema.decay_policy() == emakit::Fixed(py(5, "decay")));
-    CHECK(ema.schedule().update_every() == whole(py(5, "update_every")));
-    CHECK(ema.schedule().start_step() == whole(py(5, "start_step")));
+    CHECK(ema.decay_policy() == emakit::Fixed(py(6, "decay")));
+    CHECK(ema.schedule().update_every() == whole(py(6, "update_every")));
+    CHECK(ema.schedule().start_step() == whole(py(6, "start_step")));
     CHECK(ema.step() == 0);                                               // the vetoed step completed nothing
     CHECK(ema.options().arithmetic() == emakit::Arithmetic::fused_lerp);  // AveragedModel's multi_avg_fn
   }
   {
     TinyNet model;
-    EMAKIT_ROW(code[6], auto ema = emakit::luxonis_model_ema(*model, {.decay = 0.9999, .decay_tau = 2000});)
-    CHECK(ema.decay_policy() == emakit::ExponentialRamp(py(6, "decay"), py(6, "decay_tau")));
+    EMAKIT_ROW(code[7], auto ema = emakit::luxonis_model_ema(*model, {.decay = 0.9999, .decay_tau = 2000});)
+    CHECK(ema.decay_policy() == emakit::ExponentialRamp(py(7, "decay"), py(7, "decay_tau")));
     CHECK(ema.options().arithmetic() == emakit::Arithmetic::fused_lerp);  // _foreach_lerp_
   }
   {
     TinyNet model;
-    EMAKIT_ROW(code[7], emakit::EmaHook hook;
+    EMAKIT_ROW(code[8], emakit::EmaHook hook;
                hook.add(*model, emakit::nvalchemi_ema_recipe({.decay = 0.999, .start_step = 100}),
                         {.creation = emakit::Creation::at_first_eligible_step});
                hook.after_optimizer_step({.vetoed = will_skip});)
-    CHECK(rows[7].python.at(0) == "EMAHook(...)");
+    CHECK(rows[8].python.at(0) == "EMAHook(...)");
     CHECK_FALSE(hook.created("model"));  // nothing eligible yet: no EMA, no memory
   }
   {
     TinyNet model;
     emakit::EmaHook hook;
     EMAKIT_ROW(
-        code[8],
+        code[9],
         hook.add(*model, emakit::luxonis_ema_callback_recipe({.decay = 0.5, .decay_tau = 2000, .accumulate = 4}));)
     hook.setup();
     const auto& ema = hook.ema<emakit::RampEma>("model");
-    CHECK(ema.decay_policy() == emakit::ExponentialRamp(py(8, "decay"), py(8, "decay_tau")));
-    REQUIRE(rows[8].python.size() == 2);
-    const auto lightning = python_kwargs(rows[8].python[1]);
+    CHECK(ema.decay_policy() == emakit::ExponentialRamp(py(9, "decay"), py(9, "decay_tau")));
+    REQUIRE(rows[9].python.size() == 2);
+    const auto lightning = python_kwargs(rows[9].python[1]);
     REQUIRE(lightning.count("accumulate_grad_batches") == 1);
     CHECK(ema.schedule().accumulate() == whole(lightning.at("accumulate_grad_batches")));
     CHECK(ema.options().arithmetic() == emakit::Arithmetic::fused_lerp);
   }
   {
     TinyNet model;
-    EMAKIT_ROW(code[9], auto ema = emakit::diffusers_ema_model(
-                            *model, {.decay = 0.9999, .min_decay = 0.0, .update_after_step = 0});
+    EMAKIT_ROW(code[10], auto ema = emakit::diffusers_ema_model(
+                             *model, {.decay = 0.9999, .min_decay = 0.0, .update_after_step = 0});
                ema.update();)
-    CHECK(ema.decay_policy() == emakit::RationalRamp(py(9, "decay"))
-                                    .min_decay(py(9, "min_decay"))
-                                    .update_after_step(whole(py(9, "update_after_step"))));
+    CHECK(ema.decay_policy() == emakit::RationalRamp(py(10, "decay"))
+                                    .min_decay(py(10, "min_decay"))
+                                    .update_after_step(whole(py(10, "update_after_step"))));
     CHECK(ema.options().buffers() == emakit::BufferMode::ignore);  // EMAModel takes parameters()
     CHECK(ema.options().frozen_parameters() == emakit::BufferMode::copy);
     CHECK(ema.options().arithmetic() == emakit::Arithmetic::subtract);  // s.sub_((1 - d) * (s - p))
@@ -202,23 +228,23 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
   }
   {
     TinyNet model;
-    EMAKIT_ROW(code[10], auto ema = emakit::lightning_ema_weight_averaging(
+    EMAKIT_ROW(code[11], auto ema = emakit::lightning_ema_weight_averaging(
                              *model, {.decay = 0.999, .update_every_n_steps = 2, .update_starting_at_step = 100});
                ema.update();)
-    CHECK(ema.decay_policy() == emakit::Fixed(py(10, "decay")));
-    CHECK(ema.schedule().update_every() == whole(py(10, "update_every_n_steps")));
-    CHECK(ema.schedule().start_step() == whole(py(10, "update_starting_at_step")) + 1);  // 0-based index -> step
+    CHECK(ema.decay_policy() == emakit::Fixed(py(11, "decay")));
+    CHECK(ema.schedule().update_every() == whole(py(11, "update_every_n_steps")));
+    CHECK(ema.schedule().start_step() == whole(py(11, "update_starting_at_step")) + 1);  // 0-based index -> step
     CHECK(ema.num_updates() == 0);
     CHECK(ema.options().arithmetic() == emakit::Arithmetic::weighted_sum);  // get_ema_avg_fn
   }
   {
     TinyNet model;
-    EMAKIT_ROW(code[11], auto teacher =
+    EMAKIT_ROW(code[12], auto teacher =
                              emakit::cosine_momentum_teacher(*model, {.start = 0.996, .end = 1.0, .total_steps = 1000});
                teacher.update();)
     CHECK(teacher.decay_policy() ==
-          emakit::CosineMomentum(py(11, "start_value"), py(11, "end_value"), whole(py(11, "max_steps"))));
-    CHECK(teacher.decay() == py(11, "start_value"));                                // lightly's step 0
+          emakit::CosineMomentum(py(12, "start_value"), py(12, "end_value"), whole(py(12, "max_steps"))));
+    CHECK(teacher.decay() == py(12, "start_value"));                                // lightly's step 0
     CHECK(teacher.options().arithmetic() == emakit::Arithmetic::scaled_fused_add);  // update_momentum
   }
   for (std::size_t i = 0; i < rows.size(); ++i) {
@@ -465,6 +491,318 @@ TEST_CASE("Cosine teacher preset: parameters only, every update averages with th
     CHECK(emakit_test::reported_decay_is(teacher.decay(), m.decay({step, step, 1})));
   }
   CHECK(teacher.decay() == 1.0);  // k = 5 > K' = 4: the end value, the teacher stops moving
+}
+
+// ---- update_bn (torch.optim.swa_utils.update_bn) -------------------------------------------
+
+namespace {
+
+// Conv2d(2 -> 3, 3x3) -> BatchNorm2d(3, momentum 0.3) -> flatten -> Linear(48 -> 5) ->
+// BatchNorm1d(5): two BatchNorms in nested Sequentials. Input [N, 2, 6, 6].
+struct BnNetImpl : torch::nn::Module {
+  BnNetImpl() {
+    torch::manual_seed(7);
+    conv = torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 3, 3));
+    bn2 = torch::nn::BatchNorm2d(torch::nn::BatchNorm2dOptions(3).momentum(0.3));
+    fc = torch::nn::Linear(48, 5);
+    bn1 = torch::nn::BatchNorm1d(5);
+    body = register_module("body", torch::nn::Sequential(conv, bn2, torch::nn::Flatten()));
+    head = register_module("head", torch::nn::Sequential(fc, bn1));
+    torch::NoGradGuard no_grad;
+    for (auto& p : parameters()) p.add_(torch::randn_like(p) * 0.2);  // weight and bias away from 1 and 0
+    for (auto* running : {&bn2->running_mean, &bn1->running_mean}) running->fill_(5);  // stale statistics
+    for (auto* running : {&bn2->running_var, &bn1->running_var}) running->fill_(7);
+    bn2->num_batches_tracked.fill_(42);
+    bn1->num_batches_tracked.fill_(42);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head->forward(body->forward(x)); }
+  torch::nn::Conv2d conv{nullptr};
+  torch::nn::BatchNorm2d bn2{nullptr};
+  torch::nn::Linear fc{nullptr};
+  torch::nn::BatchNorm1d bn1{nullptr};
+  torch::nn::Sequential body{nullptr}, head{nullptr};
+};
+TORCH_MODULE(BnNet);
+
+// Batches of unequal sizes (6, 6, 3), so that the mean of the batches' means is not the mean of
+// all the samples: torch's cumulative average weighs batches, not samples.
+std::vector<torch::Tensor> bn_batches() {
+  torch::manual_seed(11);
+  return {torch::randn({6, 2, 6, 6}) * 2 + 1, torch::randn({6, 2, 6, 6}) - 0.5, torch::randn({3, 2, 6, 6}) * 3};
+}
+
+// Per batch, the batch's mean and unbiased variance over every dimension but `channel` (1).
+struct BatchStats {
+  torch::Tensor mean, unbiased_var, biased_var;
+};
+BatchStats batch_stats(const torch::Tensor& x) {
+  std::vector<std::int64_t> dims{0};
+  for (std::int64_t d = 2; d < x.dim(); ++d) dims.push_back(d);
+  const auto mean = x.mean(dims, /*keepdim=*/true);
+  const auto squares = (x - mean).pow(2).sum(dims);
+  const double n = static_cast<double>(x.numel() / x.size(1));
+  return {mean.flatten(), squares / (n - 1), squares / n};
+}
+
+// The statistics update_bn must leave, computed here in double from the weights and the batches
+// alone: BatchNorm2d sees conv(x); BatchNorm1d sees linear(flatten(BatchNorm2d in train mode,
+// normalised by the batch's own mean and biased variance)). running = the mean over the batches of
+// each batch's mean / unbiased variance (momentum None: factor 1/k at batch k).
+struct BnReference {
+  torch::Tensor mean2, var2, mean1, var1;
+  torch::Tensor all_samples_mean2;  // the mean over all samples, which is NOT what torch keeps
+};
+BnReference bn_reference(BnNet& model, const std::vector<torch::Tensor>& batches) {
+  torch::NoGradGuard no_grad;
+  auto d = [](const torch::Tensor& t) { return t.detach().to(torch::kDouble); };
+  BnReference r{torch::zeros({3}, torch::kDouble),
+                torch::zeros({3}, torch::kDouble),
+                torch::zeros({5}, torch::kDouble),
+                torch::zeros({5}, torch::kDouble),
+                {}};
+  std::vector<torch::Tensor> convs;
+  for (const auto& x : batches) {
+    const auto c = torch::conv2d(d(x), d(model->conv->weight), d(model->conv->bias));
+    convs.push_back(c);
+    const auto s2 = batch_stats(c);
+    const auto eps2 = model->bn2->options.eps();
+    const auto y = (c - s2.mean.view({1, 3, 1, 1})) / (s2.biased_var.view({1, 3, 1, 1}) + eps2).sqrt() *
+                       d(model->bn2->weight).view({1, 3, 1, 1}) +
+                   d(model->bn2->bias).view({1, 3, 1, 1});
+    const auto z = y.flatten(1).matmul(d(model->fc->weight).t()) + d(model->fc->bias);
+    const auto s1 = batch_stats(z);
+    r.mean2 += s2.mean;
+    r.var2 += s2.unbiased_var;
+    r.mean1 += s1.mean;
+    r.var1 += s1.unbiased_var;
+  }
+  const double k = static_cast<double>(batches.size());
+  for (auto* t : {&r.mean2, &r.var2, &r.mean1, &r.var1}) *t /= k;
+  r.all_samples_mean2 = batch_stats(torch::cat(convs)).mean;
+  return r;
+}
+
+bool near(const torch::Tensor& ours, const torch::Tensor& reference) {
+  return torch::allclose(ours.to(torch::kDouble), reference, /*rtol=*/1e-5, /*atol=*/1e-5);
+}
+
+// Every module's training flag, in apply()'s order.
+std::vector<bool> training_flags(torch::nn::Module& m) {
+  std::vector<bool> out;
+  m.apply([&out](torch::nn::Module& sub) { out.push_back(sub.is_training()); });
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("update_bn: BatchNorm1d and BatchNorm2d statistics are the mean of the batches' means and unbiased variances",
+          "[update_bn]") {
+  BnNet model;
+  model->eval();
+  const auto batches = bn_batches();
+  const auto reference = bn_reference(model, batches);
+  const auto parameters_before = emakit_test::model_snapshot(*model);
+  int calls = 0;
+  const auto result = emakit::update_bn(*model, batches, [&](const torch::Tensor& x) {
+    ++calls;
+    return model->forward(x);
+  });
+  CHECK(result == emakit::UpdateBnResult{2, 3});
+  CHECK(calls == 3);
+  CHECK(model->bn2->num_batches_tracked.item<std::int64_t>() == 3);  // reset from 42, one per batch
+  CHECK(model->bn1->num_batches_tracked.item<std::int64_t>() == 3);
+  CHECK(near(model->bn2->running_mean, reference.mean2));
+  CHECK(near(model->bn2->running_var, reference.var2));
+  CHECK(near(model->bn1->running_mean, reference.mean1));
+  CHECK(near(model->bn1->running_var, reference.var1));
+  // The reference has teeth: the batches are weighted equally, not their samples.
+  CHECK_FALSE(near(model->bn2->running_mean, reference.all_samples_mean2));
+  // Parameters untouched; only the running statistics changed.
+  for (const auto& p : model->named_parameters()) {
+    INFO(p.key());
+    CHECK(emakit_test::bitwise_equal(p.value(), parameters_before.at(p.key())));
+  }
+  CHECK(model->bn2->options.momentum() == 0.3);
+  CHECK(model->bn1->options.momentum() == 0.1);
+  CHECK_FALSE(model->is_training());
+}
+
+TEST_CASE("update_bn: the pass runs in train mode without grad, with momenta none, and puts modes and momenta back",
+          "[update_bn]") {
+  const auto batches = bn_batches();
+  BnNet model;
+  model->bn1->options.momentum(c10::nullopt);  // None before: None after
+  auto pass = [&] {
+    int calls = 0;
+    emakit::update_bn(*model, batches, [&](const torch::Tensor& x) {
+      ++calls;
+      CHECK(training_flags(*model) == std::vector<bool>(training_flags(*model).size(), true));
+      CHECK_FALSE(c10::GradMode::is_enabled());
+      CHECK_FALSE(model->bn2->options.momentum().has_value());
+      CHECK_FALSE(model->bn1->options.momentum().has_value());
+      CHECK_FALSE(model->forward(x).requires_grad());
+    });
+    CHECK(calls == 3);
+    CHECK(c10::GradMode::is_enabled());
+    CHECK(model->bn2->options.momentum() == 0.3);
+    CHECK_FALSE(model->bn1->options.momentum().has_value());
+  };
+  SECTION("eval before: eval after") {
+    model->eval();
+    pass();
+    CHECK(training_flags(*model) == std::vector<bool>(training_flags(*model).size(), false));
+  }
+  SECTION("train before: train after") {
+    model->train();
+    pass();
+    CHECK(training_flags(*model) == std::vector<bool>(training_flags(*model).size(), true));
+  }
+  SECTION("modes mixed: each module's own (torch's model.train(was_training) would set them all to train)") {
+    model->train();
+    model->body->eval();  // body, conv, bn2, flatten in eval; the model, head, fc, bn1 in train
+    const auto before = training_flags(*model);
+    REQUIRE(std::count(before.begin(), before.end(), false) == 4);
+    pass();
+    CHECK(training_flags(*model) == before);
+  }
+  SECTION("the caller's no-grad mode is kept") {
+    torch::NoGradGuard no_grad;
+    emakit::update_bn(*model, batches, [&](const torch::Tensor& x) { model->forward(x); });
+    CHECK_FALSE(c10::GradMode::is_enabled());
+  }
+}
+
+TEST_CASE("update_bn: momenta, modes and grad are put back when the forward throws, whose exception goes on unchanged",
+          "[update_bn]") {
+  BnNet model;
+  model->eval();
+  const auto batches = bn_batches();
+  SECTION("the caller's exception, at the second batch") {
+    int calls = 0;
+    CHECK_THROWS_WITH(emakit::update_bn(*model, batches,
+                                        [&](const torch::Tensor& x) {
+                                          if (++calls == 2) throw std::logic_error("the caller's own error");
+                                          model->forward(x);
+                                        }),
+                      "the caller's own error");
+    CHECK(calls == 2);
+    CHECK(model->bn1->num_batches_tracked.item<std::int64_t>() == 1);  // reset, then one batch
+  }
+  SECTION("LibTorch's: a batch of one sample in BatchNorm1d's train mode") {
+    const std::vector<torch::Tensor> one{torch::randn({1, 2, 6, 6})};
+    CHECK_THROWS_AS(emakit::update_bn(model, one), c10::Error);
+    CHECK_THROWS_WITH(emakit::update_bn(model, one), Contains("Expected more than 1 value per channel"));
+  }
+  CHECK(model->bn2->options.momentum() == 0.3);
+  CHECK(model->bn1->options.momentum() == 0.1);
+  CHECK(training_flags(*model) == std::vector<bool>(training_flags(*model).size(), false));
+  CHECK(c10::GradMode::is_enabled());
+}
+
+TEST_CASE("update_bn: a model without BatchNorm is left alone and its forward never called (InstanceNorm is none)",
+          "[update_bn]") {
+  torch::nn::Sequential model(torch::nn::Linear(4, 3),
+                              torch::nn::InstanceNorm1d(torch::nn::InstanceNorm1dOptions(3).track_running_stats(true)));
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& b : model->buffers())
+      if (b.is_floating_point()) b.fill_(3);
+  }
+  model->eval();
+  const auto before = emakit_test::model_snapshot(*model);
+  int calls = 0, reads = 0;
+  const std::vector<torch::Tensor> batches{torch::randn({2, 3, 4})};
+  CHECK(emakit::update_bn(*model, batches, [&](const torch::Tensor&) { ++calls; }) == emakit::UpdateBnResult{0, 0});
+  CHECK(emakit::update_bn(
+            *model,
+            [&]() -> std::optional<torch::Tensor> { return ++reads < 3 ? batches[0] : std::optional<torch::Tensor>(); },
+            [&](const torch::Tensor&) { ++calls; }) == emakit::UpdateBnResult{0, 0});
+  CHECK(calls == 0);
+  CHECK(reads == 0);  // the batches are not even read
+  CHECK(emakit_test::same_snapshot(emakit_test::model_snapshot(*model), before));
+  CHECK(training_flags(*model) == std::vector<bool>(training_flags(*model).size(), false));
+}
+
+TEST_CASE("update_bn: a BatchNorm with track_running_stats=false counts, runs the pass and keeps its state",
+          "[update_bn]") {
+  torch::nn::Sequential model(torch::nn::Linear(4, 3),
+                              torch::nn::BatchNorm1d(torch::nn::BatchNorm1dOptions(3).track_running_stats(false)));
+  model->eval();
+  const auto before = emakit_test::model_snapshot(*model);
+  int calls = 0;
+  const std::vector<torch::Tensor> batches{torch::randn({5, 4}), torch::randn({5, 4})};
+  CHECK(emakit::update_bn(*model, batches, [&](const torch::Tensor& x) {
+          ++calls;
+          model->forward(x);
+        }) == emakit::UpdateBnResult{1, 2});
+  CHECK(calls == 2);  // torch's update_bn runs the model too: the module is a _BatchNorm
+  CHECK(emakit_test::same_snapshot(emakit_test::model_snapshot(*model), before));
+  CHECK_FALSE(model->is_training());
+}
+
+TEST_CASE("update_bn: no batches leave the statistics reset, as torch does", "[update_bn]") {
+  BnNet model;
+  const std::vector<torch::Tensor> none;
+  CHECK(emakit::update_bn(model, none) == emakit::UpdateBnResult{2, 0});
+  CHECK(torch::equal(model->bn2->running_mean, torch::zeros({3})));
+  CHECK(torch::equal(model->bn2->running_var, torch::ones({3})));
+  CHECK(model->bn2->num_batches_tracked.item<std::int64_t>() == 0);
+  CHECK(torch::equal(model->bn1->running_mean, torch::zeros({5})));
+  CHECK(model->bn2->options.momentum() == 0.3);
+  CHECK(model->is_training());
+}
+
+TEST_CASE("update_bn: a DataLoader, a batch source, a model that is a BatchNorm, a BatchNorm registered twice",
+          "[update_bn]") {
+  const auto batches = bn_batches();
+  // Reference: the range overload with a forward.
+  BnNet expected;
+  emakit::update_bn(*expected, batches, [&](const torch::Tensor& x) { expected->forward(x); });
+  auto same_statistics = [&](BnNet& m) {
+    for (const auto& [name, t] : emakit_test::model_snapshot(*expected)) {
+      INFO(name);
+      CHECK(emakit_test::bitwise_equal(emakit_test::model_snapshot(*m).at(name), t));
+    }
+  };
+  SECTION("the overload without forward: tensors, and a DataLoader's stacked examples (.data)") {
+    BnNet model;
+    CHECK(emakit::update_bn(model, batches) == emakit::UpdateBnResult{2, 3});
+    same_statistics(model);
+    // The same samples through a DataLoader, batch size 6: batches of 6, 6 and 3.
+    auto dataset = torch::data::datasets::TensorDataset(torch::cat(batches))
+                       .map(torch::data::transforms::Stack<torch::data::TensorExample>());
+    auto loader = torch::data::make_data_loader<torch::data::samplers::SequentialSampler>(
+        std::move(dataset), torch::data::DataLoaderOptions().batch_size(6));
+    BnNet from_loader;
+    CHECK(emakit::update_bn(from_loader, *loader) == emakit::UpdateBnResult{2, 3});
+    same_statistics(from_loader);
+  }
+  SECTION("a batch source: batches until an empty optional") {
+    BnNet model;
+    std::size_t next = 0;
+    auto source = [&]() -> std::optional<torch::Tensor> {
+      if (next == batches.size()) return std::nullopt;
+      return batches[next++];
+    };
+    CHECK(emakit::update_bn(*model, source, [&](torch::Tensor& x) { model->forward(x); }) ==
+          emakit::UpdateBnResult{2, 3});
+    same_statistics(model);
+  }
+  SECTION("the model itself a BatchNorm3d, registered twice in a Sequential: one BatchNorm") {
+    torch::nn::BatchNorm3d bn(torch::nn::BatchNorm3dOptions(2).momentum(0.5));
+    const std::vector<torch::Tensor> cubes{torch::randn({2, 2, 3, 3, 3}) + 4, torch::randn({4, 2, 3, 3, 3}) * 2};
+    CHECK(emakit::update_bn(bn, cubes) == emakit::UpdateBnResult{1, 2});
+    const auto mean = (batch_stats(cubes[0]).mean + batch_stats(cubes[1]).mean) / 2;
+    const auto var = (batch_stats(cubes[0]).unbiased_var + batch_stats(cubes[1]).unbiased_var) / 2;
+    CHECK(torch::allclose(bn->running_mean, mean, 1e-5, 1e-5));
+    CHECK(torch::allclose(bn->running_var, var, 1e-5, 1e-5));
+    CHECK(bn->options.momentum() == 0.5);
+    torch::nn::Sequential twice(bn, bn);
+    CHECK(emakit::update_bn(*twice, cubes, [&](const torch::Tensor& x) { twice->forward(x); }) ==
+          emakit::UpdateBnResult{1, 2});
+    CHECK(bn->num_batches_tracked.item<std::int64_t>() == 4);  // two calls per batch
+    CHECK(bn->options.momentum() == 0.5);
+  }
 }
 
 #undef EMAKIT_ROW

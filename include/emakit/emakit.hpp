@@ -20,4 +20,5 @@
 #include <emakit/hooks.hpp>
 #include <emakit/teacher.hpp>
 #include <emakit/posthoc.hpp>
+#include <emakit/update_bn.hpp>
 #include <emakit/format.hpp>
