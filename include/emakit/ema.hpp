@@ -17,8 +17,10 @@
 //                                                    // atomically (checkpoint.hpp)
 //
 // The Ema binds once: it keeps handles to the model's tensors and its own, grouped for the update
-// kernel, so update() does no name lookups and allocates nothing. Module::to() keeps the handles
-// valid (it uses set_data), but the average does not move with the model: it stays on its own
+// kernel, so update() does no name lookups, and on the fused CPU pass allocates nothing (but the
+// drift's chunk sums, once per plan; drift measured outside the pass takes ATen temporaries).
+// Module::to() keeps the handles valid (it uses set_data), but the average does not move with the
+// model: it stays on its own
 // device and in its own dtype, and the next update reads the model from wherever it went (the
 // kernel re-plans once). A tensor that changes shape after binding is an error. A model owned by
 // a shared_ptr (a ModuleHolder's) that is destroyed before its Ema: update() and swap_into()
