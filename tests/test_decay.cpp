@@ -219,7 +219,8 @@ TEST_CASE("Decay options out of range are rejected with the value", "[decay][err
   CHECK_THROWS_WITH(emakit::Fixed(std::nan("")), Contains("Fixed::beta"));
   CHECK_THROWS_WITH(emakit::ExponentialRamp(0.9999, 0.0), Contains("ExponentialRamp::tau must be > 0, got 0"));
   CHECK_THROWS_WITH(emakit::ExponentialRamp(0.9999, -3), Contains("ExponentialRamp::tau must be > 0, got -3"));
-  CHECK_THROWS_WITH(emakit::ExponentialRamp(1.5, 10), Contains("ExponentialRamp::decay must be in [0, 1), got 1.5"));
+  CHECK_THROWS_WITH(emakit::ExponentialRamp(1.5, 10),
+                    Contains("ExponentialRamp::decay_max must be in [0, 1), got 1.5"));
   CHECK_THROWS_WITH(emakit::InversePowerWarmup().inv_gamma(0),
                     Contains("InversePowerWarmup::inv_gamma must be > 0, got 0"));
   CHECK_THROWS_WITH(emakit::InversePowerWarmup().power(-1), Contains("InversePowerWarmup::power must be > 0, got -1"));
@@ -230,9 +231,9 @@ TEST_CASE("Decay options out of range are rejected with the value", "[decay][err
   CHECK_THROWS_WITH(emakit::PowerFunction::from_sigma_rel(0.3), Contains("sigma_rel") && Contains("0.3"));
   CHECK_THROWS_WITH(emakit::PowerFunction::from_sigma_rel(0.0), Contains("sigma_rel") && Contains("(0, 0.2887)"));
   CHECK_THROWS_WITH(emakit::sigma_rel_to_gamma(-0.1), Contains("-0.1"));
-  CHECK_THROWS_WITH(emakit::RationalRamp(1.0), Contains("RationalRamp::decay must be in [0, 1), got 1"));
+  CHECK_THROWS_WITH(emakit::RationalRamp(1.0), Contains("RationalRamp::decay_max must be in [0, 1), got 1"));
   CHECK_THROWS_WITH(emakit::RationalRamp(0.9).min_decay(0.95),
-                    Contains("RationalRamp::min_decay must be in [0, decay = 0.9], got 0.95"));
+                    Contains("RationalRamp::min_decay must be in [0, decay_max = 0.9], got 0.95"));
   CHECK_THROWS_WITH(emakit::RationalRamp().update_after_step(-1), Contains("update_after_step") && Contains("-1"));
   CHECK_THROWS_WITH(emakit::CosineMomentum(0.996, 1.5), Contains("CosineMomentum::end must be in") && Contains("1.5"));
   CHECK_THROWS_WITH(emakit::CosineMomentum(0.999, 0.99),

@@ -71,13 +71,13 @@ TEST_CASE("Selection: copy-only names, ignored names and prefixes, buffer modes"
   CHECK(ema.averages().size() == 5);
 
   emakit_test::fill_floats(*model, 1.0);
-  emakit::FixedEma copy_buffers(*model, emakit::Fixed(0.5), {}, emakit::EmaOptions().buffers(emakit::BufferMode::copy));
+  emakit::FixedEma copy_buffers(*model, emakit::Fixed(0.5), {}, emakit::EmaOptions().buffers(emakit::TensorMode::copy));
   emakit_test::fill_floats(*model, 3.0);
   copy_buffers.update();
   CHECK(torch::equal(copy_buffers.average("bn.running_mean"), torch::full({4}, 3.0)));
   CHECK(torch::equal(copy_buffers.average("bn.weight"), torch::full({4}, 2.0)));
 
-  emakit::FixedEma no_buffers(*model, {}, {}, emakit::EmaOptions().buffers(emakit::BufferMode::ignore));
+  emakit::FixedEma no_buffers(*model, {}, {}, emakit::EmaOptions().buffers(emakit::TensorMode::ignore));
   CHECK(no_buffers.averages().size() == 4);
 }
 
@@ -231,7 +231,7 @@ TEST_CASE("Loading a state of another config is an error naming the field and bo
   CHECK_THROWS_WITH(d.load_state_dict(a.state_dict()),
                     Contains("config differs: config.schedule.update_every is 1 in the state, 3 in this EMA"));
   // The buffer mode is part of the config (nvalchemi's EMAHook refuses another use_buffers too).
-  emakit::FixedEma e(*model, emakit::Fixed(0.999), {}, emakit::EmaOptions().buffers(emakit::BufferMode::copy));
+  emakit::FixedEma e(*model, emakit::Fixed(0.999), {}, emakit::EmaOptions().buffers(emakit::TensorMode::copy));
   const auto before = snapshot(e.averages());
   CHECK_THROWS_WITH(
       e.load_state_dict(a.state_dict()),
@@ -427,7 +427,8 @@ TEST_CASE("An Ema, moved or not, averages by its arithmetic on every path, befor
         lerp_slots.back().average = slot.average.clone();
         slots.push_back(std::move(slot));
       }
-      emakit::detail::UpdateKernel reference(std::move(slots), emakit::detail::CpuPath::fused, false,
+      emakit::detail::UpdateKernel reference(std::move(slots), emakit::detail::CpuPath::fused,
+                                             emakit::detail::SideStream::off,
                                              emakit::detail::UpdateKernel::default_staging_bytes, arithmetic);
       emakit::detail::UpdateKernel lerp(std::move(lerp_slots));
       emakit::FixedEma original(sources, emakit::Fixed(0.9), {}, options);

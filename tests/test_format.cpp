@@ -10,6 +10,7 @@
 namespace test_format {  // this file's names (unity batches: tests/CMakeLists.txt)
 
 using Catch::Matchers::Contains;
+using Catch::Matchers::StartsWith;
 
 TEST_CASE("Every policy prints its name and options", "[format]") {
   CHECK(fmt::format("{}", emakit::Fixed(0.999)) == "Fixed(beta=0.999)");
@@ -38,6 +39,22 @@ TEST_CASE("An Ema prints config and counters on one line", "[format]") {
   CHECK_THAT(line, Contains("decay=Fixed(beta=0.5)") && Contains("storage=FlatStorage") &&
                        Contains("tensors=7 averaged + 1 copied") && Contains("calls=1") && Contains("updates=1") &&
                        Contains("decay_now=0.5"));
+}
+
+struct HalfDecay {  // a user's decay policy without a name
+  double decay(const emakit::DecayInput&) const { return 0.5; }
+};
+
+TEST_CASE("A custom policy has one name: describe() prints what its checkpoints record", "[format]") {
+  emakit_test::TinyNet model;
+  emakit::Ema<HalfDecay> ema(*model, HalfDecay{});
+  const std::string name(emakit::detail::policy_name<HalfDecay>());
+  CHECK_THAT(name, StartsWith("custom:") && Contains("HalfDecay"));
+  CHECK_THAT(fmt::format("{}", ema), Contains("decay=" + name));
+  const auto state = ema.state_dict();
+  const at::Tensor* recorded = state.find("config.decay");
+  REQUIRE(recorded != nullptr);
+  CHECK(emakit::detail::tensor_string(*recorded) == name);
 }
 
 }  // namespace test_format

@@ -765,7 +765,7 @@ TEST_CASE("Hook: a checkpoint of another config is refused also before the EMA i
   EmaHook other_buffers;
   other_buffers.add(
       *model,
-      Recipe(emakit::Fixed(0.85), emakit::StepSchedule(), emakit::EmaOptions().buffers(emakit::BufferMode::copy)),
+      Recipe(emakit::Fixed(0.85), emakit::StepSchedule(), emakit::EmaOptions().buffers(emakit::TensorMode::copy)),
       {.creation = Creation::at_first_eligible_step});
   CHECK_THROWS_WITH(other_buffers.load_checkpoint(dir.path / "a.pt"), Contains("config.options.buffers"));
   CHECK(same(weights_of(*model), before));

@@ -43,6 +43,7 @@ namespace {
 
 // Averages `a` towards `x` with weight w through the kernel; returns the result.
 using CpuPath = emakit::detail::UpdateKernel::CpuPath;
+using SideStream = emakit::detail::SideStream;
 
 torch::Tensor kernel_lerp(const torch::Tensor& a, const torch::Tensor& x, double w, CpuPath path = CpuPath::fused) {
   std::vector<emakit::detail::Slot> slots(1);
@@ -137,16 +138,19 @@ TEST_CASE("Every Arithmetic computes its peer's formula, bitwise, on the fused p
         std::vector<emakit::detail::Slot> copies = slots, grouped = slots;
         for (auto& s : copies) s.average = s.average.clone();
         for (auto& s : grouped) s.average = s.average.clone();
-        UpdateKernel plain(std::move(slots), CpuPath::fused, false, UpdateKernel::default_staging_bytes, f);
-        UpdateKernel measured(std::move(copies), CpuPath::fused, false, UpdateKernel::default_staging_bytes, f);
-        UpdateKernel lerped(std::move(grouped), CpuPath::fused, false, UpdateKernel::default_staging_bytes,
+        UpdateKernel plain(std::move(slots), CpuPath::fused, SideStream::off, UpdateKernel::default_staging_bytes, f);
+        UpdateKernel measured(std::move(copies), CpuPath::fused, SideStream::off, UpdateKernel::default_staging_bytes,
+                              f);
+        UpdateKernel lerped(std::move(grouped), CpuPath::fused, SideStream::off, UpdateKernel::default_staging_bytes,
                             f == Arithmetic::lerp ? Arithmetic::subtract : Arithmetic::lerp);
         REQUIRE(plain.cpu_pass_only());
         REQUIRE(plain.arithmetic() == f);
         plain.average(k);
-        measured.average(k, /*drift=*/true);  // the drift-summing loops write the same averages
+        measured.average(k, UpdateKernel::DriftMeasure::measure);  // the drift-summing loops write the same averages
         // update_together's group pass with a member of another arithmetic: each its own
-        const UpdateKernel::Work work[] = {{&measured, true, k, false}, {&lerped, true, k, false}};
+        using Job = UpdateKernel::Job;
+        const UpdateKernel::Work work[] = {{&measured, Job{UpdateKernel::Kind::average, k}},
+                                           {&lerped, Job{UpdateKernel::Kind::average, k}}};
         UpdateKernel::run_together(work);  // `measured` twice: the pass is a function of its input
         for (std::size_t i = 0; i < std::size(sizes); ++i) {
           INFO("tensor " << i << " of " << sizes[i] << " elements");
@@ -202,7 +206,8 @@ TEST_CASE("The foreach path computes each Arithmetic with the peer's ATen ops", 
                                           want.back().to(torch::kDouble).abs()));
         }
         const auto sources = std::vector<torch::Tensor>{slots[0].source.clone(), slots[1].source.clone()};
-        UpdateKernel kernel(std::move(slots), CpuPath::foreach, false, UpdateKernel::default_staging_bytes, f);
+        UpdateKernel kernel(std::move(slots), CpuPath::foreach, SideStream::off, UpdateKernel::default_staging_bytes,
+                            f);
         REQUIRE(kernel.census().staged + kernel.census().lerp > 0);
         CHECK(kernel.census().staged == (staged ? 1u : 0u));
         kernel.average(k);
@@ -835,7 +840,7 @@ TEST_CASE("The foreach path: one lerp per (device, dtype), other dtypes through 
       const auto dtype = t.scalar_type() == torch::kBFloat16 ? torch::kFloat : t.scalar_type();
       slots.push_back(make_slot(name, t, dtype, !integer));
     }
-    UpdateKernel kernel(std::move(slots), UpdateKernel::CpuPath::foreach, false, bound);
+    UpdateKernel kernel(std::move(slots), UpdateKernel::CpuPath::foreach, SideStream::off, bound);
     const auto lists = kernel.census();
     CHECK(lists.lerp == 2);  // fp32 and fp64 sources read in place
     CHECK(lists.copy == 0);  // integer copies of a CPU average stay in the CPU pass
@@ -942,7 +947,7 @@ TEST_CASE("The foreach path equals ATen's lerp for generated models and staging 
       slots.push_back(std::move(s));
     }
     INFO("case " << c << ", bound " << bound << ": " << description);
-    UpdateKernel kernel(std::move(slots), UpdateKernel::CpuPath::foreach, false, bound);
+    UpdateKernel kernel(std::move(slots), UpdateKernel::CpuPath::foreach, SideStream::off, bound);
     // One pool per average dtype at most, each within the bound (or the largest row, or one
     // element of its dtype, at least).
     CHECK(kernel.pool_bytes() <= 4 * std::max({bound, largest_row, std::int64_t{8}}));
@@ -1003,7 +1008,7 @@ TEST_CASE("skip_non_finite on the foreach path: one norm per (device, dtype) and
   constexpr auto none = UpdateKernel::npos;
 
   std::size_t found = 0;
-  const OpCensus ops = census_of([&] { found = kernel.first_non_finite(/*copying=*/false); });
+  const OpCensus ops = census_of([&] { found = kernel.first_non_finite(UpdateKernel::Kind::average); });
   INFO(ops.str());
   CHECK(found == none);
   CHECK(ops["aten::_foreach_norm"] == 2);               // fp32 and bf16 sources
@@ -1011,24 +1016,24 @@ TEST_CASE("skip_non_finite on the foreach path: one norm per (device, dtype) and
 
   torch::NoGradGuard no_grad;
   sources[7][3] = std::numeric_limits<float>::quiet_NaN();  // the ignored tensor: read only by copies
-  CHECK(kernel.first_non_finite(false) == none);
-  CHECK(kernel.first_non_finite(true) == 7);
+  CHECK(kernel.first_non_finite(UpdateKernel::Kind::average) == none);
+  CHECK(kernel.first_non_finite(UpdateKernel::Kind::copy) == 7);
   sources[5][10] = std::numeric_limits<float>::quiet_NaN();
   sources[1][0] = std::numeric_limits<float>::infinity();
   const OpCensus found_ops =
-      census_of([&] { CHECK(kernel.first_non_finite(false) == 1); });  // the first in model order
+      census_of([&] { CHECK(kernel.first_non_finite(UpdateKernel::Kind::average) == 1); });  // the first in model order
   INFO(found_ops.str());
   CHECK(found_ops["aten::_foreach_norm"] == 2);
   CHECK(found_ops.nested("aten::_local_scalar_dense") ==
         1);  // naming it reads the per-tensor flags: no sync per tensor
   sources[1][0] = 1.0f;
-  CHECK(kernel.first_non_finite(false) == 5);
+  CHECK(kernel.first_non_finite(UpdateKernel::Kind::average) == 5);
   sources[5][10] = -std::numeric_limits<float>::infinity();
-  CHECK(kernel.first_non_finite(false) == 5);
+  CHECK(kernel.first_non_finite(UpdateKernel::Kind::average) == 5);
   // Large finite values are finite: a max-abs norm cannot overflow.
   sources[5].fill_(3.0e38);
   sources[0].fill_(std::numeric_limits<float>::max());
-  CHECK(kernel.first_non_finite(false) == none);
+  CHECK(kernel.first_non_finite(UpdateKernel::Kind::average) == none);
 }
 
 TEST_CASE("skip_non_finite on the fused CPU path dispatches nothing", "[kernel]") {
@@ -1037,7 +1042,8 @@ TEST_CASE("skip_non_finite on the fused CPU path dispatches nothing", "[kernel]"
     slots.push_back(make_slot("t" + std::to_string(i),
                               torch::randn({1000}).to(i % 2 ? torch::kBFloat16 : torch::kFloat), torch::kFloat));
   UpdateKernel kernel(std::move(slots));
-  const OpCensus ops = census_of([&] { CHECK(kernel.first_non_finite(false) == UpdateKernel::npos); });
+  const OpCensus ops =
+      census_of([&] { CHECK(kernel.first_non_finite(UpdateKernel::Kind::average) == UpdateKernel::npos); });
   INFO(ops.str());
   CHECK(ops.total() == 0);  // scanned by the host in place: no op, no sync, no allocation
 }
@@ -1045,7 +1051,7 @@ TEST_CASE("skip_non_finite on the fused CPU path dispatches nothing", "[kernel]"
 TEST_CASE("A staging bound below one byte is an error naming the value", "[kernel][errors]") {
   CHECK_THROWS_WITH(emakit::EmaOptions().staging_bytes(0),
                     Catch::Contains("staging_bytes") && Catch::Contains("got 0"));
-  CHECK_THROWS_WITH(UpdateKernel({}, UpdateKernel::CpuPath::foreach, false, -5), Catch::Contains("got -5"));
+  CHECK_THROWS_WITH(UpdateKernel({}, UpdateKernel::CpuPath::foreach, SideStream::off, -5), Catch::Contains("got -5"));
 }
 
 // ---- waiting is a named call ---------------------------------------------------------------

@@ -62,7 +62,7 @@ namespace test_model_zoo {  // this file's names (unity batches: tests/CMakeList
 namespace {
 
 using emakit::Action;
-using emakit::BufferMode;
+using emakit::TensorMode;
 using emakit::Warmup;
 using emakit::WindowEdge;
 
@@ -302,7 +302,7 @@ struct SchedulePlan {
 };
 
 struct OptionsPlan {
-  BufferMode buffers = BufferMode::average;
+  TensorMode buffers = TensorMode::average;
   std::string ignore, copy_only;
   DtypeChoice dtype = DtypeChoice::model_default;
 
@@ -325,13 +325,13 @@ struct OptionsPlan {
 
 enum class Role : std::uint8_t { average, copy, ignore };
 
-// options.hpp: ignored names and (with BufferMode::ignore) buffers are left out; integer and bool
-// tensors are copied; copy_only names and (BufferMode::copy) buffers are copied; the rest averaged.
+// options.hpp: ignored names and (with TensorMode::ignore) buffers are left out; integer and bool
+// tensors are copied; copy_only names and (TensorMode::copy) buffers are copied; the rest averaged.
 Role role_of(const OptionsPlan& o, const std::string& name, bool buffer, c10::ScalarType type) {
   if (name == o.ignore) return Role::ignore;
-  if (buffer && o.buffers == BufferMode::ignore) return Role::ignore;
+  if (buffer && o.buffers == TensorMode::ignore) return Role::ignore;
   if (!is_float_or_complex(type)) return Role::copy;
-  if (name == o.copy_only || (buffer && o.buffers == BufferMode::copy)) return Role::copy;
+  if (name == o.copy_only || (buffer && o.buffers == TensorMode::copy)) return Role::copy;
   return Role::average;
 }
 
@@ -411,8 +411,8 @@ std::string describe(const Case& c) {
   const char* warm = s.warmup == Warmup::none                ? "none"
                      : s.warmup == Warmup::copy_before_start ? "copy_before_start"
                                                              : "skip_before_start";
-  const char* buffers = c.options.buffers == BufferMode::average ? "average"
-                        : c.options.buffers == BufferMode::copy  ? "copy"
+  const char* buffers = c.options.buffers == TensorMode::average ? "average"
+                        : c.options.buffers == TensorMode::copy  ? "copy"
                                                                  : "ignore";
   static const char* const dtypes[] = {"default", "f64", "f32", "keep_model_dtype", "bf16", "f16"};
   return fmt::format(
@@ -624,7 +624,7 @@ Case generate(std::uint64_t seed) {
   // Options. ignore / copy_only name tensors that have one name only: which role a tensor with two
   // names takes when one of them is named is not what this test is about.
   auto& o = c.options;
-  o.buffers = rng.pick({BufferMode::average, BufferMode::average, BufferMode::copy, BufferMode::ignore});
+  o.buffers = rng.pick({TensorMode::average, TensorMode::average, TensorMode::copy, TensorMode::ignore});
   const double dt = rng.unit();
   o.dtype = dt < 0.5    ? DtypeChoice::model_default
             : dt < 0.72 ? DtypeChoice::f64
@@ -648,7 +648,7 @@ Case generate(std::uint64_t seed) {
     o.ignore = rng.pick(single);
   std::vector<std::string> copyable;
   for (const auto& n : single)
-    if (n != o.ignore && !(o.buffers == BufferMode::ignore && buffers.count(n))) copyable.push_back(n);
+    if (n != o.ignore && !(o.buffers == TensorMode::ignore && buffers.count(n))) copyable.push_back(n);
   if (!copyable.empty() && rng.chance(0.3)) o.copy_only = rng.pick(copyable);
 
   c.layout = layout_line(c);

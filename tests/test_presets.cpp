@@ -146,7 +146,7 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
     CHECK(ema.decay_policy() == emakit::Fixed(py(3, "get_ema_multi_avg_fn")));
     CHECK(ema.schedule().warmup() == emakit::Warmup::skip_before_start);
     CHECK(ema.options().buffers() ==
-          (py(3, "use_buffers") == 1.0 ? emakit::BufferMode::average : emakit::BufferMode::copy));
+          (py(3, "use_buffers") == 1.0 ? emakit::TensorMode::average : emakit::TensorMode::copy));
     CHECK(ema.options().arithmetic() == emakit::Arithmetic::fused_lerp);  // get_ema_multi_avg_fn: _foreach_lerp_
   }
   {
@@ -154,7 +154,7 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
     EMAKIT_ROW(code[4], auto swa = emakit::averaged_model_swa(*model);)
     CHECK(rows[4].python.at(0) == "AveragedModel(model)");
     CHECK(swa.schedule().warmup() == emakit::Warmup::skip_before_start);
-    CHECK(swa.options().buffers() == emakit::BufferMode::copy);  // use_buffers=False, AveragedModel's default
+    CHECK(swa.options().buffers() == emakit::TensorMode::copy);  // use_buffers=False, AveragedModel's default
   }
   {
     TinyNet model;
@@ -221,8 +221,8 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
     CHECK(ema.decay_policy() == emakit::RationalRamp(py(10, "decay"))
                                     .min_decay(py(10, "min_decay"))
                                     .update_after_step(whole(py(10, "update_after_step"))));
-    CHECK(ema.options().buffers() == emakit::BufferMode::ignore);  // EMAModel takes parameters()
-    CHECK(ema.options().frozen_parameters() == emakit::BufferMode::copy);
+    CHECK(ema.options().buffers() == emakit::TensorMode::ignore);  // EMAModel takes parameters()
+    CHECK(ema.options().frozen_parameters() == emakit::TensorMode::copy);
     CHECK(ema.options().arithmetic() == emakit::Arithmetic::subtract);  // s.sub_((1 - d) * (s - p))
     CHECK(ema.step() == 1);
   }
@@ -297,7 +297,7 @@ TEST_CASE("Switch EMA pulls the model towards the average on its steps", "[prese
                     Contains("EmaOptions::switch_model every must be >= 0, got -1"));
   CHECK_THROWS_WITH(emakit::EmaOptions().switch_model(2, 0.5, -3),
                     Contains("EmaOptions::switch_model offset must be >= 0, got -3"));
-  CHECK_THROWS_WITH(emakit::EmaOptions().non_floating(emakit::BufferMode::average), Contains("copy or ignore"));
+  CHECK_THROWS_WITH(emakit::EmaOptions().non_floating(emakit::TensorMode::average), Contains("copy or ignore"));
 }
 
 TEST_CASE("A TorchScript module is a source like any other", "[presets][jit]") {
@@ -394,7 +394,7 @@ TEST_CASE("diffusers preset: the TensorFlow ramp, parameters only, frozen parame
   CHECK(warm.frozen_parameters() == std::vector<std::string>{"fc.bias"});
   // Frozen parameters can also be left out, and the default averages them (every other peer).
   auto left_out = emakit::FixedEma(*model, emakit::Fixed(0.5), {},
-                                   emakit::EmaOptions().frozen_parameters(emakit::BufferMode::ignore));
+                                   emakit::EmaOptions().frozen_parameters(emakit::TensorMode::ignore));
   CHECK_THROWS_WITH(left_out.average("fc.bias"), Contains("no tensor"));
   CHECK_THAT(fmt::format("{}", left_out), Contains("(1 frozen parameter left out)"));
   CHECK(emakit::FixedEma(*model).names(emakit::Role::average).size() == 7);  // fc.bias averaged; 3 float buffers

@@ -503,7 +503,7 @@ TEST_CASE("Options that cannot hold: CUDA without CUDA, a name both ignored and 
                       Contains("ignore_prefixes has 'fc.'"));
   REQUIRE_THROWS_WITH(
       emakit::FixedEma(*model, emakit::Fixed(0.5), {},
-                       emakit::EmaOptions().ignore_prefixes({"fc.", "bn."}).buffers(emakit::BufferMode::ignore)),
+                       emakit::EmaOptions().ignore_prefixes({"fc.", "bn."}).buffers(emakit::TensorMode::ignore)),
       Contains("every tensor of the model is ignored"));
 }
 

@@ -45,6 +45,7 @@ struct Case {
   std::vector<bool> vetoed;     // per step
   std::vector<int> non_finite;  // per step: the source given a NaN (-1: none)
   bool all_fused = true;        // every source contiguous: each member's update is the fused CPU pass
+  bool crowd = false;           // 9-11 members, each measuring its drift
   std::string text;
 };
 
@@ -70,7 +71,9 @@ Case generate(std::uint64_t seed, int steps) {
     c.text += fmt::format("{}{}[{}]{} ", buffer ? "buffer " : "", c10::toString(dtype), t.numel(),
                           t.is_contiguous() ? "" : " transposed");
   }
-  const int k = 2 + below(3);
+  // Now and then a crowd: more members than a group's pass ever special-cased (eight), all measuring.
+  c.crowd = below(8) == 0;
+  const int k = c.crowd ? 9 + below(3) : 2 + below(3);
   for (int m = 0; m < k; ++m) {
     emakit::InversePowerWarmup decay(0.5 + 0.49 * unit());
     decay.warmup(below(2) == 0).inv_gamma(1.0 + unit()).power(0.5 + 0.5 * unit());
@@ -81,11 +84,11 @@ Case generate(std::uint64_t seed, int steps) {
         .warmup(static_cast<emakit::Warmup>(below(3)));
     emakit::EmaOptions options;
     options
-        .buffers(std::vector<emakit::BufferMode>{emakit::BufferMode::average, emakit::BufferMode::copy,
-                                                 emakit::BufferMode::ignore}[below(3)])
+        .buffers(std::vector<emakit::TensorMode>{emakit::TensorMode::average, emakit::TensorMode::copy,
+                                                 emakit::TensorMode::ignore}[below(3)])
         .keep_model_dtype(below(3) == 0)
         .skip_non_finite(below(2) == 0)
-        .drift_every(below(3))
+        .drift_every(c.crowd ? 1 + below(2) : below(3))
         .arithmetic(static_cast<emakit::Arithmetic>(below(5)));
     c.text += fmt::format("| member {}: beta {:.3f} warmup {} start {} every {} offset {} mode {} buffers {} keep {} "
                           "skip_non_finite {} drift_every {} arithmetic {} ",
@@ -192,7 +195,8 @@ TEST_CASE("update_together is bitwise each member's own update(), over generated
   const char* env = std::getenv("EMAKIT_TOGETHER_CASES");  // more cases on demand
   const std::uint64_t cases = env != nullptr ? std::stoull(env) : 40;
   constexpr int kSteps = 12;
-  std::size_t tensors_compared = 0, results_compared = 0, fused_cases = 0, fallback_cases = 0, drifts_compared = 0;
+  std::size_t tensors_compared = 0, results_compared = 0, fused_cases = 0, fallback_cases = 0, drifts_compared = 0,
+              crowds_fused = 0;
   for (std::uint64_t seed = 1; seed <= cases; ++seed) {
     torch::manual_seed(seed);
     Case c = generate(seed, kSteps);
@@ -219,6 +223,7 @@ TEST_CASE("update_together is bitwise each member's own update(), over generated
     // With every member's update the fused pass, the members were fused whenever two of them applied.
     if (c.all_fused) {
       fused_cases += fused ? 1 : 0;
+      crowds_fused += fused && c.crowd ? 1 : 0;
     } else {
       fallback_cases += 1;
     }
@@ -229,9 +234,11 @@ TEST_CASE("update_together is bitwise each member's own update(), over generated
   CHECK(fused_cases > cases / 3);  // the fused path ran (most generated cases have every source contiguous)
   CHECK(fallback_cases > 0);       // and so did the members' own kernels (transposed sources)
   CHECK(drifts_compared > results_compared / 10);  // members measured their drift (drift_every 1 or 2)
+  CHECK(crowds_fused >= 1);                        // a pass of 9-11 members measuring drift
   std::cout << "update_together: " << cases << " cases, " << results_compared << " results and " << tensors_compared
             << " tensors and " << drifts_compared << " drifts compared bitwise; " << fused_cases << " cases fused, "
-            << fallback_cases << " with a member's own kernel" << std::endl;
+            << fallback_cases << " with a member's own kernel, " << crowds_fused << " crowds of 9-11 fused"
+            << std::endl;
 }
 
 TEST_CASE("update_together of different Ema types, and PostHocEma's profiles, run one fused pass", "[together]") {
@@ -338,7 +345,7 @@ TEST_CASE("A model tensor given new memory between updates is read there: apart,
   at::Tensor source = slots[0].source;  // the same tensor (TensorImpl) as the slot's
   emakit::detail::UpdateKernel kernel(std::move(slots));
   source.set_data(torch::full({1000}, 3.0));
-  kernel.average(0.5);  // no check_sources() before it
+  kernel.average(0.5);  // no check_sources_and_replan() before it
   CHECK(torch::equal(kernel.settled_slots()[0].average, torch::full({1000}, 2.0)));
 }
 
@@ -453,7 +460,7 @@ TEST_CASE("Drift sums are those of the averages as written, on the fused pass an
       for (const double w : {0.01, 0.7}) {  // both of the lerp's branches
         INFO("w " << w);
         UpdateKernel measured(clone_slots(slots), path), plain(clone_slots(slots), path);
-        measured.average(w, /*drift=*/true);
+        measured.average(w, UpdateKernel::DriftMeasure::measure);
         plain.average(w);
         for (std::size_t i = 0; i < slots.size(); ++i) {
           const Slot& s = measured.slots()[i];
@@ -514,8 +521,11 @@ TEST_CASE("The fused pass's drift sums are the same bits with any number of thre
       INFO(threads << " threads");
       UpdateKernel alone(clone_slots(slots), CpuPath::fused), first(clone_slots(slots), CpuPath::fused),
           second(clone_slots(slots), CpuPath::fused);
-      alone.average(0.3, /*drift=*/true);
-      const UpdateKernel::Work work[] = {{&first, true, {0.3, 0.7}, true}, {&second, true, {0.01, 0.99}, true}};
+      alone.average(0.3, UpdateKernel::DriftMeasure::measure);
+      const auto measuring = [](emakit::detail::Weights w) {
+        return UpdateKernel::Job{UpdateKernel::Kind::average, w, UpdateKernel::DriftMeasure::measure};
+      };
+      const UpdateKernel::Work work[] = {{&first, measuring({0.3, 0.7})}, {&second, measuring({0.01, 0.99})}};
       UpdateKernel::run_together(work);
       std::vector<double> alone_sums(alone.drift_sums().begin(), alone.drift_sums().end());
       std::vector<double> group_sums(first.drift_sums().begin(), first.drift_sums().end());

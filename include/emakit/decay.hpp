@@ -67,7 +67,7 @@ class ExponentialRamp {
 
   double decay_max() const noexcept { return decay_; }
   ExponentialRamp& decay_max(double value) {
-    detail::check_unit_interval(value, "ExponentialRamp::decay");
+    detail::check_unit_interval(value, "ExponentialRamp::decay_max");
     decay_ = value;
     return *this;
   }
@@ -281,15 +281,16 @@ class RationalRamp {
 
   double decay_max() const noexcept { return decay_; }
   RationalRamp& decay_max(double value) {
-    detail::check_unit_interval(value, "RationalRamp::decay");
-    if (value < min_decay_) detail::fail("RationalRamp::decay must be >= min_decay ({}), got {}", min_decay_, value);
+    detail::check_unit_interval(value, "RationalRamp::decay_max");
+    if (value < min_decay_)
+      detail::fail("RationalRamp::decay_max must be >= min_decay ({}), got {}", min_decay_, value);
     decay_ = value;
     return *this;
   }
   double min_decay() const noexcept { return min_decay_; }
   RationalRamp& min_decay(double value) {
     if (!(value >= 0.0 && value <= decay_))
-      detail::fail("RationalRamp::min_decay must be in [0, decay = {}], got {}", decay_, value);
+      detail::fail("RationalRamp::min_decay must be in [0, decay_max = {}], got {}", decay_, value);
     min_decay_ = value;
     return *this;
   }

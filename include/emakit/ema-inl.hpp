@@ -57,9 +57,10 @@ EMAKIT_FUNC EmaCore::Prepared EmaCore::prepare_decided(Prepared p, const PolicyN
   const ema_state::Counters& c = counters_;
   const Action action = p.result.action;
   const std::int64_t step = p.result.step;
-  if (action != Action::skipped) kernel_.check_sources();  // re-plans if a source moved
+  if (action != Action::skipped) kernel_.check_sources_and_replan();  // re-plans if a source moved
   if (action != Action::skipped && options_.skip_non_finite()) {
-    const std::size_t bad = kernel_.first_non_finite(action == Action::copied);
+    const std::size_t bad =
+        kernel_.first_non_finite(action == Action::copied ? UpdateKernel::Kind::copy : UpdateKernel::Kind::average);
     if (bad != UpdateKernel::npos) {
       p.result.non_finite = kernel_.name(bad);
       return p;
@@ -69,13 +70,16 @@ EMAKIT_FUNC EmaCore::Prepared EmaCore::prepare_decided(Prepared p, const PolicyN
     p.result.decay = 0.0;
   } else if (action == Action::averaged) {
     const DecayInput d_in{step, c.num_updates + 1, step - c.last_update_step};
-    p.weights = weight(d_in);
+    Weights& weights = p.job.weights;
+    p.job.kind = UpdateKernel::Kind::average;
+    weights = weight(d_in);
     const auto unit = [](double v) { return v >= 0.0 && v <= 1.0; };
-    if (!unit(p.weights.weight) || !unit(p.weights.decay))
-      fail("decay policy {} gave d = {} at step {} (update {}); d must be in [0, 1]", names.decay, p.weights.decay,
+    if (!unit(weights.weight) || !unit(weights.decay))
+      fail("decay policy {} gave d = {} at step {} (update {}); d must be in [0, 1]", names.decay, weights.decay,
            d_in.step, d_in.update);
-    p.result.decay = p.weights.decay;  // d as the policy gave it (not 1 - w: that is not d in every bit)
-    p.drift = options_.drift_every() > 0 && (c.num_updates + 1) % options_.drift_every() == 0;
+    p.result.decay = weights.decay;  // d as the policy gave it (not 1 - w: that is not d in every bit)
+    if (options_.drift_every() > 0 && (c.num_updates + 1) % options_.drift_every() == 0)
+      p.job.drift = UpdateKernel::DriftMeasure::measure;
   }
   return p;
 }
@@ -112,7 +116,7 @@ EMAKIT_FUNC Drift EmaCore::drift_of_kernel(std::int64_t step) const {
 EMAKIT_FUNC UpdateResult EmaCore::finish(const Prepared& p) {
   ema_state::Counters& c = counters_;
   UpdateResult result = p.result;
-  if (p.drift && applies(p)) {
+  if (p.job.measures_drift() && applies(p)) {
     result.drift = drift_of_kernel(result.step);
     last_drift_ = result.drift;
   }
@@ -156,13 +160,7 @@ EMAKIT_FUNC UpdateResult EmaCore::epoch_end(std::int64_t epoch, const PolicyName
   Prepared p{{c.num_updates == 0 ? Action::copied : Action::averaged, c.step, std::nan(""), {}}, {}, false};
   p.off_schedule = true;
   p = prepare_decided(std::move(p), names, weight);
-  if (applies(p)) {
-    if (p.result.action == Action::copied) {
-      kernel_.copy();
-    } else {
-      kernel_.average(p.weights, p.drift);
-    }
-  }
+  if (applies(p)) kernel_.run(p.job);
   UpdateResult out = finish(p);
   last_epoch_end_ = epoch;
   return out;
@@ -174,19 +172,12 @@ EMAKIT_FUNC UpdateResult EmaCore::update(const StepInfo& info, const PolicyNames
   check_model_alive("update");
   BusyScope busy(busy_, "update");
   const Prepared p = prepare(info, names, decide, weight);
-  if (applies(p)) {
-    if (p.result.action == Action::copied) {
-      kernel_.copy();
-    } else {
-      kernel_.average(p.weights, p.drift);
-    }
-  }
+  if (applies(p)) kernel_.run(p.job);
   return finish(p);
 }
 
 EMAKIT_FUNC bool EmaCore::same_model(const EmaCore& other) const {
-  if (model_owned_ && other.model_owned_)
-    return !model_.owner_before(other.model_) && !other.model_.owner_before(model_);
+  if (model_.watched() && other.model_.watched()) return model_.same_model(other.model_);
   // EMAs of one model list its tensors in the same order: the first position decides at once.
   for (std::size_t k = 0; k < std::min(sources_.size(), other.sources_.size()); ++k)
     if (sources_[k].is_same(other.sources_[k])) return true;
@@ -285,9 +276,7 @@ EMAKIT_FUNC void EmaCore::update_together(std::span<const Member> members, const
   }
   std::vector<UpdateKernel::Work>& work = scratch.work;
   for (std::size_t i = 0; i < members.size(); ++i)
-    if (members[i].core->applies(prepared[i]))
-      work.push_back({&members[i].core->kernel_, prepared[i].result.action == Action::averaged, prepared[i].weights,
-                      prepared[i].drift});
+    if (members[i].core->applies(prepared[i])) work.push_back({&members[i].core->kernel_, prepared[i].job});
   UpdateKernel::run_together(work);
   for (std::size_t i = 0; i < members.size(); ++i) out[i] = members[i].core->finish(prepared[i]);
 }
@@ -351,7 +340,7 @@ EMAKIT_FUNC SwapGuard EmaCore::swap_into() {
   check_model_alive("swap_into");
   if (swap_->guards > 0) return SwapGuard(swap_);
   const auto& slots = kernel_.settled_slots();
-  kernel_.check_sources();
+  kernel_.check_sources_and_replan();
   check_model_unchanged("swap_into");
   if (swap_registry().holder(sources_, swap_.get()) != nullptr)
     fail("swap_into(): the model holds another Ema's weights (a SwapGuard of another Ema bound to this "
@@ -547,8 +536,7 @@ EMAKIT_FUNC void check_owned(const std::vector<SourceTensor>& tensors, const std
 
 EMAKIT_FUNC void EmaCore::bind(const torch::nn::Module* model, std::vector<SourceTensor> tensors,
                                std::string_view storage_name, CreateFn create) {
-  if (model != nullptr) model_ = model->weak_from_this();
-  model_owned_ = !model_.expired();  // the model is alive here: set iff a shared_ptr owns it
+  if (model != nullptr) model_ = ModelWatch(*model);
   const std::size_t n = tensors.size();
   std::vector<std::string> all_names;
   all_names.reserve(n);
@@ -571,7 +559,7 @@ EMAKIT_FUNC void EmaCore::bind(const torch::nn::Module* model, std::vector<Sourc
     const bool floating = c10::isFloatingType(dtype) || c10::isComplexType(dtype);
     const bool frozen = !tensors[i].is_buffer && !tensors[i].tensor.requires_grad();
     roles[i] = options_.role(tensors[i].name, tensors[i].is_buffer, floating, frozen);
-    if (frozen && options_.frozen_parameters() != BufferMode::average &&
+    if (frozen && options_.frozen_parameters() != TensorMode::average &&
         roles[i] != options_.role(tensors[i].name, false, floating, false))
       frozen_.push_back(tensors[i].name);
   }
@@ -636,8 +624,9 @@ EMAKIT_FUNC void EmaCore::bind(const torch::nn::Module* model, std::vector<Sourc
     if (slot_of[spec] != static_cast<std::size_t>(-1)) entries_.push_back({std::move(name), slot_of[spec]});
   sources_.clear();
   for (const auto& slot : slots) sources_.push_back(slot.source);
-  kernel_ = UpdateKernel(std::move(slots), UpdateKernel::CpuPath::fused, options_.side_stream(),
-                         options_.staging_bytes(), options_.arithmetic());
+  kernel_ = UpdateKernel(std::move(slots), UpdateKernel::CpuPath::fused,
+                         options_.side_stream() ? SideStream::on : SideStream::off, options_.staging_bytes(),
+                         options_.arithmetic());
   bound_ = true;
 }
 
@@ -680,7 +669,8 @@ EMAKIT_FUNC void EmaCore::check_decision(const Decision& d, const StepInfo& info
          source(), d.step, counters_.last_update_step);
 }
 
-EMAKIT_FUNC void EmaCore::transfer(const torch::nn::Module& model, bool into_model) const {
+EMAKIT_FUNC void EmaCore::transfer(const torch::nn::Module& model, Direction direction) const {
+  const bool into_model = direction == Direction::into_model;
   ensure_bound(into_model ? "copy_to" : "copy_from");
   const auto& slots = kernel_.settled_slots();
   std::vector<std::pair<std::string, at::Tensor>> ours;

@@ -218,7 +218,8 @@ class EmaCore {
   // model ties gets the tensor under each name). From the model: the first name of each tensor.
   // The model's tensors are handles: writing into them through a const Module is what
   // Module::load does too.
-  EMAKIT_FUNC void transfer(const torch::nn::Module& model, bool into_model) const;
+  enum class Direction : std::uint8_t { into_model, from_model };
+  EMAKIT_FUNC void transfer(const torch::nn::Module& model, Direction direction) const;
   EMAKIT_FUNC void switch_model(double beta);
   EMAKIT_FUNC SwapGuard swap_into();
   // The swap of a gathered average (swap_gathered_into): `full` is the whole average by name.
@@ -252,10 +253,10 @@ class EmaCore {
   // counters (and switches the model, EmaOptions::switch_model). A failed part leaves the counters
   // as they were.
   struct Prepared {
-    UpdateResult result;  // action, step, decay; non_finite: the tensor that skips it
-    Weights weights{};    // w = 1 - d and d of an average
+    UpdateResult result;      // action, step, decay; non_finite: the tensor that skips it
+    UpdateKernel::Job job{};  // what the kernel does if it applies: copy, or average with w = 1 - d
+                              // and d, measuring the drift (EmaOptions::drift_every)
     bool vetoed = false;
-    bool drift = false;         // the average measures the drift (EmaOptions::drift_every)
     bool off_schedule = false;  // an epoch-end update: not a call, not a step
   };
   EMAKIT_FUNC Prepared prepare(const StepInfo& info, const PolicyNames& names, DecideFn decide, WeightFn weight);
@@ -308,9 +309,9 @@ class EmaCore {
   // model's tensors: update(), switch_model(), swap_into(). Not by those that read the EMA's own
   // state (averages, state_dict, save), nor by copy_to/copy_from, whose model is an argument. One
   // atomic load per call. A module not owned by a shared_ptr, or a list of tensors, cannot be
-  // checked: model_owned_ is false.
+  // checked (ModelWatch).
   void check_model_alive(const char* what) const {
-    if (model_owned_ && model_.expired()) fail_model_destroyed(what);
+    if (model_.destroyed()) fail_model_destroyed(what);
   }
 
   EmaOptions options_;
@@ -318,8 +319,7 @@ class EmaCore {
   std::vector<std::string> frozen_;        // names frozen_parameters() applied to, at bind
   std::vector<ema_state::Entry> entries_;  // every name the EMA holds, in the model's order (tied: several per slot)
   std::vector<at::Tensor> sources_;        // the model's tensors, one per slot (handles)
-  std::weak_ptr<const torch::nn::Module> model_;  // the bound module, when it is owned by a shared_ptr
-  bool model_owned_ = false;                      // model_ was set (expired() then means destroyed)
+  ModelWatch model_;                       // the bound module (watched when a shared_ptr owns it)
   std::shared_ptr<SwapState> swap_;
   BusyFlag busy_;
   ema_state::Counters counters_;
@@ -327,6 +327,14 @@ class EmaCore {
   std::optional<Drift> last_drift_;
   std::int64_t last_epoch_end_ = -1;  // the epoch of the last epoch_end() that updated (not saved, as Lightning's)
   BoundFlag bound_;
+};
+
+// update_together()'s way to an Ema's member record (Ema::together_member is private).
+struct TogetherAccess {
+  template <class E>
+  static auto member(E& e) -> decltype(e.together_member()) {
+    return e.together_member();
+  }
 };
 
 }  // namespace detail
@@ -382,13 +390,6 @@ class Ema {
     return core_.epoch_end(epoch, policy_names(), weight);
   }
 
-  // This Ema as a member of emakit::update_together() (together.hpp).
-  detail::EmaCore::Member together_member() {
-    return {&core_, policy_names(), this,
-            [](void* self, const ScheduleInput& in) { return static_cast<Ema*>(self)->schedule_.decide(in); },
-            [](void* self, const DecayInput& in) { return update_weights(static_cast<Ema*>(self)->decay_, in); }};
-  }
-
   // The side-stream protocol (EmaOptions::side_stream): update() may return before the update has
   // run. Call wait_for_model_reads() before the next optimizer step writes the model; it is asynchronous for the
   // host (the device's current stream waits for the side stream). Nothing else is needed:
@@ -402,7 +403,7 @@ class Ema {
   // tensors taken from averages() or module() before an update and read after it; the EMA's own
   // accessors call it.
   void wait_for_update() const { core_.wait_for_update(); }
-  // The names before 0.2 (kept for one release).
+  // Earlier names of 0.1 development, deprecated: removed in 0.2.
   [[deprecated("renamed wait_for_model_reads()")]] void wait() const { wait_for_model_reads(); }
   [[deprecated("renamed wait_for_update()")]] void settle() const { wait_for_update(); }
 
@@ -423,14 +424,14 @@ class Ema {
 
   const Decay& decay_policy() const noexcept { return decay_; }
   const Schedule& schedule() const noexcept { return schedule_; }
-  // The storage policy and the tensors it holds, settled (see wait()).
+  // The storage policy and the tensors it holds, settled (see wait_for_update()).
   const Storage& storage() const {
     core_.wait_for_update_kernel();
     return storage_;
   }
   const EmaOptions& options() const noexcept { return core_.options(); }
 
-  // The EMA module, for a module-backed storage, settled (see wait()): its parameters and buffers
+  // The EMA module, for a module-backed storage, settled (see wait_for_update()): its parameters and buffers
   // are the averages.
   decltype(auto) module() const requires requires(const Storage& s) { s.module(); }
   {
@@ -456,9 +457,9 @@ class Ema {
   // ---- moving weights between the EMA and a model ------------------------------------------
 
   // Writes the EMA weights into `model` (matched by name; every EMA tensor must be there).
-  void copy_to(torch::nn::Module& model) const { core_.transfer(model, /*into_model=*/true); }
+  void copy_to(torch::nn::Module& model) const { core_.transfer(model, detail::EmaCore::Direction::into_model); }
   // Overwrites the EMA weights with `model`'s; counters are unchanged.
-  void copy_from(const torch::nn::Module& model) { core_.transfer(model, /*into_model=*/false); }
+  void copy_from(const torch::nn::Module& model) { core_.transfer(model, detail::EmaCore::Direction::from_model); }
 
   // Pulls the bound model towards the EMA ("switch EMA"): model = lerp(model, ema, 1 - beta) for
   // averaged tensors, model = ema for copied ones; beta = 0 copies every tensor the EMA holds.
@@ -522,6 +523,14 @@ class Ema {
   }
 
  private:
+  friend struct detail::TogetherAccess;
+  // This Ema as a member of emakit::update_together() (together.hpp).
+  detail::EmaCore::Member together_member() {
+    return {&core_, policy_names(), this,
+            [](void* self, const ScheduleInput& in) { return static_cast<Ema*>(self)->schedule_.decide(in); },
+            [](void* self, const DecayInput& in) { return update_weights(static_cast<Ema*>(self)->decay_, in); }};
+  }
+
   Ema(const torch::nn::Module* model, std::vector<SourceTensor> tensors, Decay decay, Schedule schedule,
       EmaOptions options, Storage storage)
       : decay_(std::move(decay)),

@@ -37,9 +37,9 @@ EMAKIT_FUNC std::string describe_step_schedule(const StepSchedule& p) {
 EMAKIT_FUNC std::string describe_ema(const EmaSummary& e) {
   // Frozen parameters are named only when an option changed what happens to them.
   std::string frozen;
-  if (e.frozen_mode != BufferMode::average)
+  if (e.frozen_mode != TensorMode::average)
     frozen = fmt::format(" ({} frozen parameter{} {})", e.frozen, e.frozen == 1 ? "" : "s",
-                         e.frozen_mode == BufferMode::copy ? "copied" : "left out");
+                         e.frozen_mode == TensorMode::copy ? "copied" : "left out");
   // The window: an average over about 1/(1 - d) steps (after an update; d = 1 never forgets).
   std::string window;
   if (e.updates > 0 && e.decay_now >= 0.0 && e.decay_now <= 1.0)

@@ -59,7 +59,7 @@ struct EmaSummary {
   std::string decay, schedule, storage;
   std::size_t averaged = 0, copied = 0;
   std::size_t frozen = 0;  // parameters EmaOptions::frozen_parameters() applied to
-  BufferMode frozen_mode = BufferMode::average;
+  TensorMode frozen_mode = TensorMode::average;
   std::int64_t calls = 0, step = 0, updates = 0;
   double decay_now = 0;
   std::optional<Drift> drift;  // the last measured (EmaOptions::drift_every)
@@ -72,10 +72,8 @@ std::string describe_policy(const P& p) {
     return describe_step_schedule(p);
   } else if constexpr (DescribedPolicy<P>) {
     return describe_fields(P::name, p.fields());
-  } else if constexpr (requires { P::name; }) {
-    return std::string(P::name);
   } else {
-    return "custom";
+    return std::string(policy_name<P>());  // P::name, or "custom:<type>" as checkpoints name it
   }
 }
 }  // namespace detail

@@ -17,7 +17,7 @@
 //   hook.train_end();                                              // the model keeps the EMA weights
 //
 // Side streams. An EMA with EmaOptions::side_stream updates on a stream of its own, which must not
-// be still reading the model when the next optimizer step writes it (Ema::wait()). A trainer that
+// be still reading the model when the next optimizer step writes it (Ema::wait_for_model_reads()). A trainer that
 // calls before_optimizer_step() gets the overlap the side stream is for; one that never calls it
 // is safe all the same: after_optimizer_step() then waits right after each update (no overlap).
 //
@@ -103,11 +103,7 @@ EMAKIT_FUNC void check_hook_key(const std::string& key);
 class HookEntryBase {
  public:
   HookEntryBase(std::string key, torch::nn::Module& model, HookOptions options)
-      : key_(std::move(key)),
-        model_(&model),
-        watch_(model.weak_from_this()),
-        model_owned_(!watch_.expired()),  // the model is alive here: set iff a shared_ptr owns it
-        options_(options) {}
+      : key_(std::move(key)), model_(&model), watch_(model), options_(options) {}
   virtual ~HookEntryBase() = default;
   HookEntryBase(const HookEntryBase&) = delete;
   HookEntryBase& operator=(const HookEntryBase&) = delete;
@@ -125,7 +121,7 @@ class HookEntryBase {
     if (model_destroyed()) fail_hook_model_destroyed(key_, created(), what);
     return *model_;
   }
-  bool model_destroyed() const noexcept { return model_owned_ && watch_.expired(); }
+  bool model_destroyed() const noexcept { return watch_.destroyed(); }
 
   virtual bool created() const noexcept = 0;
   virtual bool pending() const noexcept = 0;
@@ -145,9 +141,8 @@ class HookEntryBase {
 
  protected:
   std::string key_;
-  torch::nn::Module* model_;                // use through live_model()
-  std::weak_ptr<torch::nn::Module> watch_;  // the model, when a shared_ptr owns it
-  bool model_owned_ = false;                // watch_ was set (expired() then means destroyed)
+  torch::nn::Module* model_;  // use through live_model()
+  detail::ModelWatch watch_;  // the model (watched when a shared_ptr owns it)
   HookOptions options_;
   std::optional<SwapGuard> swap_;
   std::int64_t calls_ = 0;  // update() calls and completed steps seen before the EMA was made
@@ -386,7 +381,7 @@ class EmaHook {
   // Makes the EMAs created at setup (and those with a checkpoint loaded before).
   void setup();
 
-  // Before each optimizer step: the side-stream EMAs' Ema::wait() (the step must not write the
+  // Before each optimizer step: the side-stream EMAs' Ema::wait_for_model_reads() (the step must not write the
   // model while an update still reads it). Optional; once called, the hook leaves that wait to it.
   void before_optimizer_step();
 

@@ -4,13 +4,13 @@
 //   emakit::EmaOptions()
 //       .dtype(torch::kFloat32)              // the average's dtype (default: fp32 for bf16/fp16 models)
 //       .device(torch::kCPU)                 // the average's device (default: the model's): CPU offload
-//       .side_stream(true)                   // CUDA: update on a side stream (call wait() before the next step)
-//       .staging_bytes(std::int64_t{16} << 20) // GPU memory to convert a bf16 model's weights through
+//       .side_stream(true)                   // CUDA: update on a side stream (wait_for_model_reads() before the next
+//       step) .staging_bytes(std::int64_t{16} << 20) // GPU memory to convert a bf16 model's weights through
 //       .copy_only({"pos_embedding"})        // copied at every update, never averaged
 //       .ignore({"head.weight"})             // left out of the EMA
 //       .ignore_prefixes({"teacher."})       // every name starting with one of these is left out
-//       .buffers(emakit::BufferMode::copy)   // buffers: averaged (default), copied or left out
-//       .frozen_parameters(emakit::BufferMode::copy)   // requires_grad == false: copied (diffusers)
+//       .buffers(emakit::TensorMode::copy)   // buffers: averaged (default), copied or left out
+//       .frozen_parameters(emakit::TensorMode::copy)   // requires_grad == false: copied (diffusers)
 //       .arithmetic(emakit::Arithmetic::weighted_sum); // d*ema + (1-d)*x as Lightning computes it
 //
 // Non-floating tensors (e.g. BatchNorm's num_batches_tracked) are always copied, never averaged.
@@ -32,12 +32,16 @@
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
-enum class BufferMode : std::uint8_t { average = 0, copy = 1, ignore = 2 };
+// What an Ema does with a class of tensors (EmaOptions::buffers, frozen_parameters, non_floating):
+// averaged, copied at every update, or left alone.
+enum class TensorMode : std::uint8_t { average = 0, copy = 1, ignore = 2 };
+using BufferMode [[deprecated("renamed emakit::TensorMode: it also sets frozen parameters and non-floating tensors")]] =
+    TensorMode;
 
 // What an Ema does with one tensor of the model: averaged; copied at every update; left alone;
 // or `ignore_except_copies`: left out of averages but written when an update copies the whole
 // model (what ema-pytorch does with its ignored names; EmaOptions::ignored_follow_copies).
-// `follow_copies` is its name before 0.2, kept for one release.
+// `follow_copies` is an earlier name, deprecated: removed in 0.2.
 enum class Role : std::uint8_t {
   average,
   copy,
@@ -105,9 +109,9 @@ class EmaOptions {
   }
   // CUDA: run each update on a side stream, so that it overlaps the next forward and backward
   // (NeMo's EMA does this). The side stream waits for the optimizer step before it reads the
-  // parameters; call Ema::wait() before the next optimizer step writes them. Buffers are averaged
+  // parameters; call Ema::wait_for_model_reads() before the next optimizer step writes them. Buffers are averaged
   // on the current stream (the next forward may write them), and every read of the EMA waits by
-  // itself (Ema::wait() says the whole protocol). With a CPU average of a CUDA model, the CPU half
+  // itself (Ema::wait_for_model_reads() says the whole protocol). With a CPU average of a CUDA model, the CPU half
   // of the update also runs off the caller's thread. No effect on CPU-only models.
   bool side_stream() const noexcept { return side_stream_; }
   EmaOptions& side_stream(bool value) {
@@ -189,9 +193,9 @@ class EmaOptions {
   }
   // Non-floating tensors (integer buffers): copied at every update (default, as timm and
   // luxonis-train), or left out (ema-pytorch, which never touches them).
-  BufferMode non_floating() const noexcept { return non_floating_; }
-  EmaOptions& non_floating(BufferMode value) {
-    if (value != BufferMode::copy && value != BufferMode::ignore)
+  TensorMode non_floating() const noexcept { return non_floating_; }
+  EmaOptions& non_floating(TensorMode value) {
+    if (value != TensorMode::copy && value != TensorMode::ignore)
       detail::fail("EmaOptions::non_floating must be copy or ignore (integers cannot be averaged), got {}",
                    static_cast<int>(value));
     non_floating_ = value;
@@ -220,8 +224,8 @@ class EmaOptions {
     return *this;
   }
 
-  BufferMode buffers() const noexcept { return buffers_; }
-  EmaOptions& buffers(BufferMode value) {
+  TensorMode buffers() const noexcept { return buffers_; }
+  EmaOptions& buffers(TensorMode value) {
     if (static_cast<int>(value) > 2)
       detail::fail("EmaOptions::buffers must be average, copy or ignore, got {}", static_cast<int>(value));
     buffers_ = value;
@@ -232,8 +236,8 @@ class EmaOptions {
   // embedding): averaged like the others (default, as every peer but diffusers), copied at every
   // update (diffusers' EMAModel) or left out. Decided once, at bind, from the module; the names it
   // applied to are Ema::frozen_parameters(), and describe() counts them.
-  BufferMode frozen_parameters() const noexcept { return frozen_; }
-  EmaOptions& frozen_parameters(BufferMode value) {
+  TensorMode frozen_parameters() const noexcept { return frozen_; }
+  EmaOptions& frozen_parameters(TensorMode value) {
     if (static_cast<int>(value) > 2)
       detail::fail("EmaOptions::frozen_parameters must be average, copy or ignore, got {}", static_cast<int>(value));
     frozen_ = value;
@@ -245,11 +249,11 @@ class EmaOptions {
   Role role(const std::string& name, bool is_buffer, bool floating, bool frozen = false) const {
     if (contains(ignore_, name) || starts_with_any(name))
       return ignored_follow_copies_ && floating ? Role::ignore_except_copies : Role::ignore;
-    if (is_buffer && buffers_ == BufferMode::ignore) return Role::ignore;
-    if (frozen && !is_buffer && frozen_ == BufferMode::ignore) return Role::ignore;
-    if (!floating) return non_floating_ == BufferMode::ignore ? Role::ignore : Role::copy;
-    if (contains(copy_only_, name) || (is_buffer && buffers_ == BufferMode::copy)) return Role::copy;
-    if (frozen && !is_buffer && frozen_ == BufferMode::copy) return Role::copy;
+    if (is_buffer && buffers_ == TensorMode::ignore) return Role::ignore;
+    if (frozen && !is_buffer && frozen_ == TensorMode::ignore) return Role::ignore;
+    if (!floating) return non_floating_ == TensorMode::ignore ? Role::ignore : Role::copy;
+    if (contains(copy_only_, name) || (is_buffer && buffers_ == TensorMode::copy)) return Role::copy;
+    if (frozen && !is_buffer && frozen_ == TensorMode::copy) return Role::copy;
     return Role::average;
   }
 
@@ -296,12 +300,12 @@ class EmaOptions {
   std::vector<std::string> copy_only_;
   std::vector<std::string> ignore_;
   std::vector<std::string> ignore_prefixes_;
-  BufferMode buffers_ = BufferMode::average;
-  BufferMode frozen_ = BufferMode::average;
+  TensorMode buffers_ = TensorMode::average;
+  TensorMode frozen_ = TensorMode::average;
   bool side_stream_ = false;
   std::int64_t staging_bytes_ = std::int64_t{64} << 20;
   bool skip_non_finite_ = false;
-  BufferMode non_floating_ = BufferMode::copy;
+  TensorMode non_floating_ = TensorMode::copy;
   bool ignored_follow_copies_ = false;
   std::int64_t switch_every_ = 0;
   std::int64_t drift_every_ = 0;

@@ -199,7 +199,7 @@ class TeacherStudent {
   decltype(auto) run_as(const char* what, TeacherPass&& teacher_pass, StudentPass&& student_pass) {
     // model_ is a raw pointer: a model destroyed while the wrapper lives is refused here, before
     // anything runs (one atomic load), when a shared_ptr owns it (watch_ was set).
-    if (model_owned_ && watch_.expired()) detail::fail_student_destroyed(what);
+    if (watch_.destroyed()) detail::fail_student_destroyed(what);
     detail::TeacherPass*& slot = detail::active_teacher_pass();
     if (slot != nullptr) detail::fail("TeacherStudent: a wrapper is already running on this thread (nested forward)");
     pass_.recorded.clear();
@@ -274,13 +274,11 @@ class TeacherStudent {
     pass_.routes = &routes_;
     pass_.asked.assign(routes_.size(), 0);
     warned_.assign(routes_.size(), 0);
-    watch_ = model_->weak_from_this();
-    model_owned_ = !watch_.expired();  // the model is alive here: set iff a shared_ptr owns it
+    watch_ = detail::ModelWatch(*model_);
   }
 
-  module_type* model_;                            // the student; checked through watch_ before each run
-  std::weak_ptr<const torch::nn::Module> watch_;  // the model, when a shared_ptr owns it
-  bool model_owned_ = false;                      // watch_ was set (expired() then means destroyed)
+  module_type* model_;        // the student; checked through watch_ before each run
+  detail::ModelWatch watch_;  // the model (watched when a shared_ptr owns it)
   std::unique_ptr<EmaT> owned_;
   EmaT* ema_;
   std::vector<TeacherRoute> routes_;

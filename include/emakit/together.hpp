@@ -34,7 +34,7 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 namespace detail {
 template <class E>
 concept TogetherMember = requires(E& e) {
-  { e.together_member() } -> std::same_as<EmaCore::Member>;
+  { TogetherAccess::member(e) } -> std::same_as<EmaCore::Member>;
 };
 }  // namespace detail
 
@@ -42,7 +42,7 @@ concept TogetherMember = requires(E& e) {
 template <detail::TogetherMember... E>
   requires(sizeof...(E) >= 1)
 std::array<UpdateResult, sizeof...(E)> update_together(const StepInfo& info, E&... emas) {
-  const std::array<detail::EmaCore::Member, sizeof...(E)> members{emas.together_member()...};
+  const std::array<detail::EmaCore::Member, sizeof...(E)> members{detail::TogetherAccess::member(emas)...};
   std::array<UpdateResult, sizeof...(E)> out;
   detail::EmaCore::update_together(members, info, out);
   return out;
@@ -59,7 +59,7 @@ template <detail::TogetherMember E>
 std::vector<UpdateResult> update_together(std::span<E> emas, const StepInfo& info = {}) {
   std::vector<detail::EmaCore::Member> members;
   members.reserve(emas.size());
-  for (E& e : emas) members.push_back(e.together_member());
+  for (E& e : emas) members.push_back(detail::TogetherAccess::member(e));
   std::vector<UpdateResult> out(members.size());
   detail::EmaCore::update_together(members, info, out);
   return out;

@@ -1,6 +1,6 @@
 // emakit::update_bn: BatchNorm running statistics recomputed for averaged weights, by one pass over
 // training data: torch.optim.swa_utils.update_bn for C++. An average of weights (SWA, an EMA with
-// BufferMode::copy or ignore) has running statistics that belong to no set of weights it averaged;
+// TensorMode::copy or ignore) has running statistics that belong to no set of weights it averaged;
 // torch's SWA recipe, AveragedModel then update_bn(loader, swa_model), recomputes them:
 //
 //   auto swa = emakit::averaged_model_swa(*model);     // AveragedModel(model)

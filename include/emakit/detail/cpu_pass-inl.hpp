@@ -30,19 +30,20 @@ EMAKIT_FUNC void CpuPass::run_share(std::int64_t c0, std::int64_t c1, Weights we
                              [](std::int64_t c, const Segment& s) { return c < s.begin; });
   if (it != segments_.begin()) --it;
   for (; it != segments_.end() && it->begin < c1; ++it) {
-    const std::int64_t lo = element_at(*it, c0);
-    const std::int64_t hi = element_at(*it, c1);
+    const std::int64_t lo = element_at(it->begin, it->cost, it->n, c0);
+    const std::int64_t hi = element_at(it->begin, it->cost, it->n, c1);
     if (lo >= hi) continue;
     // lo is a whole number of drift chunks into the segment (element_at)
     it->fn(it->a, it->x, lo, hi, weights, drift == nullptr ? nullptr : drift + 2 * (it->chunk + lo / drift_chunk));
   }
 }
 
-EMAKIT_FUNC std::int64_t CpuPass::element_at(const Segment& s, std::int64_t c) noexcept {
-  if (c <= s.begin) return 0;
-  const std::int64_t e = (c - s.begin + s.cost - 1) / s.cost;
+EMAKIT_FUNC std::int64_t CpuPass::element_at(std::int64_t begin, std::int64_t cost, std::int64_t n,
+                                             std::int64_t c) noexcept {
+  if (c <= begin) return 0;
+  const std::int64_t e = (c - begin + cost - 1) / cost;
   const std::int64_t aligned = (e + align_elements - 1) / align_elements * align_elements;
-  return std::min(s.n, aligned);
+  return std::min(n, aligned);
 }
 
 EMAKIT_FUNC void GroupPass::build(std::span<const Input> passes) {
@@ -108,8 +109,8 @@ EMAKIT_FUNC void GroupPass::run_share(std::int64_t c0, std::int64_t c1) const {
       std::upper_bound(groups_.begin(), groups_.end(), c0, [](std::int64_t c, const Group& g) { return c < g.begin; });
   if (it != groups_.begin()) --it;
   for (; it != groups_.end() && it->begin < c1; ++it) {
-    const std::int64_t lo = element_at(*it, c0);
-    const std::int64_t hi = element_at(*it, c1);
+    const std::int64_t lo = CpuPass::element_at(it->begin, it->cost, it->n, c0);
+    const std::int64_t hi = CpuPass::element_at(it->begin, it->cost, it->n, c1);
     if (lo >= hi) continue;
     const void* x = it->x;
     // lo and every block start are whole drift chunks into the group's tensor (element_at, and
@@ -124,13 +125,6 @@ EMAKIT_FUNC void GroupPass::run_share(std::int64_t c0, std::int64_t c1) const {
       }
     }
   }
-}
-
-EMAKIT_FUNC std::int64_t GroupPass::element_at(const Group& g, std::int64_t c) noexcept {
-  if (c <= g.begin) return 0;
-  const std::int64_t e = (c - g.begin + g.cost - 1) / g.cost;
-  const std::int64_t aligned = (e + CpuPass::align_elements - 1) / CpuPass::align_elements * CpuPass::align_elements;
-  return std::min(g.n, aligned);
 }
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

@@ -151,9 +151,9 @@ class CpuPass {
     std::int64_t begin = 0;  // first cost unit (prefix sum)
     std::int64_t chunk = 0;  // its first drift chunk among the pass's (prefix sum of drift_chunk_count(n))
     // The data the segment writes and reads, taken when the plan is made: UpdateKernel runs a
-    // pass only after check_sources() found every tensor on the memory it was planned on (or
-    // re-planned). Reading each tensor's data pointer in the pass instead cost an update of 2000
-    // small tensors 5-12% (docs/performance.md, "Several EMAs of one model").
+    // pass only after check_sources_and_replan() found every tensor on the memory it was planned on (or
+    // re-planned). Reading each tensor's data pointer in the pass instead costs small tensors
+    // measurably (docs/performance.md).
     void* a = nullptr;
     const void* x = nullptr;
   };
@@ -161,7 +161,7 @@ class CpuPass {
   void add(SegmentFn fn, std::size_t slot, std::int64_t n, std::int64_t cost, void* a = nullptr,
            const void* x = nullptr);
   bool empty() const noexcept { return segments_.empty(); }
-  // Changes whenever the segments do (clear, add), unique across every pass of the process: what
+  // Changes whenever the segments do (add), unique across every pass of the process: what
   // a GroupPass built from this pass checks before it reuses its grouping.
   std::uint64_t generation() const noexcept { return generation_; }
   std::int64_t total_cost() const noexcept { return total_; }
@@ -182,11 +182,12 @@ class CpuPass {
   // The segments' work between cost units [c0, c1).
   void run_share(std::int64_t c0, std::int64_t c1, Weights weights, double* drift = nullptr) const;
 
- private:
-  // The first element of `s` at or after cost unit c, rounded up to align_elements: the same
+  // The first element at or after cost unit c of n elements of `cost` units each that start at
+  // cost unit `begin` (a segment, or GroupPass's group), rounded up to align_elements: the same
   // function on both sides of a cut, so shares never overlap and never leave a gap.
-  static std::int64_t element_at(const Segment& s, std::int64_t c) noexcept;
+  static std::int64_t element_at(std::int64_t begin, std::int64_t cost, std::int64_t n, std::int64_t c) noexcept;
 
+ private:
   static std::uint64_t next_generation() noexcept {
     static std::atomic<std::uint64_t> counter{0};
     return ++counter;
@@ -204,7 +205,7 @@ class CpuPass {
 // memory once and from cache by the others. A block is sized to the group: `block_bytes` of
 // traffic (12 bytes per fp32 element and member), so that the input and the members' averages of
 // one block stay in L1 together (2048 elements for one fp32 EMA, 672 for four; with 2048 for four,
-// 40 KB, the input falls out of a 32 KB L1: a plain loop ran 9-23% slower). Each element is computed
+// 40 KB, the input falls out of a 32 KB L1: docs/performance.md measures it). Each element is computed
 // by the segment function and weight of its own pass, independently of where blocks and shares
 // are cut: bitwise the result of running the passes one after another. So are the drift sums: when
 // a member measures them, blocks are whole drift chunks, each chunk's sums computed as its own
@@ -258,7 +259,6 @@ class GroupPass {
     }
   };
   void run_share(std::int64_t c0, std::int64_t c1) const;
-  static std::int64_t element_at(const Group& g, std::int64_t c) noexcept;
 
   std::vector<Group> groups_;
   std::vector<Entry> entries_;

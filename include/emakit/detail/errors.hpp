@@ -1,5 +1,6 @@
 // Every emakit error is thrown from here: std::invalid_argument (fail) for bad input,
-// std::runtime_error (fail_runtime) for what the system refused (a file, a collective), each
+// std::runtime_error (fail_runtime) for what the system refused (a file, a collective),
+// FormatVersionError (fail_format_version) and SynthesisRefused (refuse_synthesis), each
 // "emakit: " and a message that names the bad value. Light on purpose (fmt and c10's Exception
 // only): the archive scan includes it, and is built by a compiler that cannot take ATen headers.
 #pragma once
@@ -61,6 +62,13 @@ template <class... Args>
 template <class... Args>
 [[noreturn]] void fail(fmt::format_string<Args...> format, Args&&... args) {
   throw std::invalid_argument("emakit: " + fmt::format(format, std::forward<Args>(args)...));
+}
+
+// Throws FormatVersionError (the file holds version `found`) with a formatted message, prefixed
+// by "emakit: ".
+template <class... Args>
+[[noreturn]] void fail_format_version(std::int64_t found, fmt::format_string<Args...> format, Args&&... args) {
+  throw FormatVersionError("emakit: " + fmt::format(format, std::forward<Args>(args)...), found);
 }
 
 // Throws std::runtime_error with a formatted message, prefixed by "emakit: ".

@@ -10,12 +10,36 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
+
+// Whether a model still exists: the one watch of an Ema, a trainer hook's entry and a
+// TeacherStudent wrapper on the model they were given by reference. A model owned by a shared_ptr
+// (a ModuleHolder's, make_shared's) is watched, and destroyed() says when it is gone (one atomic
+// load); one owned otherwise (on the stack, a member) cannot be, and destroyed() stays false.
+class ModelWatch {
+ public:
+  ModelWatch() = default;
+  explicit ModelWatch(const torch::nn::Module& model)
+      : model_(model.weak_from_this()), watched_(!model_.expired()) {}  // alive here: expired iff not owned
+  bool watched() const noexcept { return watched_; }
+  bool destroyed() const noexcept { return watched_ && model_.expired(); }
+  // The model, while a shared_ptr owns it; null if gone or never watched.
+  std::shared_ptr<const torch::nn::Module> lock() const noexcept { return model_.lock(); }
+  // Both watch one model (both watched).
+  bool same_model(const ModelWatch& other) const noexcept {
+    return watched_ && other.watched_ && !model_.owner_before(other.model_) && !other.model_.owner_before(model_);
+  }
+
+ private:
+  std::weak_ptr<const torch::nn::Module> model_;
+  bool watched_ = false;
+};
 
 // The parameters (is_buffer false), then the buffers, of `model` and its children, by full name.
 EMAKIT_FUNC std::vector<SourceTensor> collect(const torch::nn::Module& model);

@@ -44,7 +44,7 @@ EMAKIT_FUNC void UpdateKernel::wait_for_update() const {
   wait_for_model_reads();
 }
 
-EMAKIT_FUNC void UpdateKernel::check_sources() {
+EMAKIT_FUNC void UpdateKernel::check_sources_and_replan() {
   bool stale = false;
   for (const auto& s : slots_) {
     if (!s.source.defined())
@@ -66,7 +66,7 @@ EMAKIT_FUNC void UpdateKernel::check_sources() {
 EMAKIT_FUNC void UpdateKernel::plan() {
   plan_ = UpdatePlan(slots_, cpu_path_, side_stream_, staging_bytes_, arithmetic_);
   lanes_.clear();
-  for (const auto& dev : plan_.lanes) lanes_.emplace_back(dev, side_stream_);
+  for (const auto& dev : plan_.lanes) lanes_.emplace_back(dev, side_stream_ == SideStream::on);
   finite_checks_[0] = NonFiniteCheck(slots_, /*copying=*/false, cpu_path_);
   finite_checks_[1] = NonFiniteCheck(slots_, /*copying=*/true, cpu_path_);
   drift_sums_.assign(2 * slots_.size(), 0.0);
@@ -81,35 +81,38 @@ EMAKIT_FUNC void UpdateKernel::plan() {
     if (slots_[i].averaged && !in_pass[i] && slots_[i].average.numel() > 0) drift_outside_.push_back(i);
 }
 
-EMAKIT_FUNC void UpdateKernel::run(bool averaging, Weights weights, bool drift) {
-  c10::NoGradGuard no_grad;
+EMAKIT_FUNC void UpdateKernel::begin_run(const Job& job) {
   check_before_run();
   join_host();  // the previous offloaded pass must finish before this one touches its buffers
-  drift = drift && averaging;
-  if (drift) begin_drift();
+  if (job.measures_drift()) begin_drift();
+}
+
+EMAKIT_FUNC void UpdateKernel::run(const Job& job) {
+  c10::NoGradGuard no_grad;
+  begin_run(job);
   for (std::size_t k = 0; k < lanes_.size(); ++k) {
-    run_lists(averaging, weights, k, /*current=*/true);  // buffers, before the side stream starts
+    run_lists(job, k, Stream::current);  // buffers, before the side stream starts
     Lane& lane = lanes_[k];
     auto guard = lane.begin();
-    run_lists(averaging, weights, k, /*current=*/false);
+    run_lists(job, k, Stream::side);
     lane.finish();
   }
-  run_lists(averaging, weights, no_lane, /*current=*/true);  // CPU foreach path, devices without streams
-  run_lists(averaging, weights, no_lane, /*current=*/false);
+  run_lists(job, no_lane, Stream::current);  // CPU foreach path, devices without streams
+  run_lists(job, no_lane, Stream::side);
   if (plan_.offload_lanes.empty()) {
-    run_cpu(averaging, weights, drift);
-  } else if (side_stream_) {
+    run_cpu(job);
+  } else if (side_stream_ == SideStream::on) {
     // The host waits for the device-to-host copies on a thread of its own, then runs the pass.
-    host_ = std::async(std::launch::async, [this, averaging, weights, drift] {
+    host_ = std::async(std::launch::async, [this, job] {
       c10::NoGradGuard no_grad_here;
       for (auto k : plan_.offload_lanes) lanes_[k].synchronize_host();
-      run_cpu(averaging, weights, drift);
+      run_cpu(job);
     });
   } else {
     for (auto k : plan_.offload_lanes) lanes_[k].synchronize_host();
-    run_cpu(averaging, weights, drift);
+    run_cpu(job);
   }
-  if (drift) measure_drift_outside();
+  if (job.measures_drift()) measure_drift_outside();
 }
 
 EMAKIT_FUNC void UpdateKernel::measure_drift_outside() {
@@ -158,7 +161,9 @@ EMAKIT_FUNC void UpdateKernel::measure_drift_outside() {
   }
 }
 
-EMAKIT_FUNC void UpdateKernel::run_lists(bool averaging, Weights weights, std::size_t k, bool current) {
+EMAKIT_FUNC void UpdateKernel::run_lists(const Job& job, std::size_t k, Stream stream) {
+  const bool averaging = job.kind == Kind::average, current = stream == Stream::current;
+  const Weights& weights = job.weights;
   for (auto i : plan_.staged) {
     Slot& s = slots_[i];
     if (plan_.lane_of(s) == k && plan_.on_current(s) == current) stage_copy(s);
@@ -188,11 +193,11 @@ EMAKIT_FUNC void UpdateKernel::run_lists(bool averaging, Weights weights, std::s
   }
 }
 
-EMAKIT_FUNC void UpdateKernel::run_cpu(bool averaging, Weights weights, bool drift) {
-  (averaging ? plan_.average_pass : plan_.copy_pass)
-      .run(weights, chunk_elements * 12, drift ? drift_chunks_.data() : nullptr);
-  if (drift) fold_drift();
-  if (averaging) {
+EMAKIT_FUNC void UpdateKernel::run_cpu(const Job& job) {
+  const Weights& weights = job.weights;
+  pass_of(job.kind).run(weights, pass_grain, job.measures_drift() ? drift_chunks_.data() : nullptr);
+  if (job.measures_drift()) fold_drift();
+  if (job.kind == Kind::average) {
     for (auto i : plan_.generic) {
       if (arithmetic_ == Arithmetic::lerp || arithmetic_ == Arithmetic::fused_lerp) {
         slots_[i].average.lerp_(slots_[i].input(), weights.weight);  // ATen's lerp (LibTorch 1.13 too)
@@ -214,30 +219,28 @@ EMAKIT_FUNC void UpdateKernel::run_together(std::span<const Work> work) {
   thread_local std::vector<GroupPass::Input> passes;  // keeps its capacity from call to call
   passes.clear();
   for (const Work& w : work) {
-    if (!w.kernel->sources_checked_) w.kernel->check_sources();  // may re-plan: before asking the plan
-    if (w.kernel->cpu_pass_only()) {
-      w.kernel->sources_checked_ = false;  // what run() does for the others
-      w.kernel->join_host();
-      const bool drift = w.drift && w.averaging;
-      if (drift) w.kernel->begin_drift();
-      passes.push_back({w.averaging ? &w.kernel->plan_.average_pass : &w.kernel->plan_.copy_pass, w.weights,
-                        drift ? w.kernel->drift_chunks_.data() : nullptr});
+    UpdateKernel& k = *w.kernel;
+    if (!k.sources_checked_) k.check_sources_and_replan();  // may re-plan: before asking the plan
+    if (k.cpu_pass_only()) {
+      k.begin_run(w.job);
+      passes.push_back(
+          {&k.pass_of(w.job.kind), w.job.weights, w.job.measures_drift() ? k.drift_chunks_.data() : nullptr});
     } else {
-      w.kernel->run(w.averaging, w.weights, w.drift);
+      k.run(w.job);
     }
   }
   if (passes.size() == 1) {
-    passes.front().pass->run(passes.front().weights, chunk_elements * 12, passes.front().drift);
+    passes.front().pass->run(passes.front().weights, pass_grain, passes.front().drift);
   } else if (passes.size() > 1) {
     thread_local GroupPass group;  // keeps its buffers' capacity from call to call
     group.build(passes);
-    group.run(chunk_elements * 12);
+    group.run(pass_grain);
     sync_counts().fused_calls += 1;
     sync_counts().fused_kernels += passes.size();
     sync_counts().fused_groupings += group.reused() ? 0 : 1;
   }
   for (const Work& w : work)
-    if (w.drift && w.averaging && w.kernel->cpu_pass_only()) w.kernel->fold_drift();
+    if (w.job.measures_drift() && w.kernel->cpu_pass_only()) w.kernel->fold_drift();
 }
 
 EMAKIT_FUNC void UpdateKernel::fold_drift() noexcept {

@@ -61,6 +61,8 @@ class UpdateKernel {
   // The parallel grain of the CPU pass, in elements of fp32 <- fp32 (12 bytes each): below it an
   // update runs on one thread.
   static constexpr std::int64_t chunk_elements = std::int64_t{1} << 15;
+  // The same grain in the CPU pass's cost units (bytes moved).
+  static constexpr std::int64_t pass_grain = chunk_elements * 12;
   // The default bound of a staging pool (EmaOptions::staging_bytes).
   static constexpr std::int64_t default_staging_bytes = std::int64_t{64} << 20;
   // Staging pieces start on multiples of this many elements (see UpdatePlan).
@@ -68,12 +70,14 @@ class UpdateKernel {
   static constexpr std::size_t npos = static_cast<std::size_t>(-1);
 
   using CpuPath = detail::CpuPath;
+  using SideStream = detail::SideStream;
 
   UpdateKernel() = default;
   // side_stream: run the work of each CUDA device on a side stream (see the top of this file).
   // staging_bytes: the bound of each staging pool. arithmetic: how an average is computed.
-  explicit UpdateKernel(std::vector<Slot> slots, CpuPath cpu_path = CpuPath::fused, bool side_stream = false,
-                        std::int64_t staging_bytes = default_staging_bytes, Arithmetic arithmetic = Arithmetic::lerp)
+  explicit UpdateKernel(std::vector<Slot> slots, CpuPath cpu_path = CpuPath::fused,
+                        SideStream side_stream = SideStream::off, std::int64_t staging_bytes = default_staging_bytes,
+                        Arithmetic arithmetic = Arithmetic::lerp)
       : slots_(std::move(slots)),
         cpu_path_(cpu_path),
         side_stream_(side_stream),
@@ -130,26 +134,34 @@ class UpdateKernel {
 
   // Throws if a source changed shape since bind; re-plans (after wait_for_update()) if one moved, changed
   // dtype or got new memory.
-  void check_sources();
+  void check_sources_and_replan();
 
-  // ema = F(ema, model) for averaged slots (F the kernel's Arithmetic, with `weights`); copy for
-  // the copied ones. With `drift`, the update also measures how far each averaged slot ends from
-  // its source (drift_sums()).
-  void average(Weights weights, bool drift = false) { run(/*averaging=*/true, weights, drift); }
+  // What one update asks of the kernel (update() and update_together() alike): Kind::copy, ema =
+  // model for every slot; Kind::average, ema = F(ema, model) for averaged slots (F the kernel's
+  // Arithmetic, with `weights`) and a copy for the copied ones, measuring how far each averaged
+  // slot ends from its source (drift_sums()) with DriftMeasure::measure.
+  enum class Kind : std::uint8_t { copy, average };
+  enum class DriftMeasure : std::uint8_t { skip, measure };
+  struct Job {
+    Kind kind = Kind::copy;
+    Weights weights{1.0, 0.0};
+    DriftMeasure drift = DriftMeasure::skip;
+    bool measures_drift() const noexcept { return kind == Kind::average && drift == DriftMeasure::measure; }
+  };
+  void run(const Job& job);
+  void average(Weights weights, DriftMeasure drift = DriftMeasure::skip) { run(Job{Kind::average, weights, drift}); }
   // The same with w = weight and d = 1 - weight (the lerps need only w).
-  void average(double weight, bool drift = false) { average(Weights{weight, 1.0 - weight}, drift); }
-
-  // ema = model for every slot.
-  void copy() { run(/*averaging=*/false, Weights{1.0, 0.0}); }
+  void average(double weight, DriftMeasure drift = DriftMeasure::skip) {
+    average(Weights{weight, 1.0 - weight}, drift);
+  }
+  void copy() { run(Job{}); }
 
   Arithmetic arithmetic() const noexcept { return arithmetic_; }
 
-  // What update_together() asks of one kernel: average with `weights` (and measure the drift), or copy.
+  // One kernel's job in update_together().
   struct Work {
     UpdateKernel* kernel;
-    bool averaging;
-    Weights weights;
-    bool drift = false;
+    Job job;
   };
   // Each kernel's average() or copy(), as if run one after another: the kernels whose whole
   // update is the fused CPU pass run as one GroupPass (each input read once for all of them);
@@ -171,16 +183,14 @@ class UpdateKernel {
   // host sync per device).
   std::span<const double> drift_sums() const noexcept { return drift_sums_; }
 
-  // The first slot, in slot order, whose source the next update reads (copying: every slot;
-  // averaging: averaged slots and copies that follow averages) and that holds a NaN or an
-  // infinity; npos if none. Call after check_sources(): the checks are those of the last plan
+  // The first slot, in slot order, whose source the next update of `kind` reads (copying: every
+  // slot; averaging: averaged slots and copies that follow averages) and that holds a NaN or an
+  // infinity; npos if none. Call after check_sources_and_replan(): the checks are those of the last plan
   // (see detail/non_finite.hpp).
-  std::size_t first_non_finite(bool copying) const { return finite_checks_[copying ? 1 : 0].first(slots_); }
+  std::size_t first_non_finite(Kind kind) const { return finite_checks_[kind == Kind::copy ? 1 : 0].first(slots_); }
 
  private:
   void plan();
-
-  void run(bool averaging, Weights weights, bool drift = false);
 
   // Zeroes the drift sums before an update that measures them (and sizes the fused pass's chunk
   // sums: an allocation at the first such update after a plan).
@@ -195,11 +205,16 @@ class UpdateKernel {
   // once the update is finished.
   void measure_drift_outside();
 
-  // On the current stream (current = true) or the lane's stream: offload staging copies and the
-  // foreach lists of lane k (no_lane: of no lane).
-  void run_lists(bool averaging, Weights weights, std::size_t k, bool current);
+  // On the current stream or the lane's side stream: offload staging copies and the foreach lists
+  // of lane k (no_lane: of no lane).
+  enum class Stream : std::uint8_t { current, side };
+  void run_lists(const Job& job, std::size_t k, Stream stream);
 
-  void run_cpu(bool averaging, Weights weights, bool drift);
+  void run_cpu(const Job& job);
+  // What run() does first, and update_together() for the kernels it runs as one pass: uses up
+  // the source check, joins an offloaded pass, zeroes the drift sums if the job measures them.
+  void begin_run(const Job& job);
+  CpuPass& pass_of(Kind kind) noexcept { return kind == Kind::average ? plan_.average_pass : plan_.copy_pass; }
 
   static void stage_copy(Slot& s);
 
@@ -208,19 +223,19 @@ class UpdateKernel {
   }
   void wait_for_update_noexcept() const noexcept;
 
-  // The plan's CPU passes hold data pointers: a run is preceded by check_sources() (Ema's
+  // The plan's CPU passes hold data pointers: a run is preceded by check_sources_and_replan() (Ema's
   // update does it; a run without it does it first) and uses up that check.
   void check_before_run() {
-    if (!sources_checked_) check_sources();
+    if (!sources_checked_) check_sources_and_replan();
     sources_checked_ = false;
   }
 
   std::vector<Slot> slots_;
-  // check_sources() since the last run (not plan() alone: the tensors may move between the
+  // check_sources_and_replan() since the last run (not plan() alone: the tensors may move between the
   // plan and the first run, as between runs).
   bool sources_checked_ = false;
   CpuPath cpu_path_ = CpuPath::fused;
-  bool side_stream_ = false;
+  SideStream side_stream_ = SideStream::off;
   std::int64_t staging_bytes_ = default_staging_bytes;
   Arithmetic arithmetic_ = Arithmetic::lerp;
   UpdatePlan plan_;

@@ -11,9 +11,9 @@
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
-EMAKIT_FUNC UpdatePlan::UpdatePlan(std::vector<Slot>& slots, CpuPath cpu_path, bool side_stream,
+EMAKIT_FUNC UpdatePlan::UpdatePlan(std::vector<Slot>& slots, CpuPath cpu_path, SideStream side_stream,
                                    std::int64_t staging_bytes, Arithmetic arithmetic)
-    : side_stream_(side_stream), arithmetic_(arithmetic) {
+    : side_stream_(side_stream == SideStream::on), arithmetic_(arithmetic) {
   for (std::size_t i = 0; i < slots.size(); ++i) {
     Slot& s = slots[i];
     s.source_device = s.source.device();
@@ -183,7 +183,7 @@ EMAKIT_FUNC void UpdatePlan::plan_cpu_slot(std::vector<Slot>& slots, std::size_t
   } else if (in_type == a_type) {
     copy = byte_copy_fn(s.average.element_size());
   }
-  // Where the slot's data is now: the kernel re-plans before a run if it moves (check_sources).
+  // Where the slot's data is now: the kernel re-plans before a run if it moves (check_sources_and_replan).
   void* average = n == 0 ? nullptr : s.average.data_ptr();
   const void* input = n == 0 ? nullptr : read_ptr(s.input());
   if (s.averaged) {

@@ -1,6 +1,6 @@
 // The plan of an update: which path each tensor pair (Slot) takes, decided once at bind time and
 // again only when a source moves device, changes dtype, stops being contiguous or gets new memory
-// (UpdateKernel::check_sources()). Making the plan is the only work here; running it is
+// (UpdateKernel::check_sources_and_replan()). Making the plan is the only work here; running it is
 // detail/update_kernel.hpp's.
 //   - CPU averages: segments of the fused passes (detail/cpu_pass.hpp), one pass for averaging
 //     updates and one for copies. Averages of 2 MiB and more get huge pages (detail/huge_pages.hpp).
@@ -63,6 +63,9 @@ struct Slot {
 // (chosen by tests and benchmarks, which exercise the device path on a machine without a GPU).
 enum class CpuPath : std::uint8_t { fused, foreach };
 
+// Whether a CUDA device's work on parameters runs on a side stream (EmaOptions::side_stream).
+enum class SideStream : std::uint8_t { off, on };
+
 // A foreach list: tensors of one device and dtype, updated by one foreach call on one stream.
 enum class ListKind : std::uint8_t {
   lerp,    // averages = lerp(averages, inputs): inputs are the sources
@@ -93,10 +96,10 @@ class UpdatePlan {
 
   UpdatePlan() = default;
   // Plans `slots`, writing what it binds into them (Slot::source_device ... staging). The CPU
-  // passes hold pointers to the slots' tensors: the vector must not be resized while the plan
-  // is used (moving it is fine, it moves its buffer, not the slots).
+  // passes hold slot indices and the tensors' data pointers as they are now: a tensor given new
+  // memory (or a slot list changed) needs a new plan, which UpdateKernel::check_sources_and_replan() makes.
   // `arithmetic`: the formula of the CPU pass's average segments.
-  UpdatePlan(std::vector<Slot>& slots, CpuPath cpu_path, bool side_stream, std::int64_t staging_bytes,
+  UpdatePlan(std::vector<Slot>& slots, CpuPath cpu_path, SideStream side_stream, std::int64_t staging_bytes,
              Arithmetic arithmetic = Arithmetic::lerp);
 
   // ---- what the plan holds -------------------------------------------------------------------

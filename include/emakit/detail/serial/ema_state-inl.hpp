@@ -35,15 +35,9 @@ EMAKIT_FUNC std::string average_key(const std::string& name) { return std::strin
 
 EMAKIT_FUNC bool known_key(const std::string& key) {
   if (key == "config.options.buffers" || key == "config.options.arithmetic") return true;  // check_config()
-  static const char* const fixed[] = {"emakit.format",
-                                      "counters.calls",
-                                      "counters.step",
-                                      "counters.num_updates",
-                                      "counters.last_update_step",
-                                      "counters.last_decay",
-                                      "counters.non_finite_updates"};
-  for (const char* k : fixed)
-    if (key == k) return true;
+  if (key == "emakit.format" || key == last_decay_key) return true;
+  for (const auto& counter : integer_counters)
+    if (key == counter.key) return true;
   // check_policy() has checked every key under these two already.
   return key == "config.decay" || key == "config.schedule" || key.rfind("config.decay.", 0) == 0 ||
          key.rfind("config.schedule.", 0) == 0;
@@ -69,13 +63,14 @@ EMAKIT_FUNC StateDict encode(const PolicyConfig& config, const EmaOptions& optio
   write_config(out, "schedule", config.schedule, config.schedule_fields);
   out.insert("config.options.buffers", at::scalar_tensor(static_cast<std::int64_t>(options.buffers()), at::kLong));
   out.insert("config.options.arithmetic", string_tensor(arithmetic_name(options.arithmetic())));
-  out.insert("counters.calls", at::scalar_tensor(c.calls, at::kLong));
-  out.insert("counters.step", at::scalar_tensor(c.step, at::kLong));
-  out.insert("counters.num_updates", at::scalar_tensor(c.num_updates, at::kLong));
-  out.insert("counters.last_update_step", at::scalar_tensor(c.last_update_step, at::kLong));
-  out.insert("counters.last_decay", at::scalar_tensor(c.last_decay, at::kDouble));
-  out.insert("counters.non_finite_updates", at::scalar_tensor(c.non_finite_updates, at::kLong));
+  write_counters(out, c);
   return out;
+}
+
+EMAKIT_FUNC void write_counters(StateDict& out, const Counters& c) {
+  for (const auto& counter : integer_counters)
+    out.insert(std::string(counter.key), at::scalar_tensor(c.*counter.member, at::kLong));
+  out.insert(std::string(last_decay_key), at::scalar_tensor(c.last_decay, at::kDouble));
 }
 
 EMAKIT_FUNC void check_policy(const StateDict& state, const std::string& axis, std::string_view ours,
@@ -180,16 +175,13 @@ EMAKIT_FUNC Plan plan_load(const StateDict& state, LoadMode mode, const PolicyCo
 EMAKIT_FUNC Counters read_counters(const StateDict& state) {
   const StateReader in(state);
   Counters c;
-  c.calls = in.counter("counters.calls");
-  c.step = in.counter("counters.step");
-  c.num_updates = in.counter("counters.num_updates");
-  c.last_update_step = in.counter("counters.last_update_step");
-  // absent in states written before the non-finite guard existed
-  c.non_finite_updates =
-      in.find("counters.non_finite_updates") != nullptr ? in.counter("counters.non_finite_updates") : 0;
-  c.last_decay = in.number("counters.last_decay");
+  for (const auto& counter : integer_counters) {
+    const std::string key(counter.key);
+    if (counter.key != optional_counter_key || in.find(key) != nullptr) c.*counter.member = in.counter(key);
+  }
+  c.last_decay = in.number(std::string(last_decay_key));
   if (!std::isnan(c.last_decay) && !(c.last_decay >= 0.0 && c.last_decay <= 1.0))
-    fail("'counters.last_decay' must be in [0, 1], got {}", c.last_decay);
+    fail("'{}' must be in [0, 1], got {}", last_decay_key, c.last_decay);
   return c;
 }
 

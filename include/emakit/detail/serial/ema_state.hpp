@@ -103,6 +103,21 @@ struct Counters {
   std::int64_t non_finite_updates = 0;
 };
 
+// The counters' keys in a state: the one table that write_counters, read_counters and known_key
+// use (an import from a Python peer writes its counters through write_counters too).
+struct CounterKey {
+  std::string_view key;
+  std::int64_t Counters::*member;
+};
+inline constexpr CounterKey integer_counters[] = {{"counters.calls", &Counters::calls},
+                                                  {"counters.step", &Counters::step},
+                                                  {"counters.num_updates", &Counters::num_updates},
+                                                  {"counters.last_update_step", &Counters::last_update_step},
+                                                  {"counters.non_finite_updates", &Counters::non_finite_updates}};
+inline constexpr std::string_view last_decay_key = "counters.last_decay";
+// Absent in states written before the non-finite guard existed: read as 0.
+inline constexpr std::string_view optional_counter_key = "counters.non_finite_updates";
+
 // What a state records of an Ema's two config policies: their names (policy_name) and fields
 // (policy_fields). Ema makes one from its policies; everything below is then policy-independent.
 struct PolicyConfig {
@@ -130,6 +145,7 @@ EMAKIT_FUNC void check_format(const StateDict& state);
 // options. Throws naming the first difference.
 EMAKIT_FUNC void check_config(const StateDict& state, const PolicyConfig& config, const EmaOptions& options);
 
+EMAKIT_FUNC void write_counters(StateDict& out, const Counters& c);
 EMAKIT_FUNC Counters read_counters(const StateDict& state);
 
 EMAKIT_FUNC std::string describe(const LoadReport& r);

@@ -27,9 +27,8 @@ EMAKIT_FUNC void check_version(const Format& format, std::int64_t found, std::st
   const char* hint = found > format.version ? "; a newer emakit wrote it: update emakit to read it"
                      : found < 1            ? "; no emakit writes that version: the file is damaged"
                                             : "; an older emakit wrote it, which this emakit no longer reads";
-  throw FormatVersionError(fmt::format("emakit: {}: {} version {}{}; this emakit ({}) reads {}{}", where, format.name,
-                                       found, by, version_string, reads, hint),
-                           found);
+  fail_format_version(found, "{}: {} version {}{}; this emakit ({}) reads {}{}", where, format.name, found, by,
+                      version_string, reads, hint);
 }
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail::formats
