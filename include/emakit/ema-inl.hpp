@@ -442,30 +442,29 @@ EMAKIT_FUNC ema_state::Plan EmaCore::plan_load(const StateDict& state, LoadMode 
       [](const at::Tensor& a, const at::Tensor& b) { return same_view(a, b) || bitwise_equal(a, b); });
 }
 
-// For each tensor, the index of the first tensor that is the same tensor (itself if none).
-// Different views of one storage that overlap cannot be averaged independently: an error,
-// unless one of them is ignored.
+// For each tensor, the index of the first tensor that is the same tensor (itself if none;
+// first_same_view). Different views of one storage that overlap cannot be averaged independently:
+// an error, unless one of them is ignored.
 EMAKIT_FUNC std::vector<std::size_t> identity_groups(const std::vector<SourceTensor>& tensors,
                                                      const std::vector<Role>& roles) {
-  std::vector<std::size_t> first(tensors.size());
-  std::unordered_map<const void*, std::vector<std::size_t>> by_memory;  // storage (or impl) -> firsts
+  std::vector<at::Tensor> handles;
+  handles.reserve(tensors.size());
+  for (const auto& t : tensors) handles.push_back(t.tensor);
+  const std::vector<std::size_t> first = first_same_view(handles);
+  // Per storage, one kept (not ignored) tensor of each group seen so far.
+  std::unordered_map<const void*, std::vector<std::size_t>> kept;
+  std::vector<bool> group_kept(tensors.size(), false);
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    first[i] = i;
     const at::Tensor& t = tensors[i].tensor;
-    const void* key = t.has_storage() ? static_cast<const void*>(t.storage().unsafeGetStorageImpl())
-                                      : static_cast<const void*>(t.unsafeGetTensorImpl());
-    auto& seen = by_memory[key];
-    for (const std::size_t j : seen) {
-      if (same_view(tensors[j].tensor, t)) {
-        first[i] = j;
-        break;
-      }
-      if (roles[i] != Role::ignore && roles[j] != Role::ignore && overlap(tensors[j].tensor, t))
+    if (roles[i] == Role::ignore || !t.has_storage() || group_kept[first[i]]) continue;
+    group_kept[first[i]] = true;
+    auto& others = kept[t.storage().unsafeGetStorageImpl()];
+    for (const std::size_t j : others)
+      if (overlap(tensors[j].tensor, t))
         fail("tensors '{}' and '{}' of the model are different views of overlapping memory; an EMA cannot "
              "average them independently. Leave one out (EmaOptions::ignore)",
              tensors[j].name, tensors[i].name);
-    }
-    if (first[i] == i) seen.push_back(i);
+    others.push_back(i);
   }
   return first;
 }
@@ -511,18 +510,16 @@ EMAKIT_FUNC void check_dense(const std::string& name, const at::Tensor& t) {
 // the model does not tie would average one tensor twice).
 EMAKIT_FUNC void check_owned(const std::vector<SourceTensor>& tensors, const std::vector<TensorSpec>& specs,
                              const std::vector<at::Tensor>& own, std::string_view storage_name) {
-  std::unordered_map<const void*, const std::string*> model_memory;
-  for (const auto& t : tensors)
-    if (t.tensor.has_storage()) model_memory.emplace(t.tensor.storage().unsafeGetStorageImpl(), &t.name);
+  ModelMemory model_memory;
+  for (const auto& t : tensors) model_memory.add(t.name, t.tensor);
   std::unordered_map<const void*, std::vector<std::size_t>> own_memory;
   for (std::size_t i = 0; i < own.size(); ++i) {
     if (!own[i].defined() || !own[i].has_storage()) continue;
     const void* key = own[i].storage().unsafeGetStorageImpl();
-    auto it = model_memory.find(key);
-    if (it != model_memory.end())
+    if (const std::string* shared = model_memory.owner(own[i]))
       fail("storage {} made, for '{}', a tensor that shares memory with the model's '{}'; an EMA must own "
            "its averages",
-           storage_name, specs[i].name, *it->second);
+           storage_name, specs[i].name, *shared);
     auto& same_storage = own_memory[key];
     for (const std::size_t j : same_storage)
       if (overlap(own[j], own[i]))

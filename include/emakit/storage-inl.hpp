@@ -11,6 +11,7 @@
 #include <emakit/storage.hpp>
 
 #include <emakit/detail/errors.hpp>
+#include <emakit/detail/module_tensors.hpp>
 
 #include <ATen/core/grad_mode.h>
 
@@ -36,25 +37,21 @@ EMAKIT_FUNC void restore_model_data(const std::vector<std::pair<at::Tensor, at::
 // Fails, before anything is written, if a tensor of the EMA module shares memory with the model.
 EMAKIT_FUNC void refuse_shared(const torch::nn::Module& made, const std::unordered_map<std::string, at::Tensor>& own,
                                const torch::nn::Module* model, std::span<const TensorSpec> specs, bool from_factory) {
-  std::unordered_map<const void*, std::string> model_storage;  // storage -> a model name using it
-  auto note = [&](const std::string& name, const at::Tensor& t) {
-    if (t.defined() && t.has_storage()) model_storage.emplace(t.storage().unsafeGetStorageImpl(), name);
-  };
+  ModelMemory model_memory;
   if (model != nullptr) {
-    for (const auto& item : model->named_parameters(/*recurse=*/true)) note(item.key(), item.value());
-    for (const auto& item : model->named_buffers(/*recurse=*/true)) note(item.key(), item.value());
+    for (const auto& item : model->named_parameters(/*recurse=*/true)) model_memory.add(item.key(), item.value());
+    for (const auto& item : model->named_buffers(/*recurse=*/true)) model_memory.add(item.key(), item.value());
   }
-  for (const auto& spec : specs) note(spec.name, spec.source);
+  for (const auto& spec : specs) model_memory.add(spec.name, spec.source);
   for (const auto& [name, t] : own) {
-    if (!t.defined() || !t.has_storage()) continue;
-    auto it = model_storage.find(t.storage().unsafeGetStorageImpl());
-    if (it == model_storage.end()) continue;
+    const std::string* shared = model_memory.owner(t);
+    if (shared == nullptr) continue;
     fail("ModuleStorage: tensor '{}' of the EMA module ({}) is the model's own tensor '{}' (or shares its "
          "memory): {} a tensor it was given instead of making its own, and the EMA would take over "
          "the model's weight. Nothing was changed. Make the module create its own tensors in reset() "
          "(and tie them there), or give ModuleStorage a factory that builds a fresh model, or use "
          "FlatStorage",
-         name, made.name(), it->second,
+         name, made.name(), *shared,
          from_factory ? "the factory's module holds" : "the module's clone() (its reset()) re-registers");
   }
 }

@@ -49,6 +49,26 @@ EMAKIT_FUNC bool overlap(const at::Tensor& a, const at::Tensor& b) {
   return a0 < b1 && b0 < a1;
 }
 
+EMAKIT_FUNC std::vector<std::size_t> first_same_view(std::span<const at::Tensor> tensors) {
+  std::vector<std::size_t> first(tensors.size());
+  std::unordered_map<const void*, std::vector<std::size_t>> by_memory;  // storage (or impl) -> firsts
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    first[i] = i;
+    const at::Tensor& t = tensors[i];
+    const void* key = t.has_storage() ? static_cast<const void*>(t.storage().unsafeGetStorageImpl())
+                                      : static_cast<const void*>(t.unsafeGetTensorImpl());
+    auto& seen = by_memory[key];
+    for (const std::size_t j : seen) {
+      if (same_view(tensors[j], t)) {
+        first[i] = j;
+        break;
+      }
+    }
+    if (first[i] == i) seen.push_back(i);
+  }
+  return first;
+}
+
 EMAKIT_FUNC bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type() || !a.sizes().equals(b.sizes())) return false;
   const at::Tensor x = a.detach().cpu().contiguous();

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -51,6 +52,31 @@ EMAKIT_FUNC std::unordered_map<std::string, at::Tensor> tensors_by_name(const to
 EMAKIT_FUNC bool same_view(const at::Tensor& a, const at::Tensor& b);
 EMAKIT_FUNC std::pair<std::int64_t, std::int64_t> byte_extent(const at::Tensor& t);
 EMAKIT_FUNC bool overlap(const at::Tensor& a, const at::Tensor& b);
+
+// For each tensor, the index of the first one that is the same tensor (same_view), or its own: a
+// tied weight is one tensor under several names. What an Ema makes one slot of, and what an export
+// lists once (diffusers' shadow_params).
+EMAKIT_FUNC std::vector<std::size_t> first_same_view(std::span<const at::Tensor> tensors);
+
+// The model's memory, by storage: the one lookup by which an EMA refuses a tensor of its own that
+// shares memory with the model (ModuleStorage before it writes its module's tensors, every storage
+// once it has made them).
+class ModelMemory {
+ public:
+  // Notes t's storage under `name` (the first name given for a storage stays).
+  void add(const std::string& name, const at::Tensor& t) {
+    if (t.defined() && t.has_storage()) names_.emplace(t.storage().unsafeGetStorageImpl(), name);
+  }
+  // The name of the model's tensor whose storage t uses; null if none.
+  const std::string* owner(const at::Tensor& t) const {
+    if (!t.defined() || !t.has_storage()) return nullptr;
+    const auto it = names_.find(t.storage().unsafeGetStorageImpl());
+    return it == names_.end() ? nullptr : &it->second;
+  }
+
+ private:
+  std::unordered_map<const void*, std::string> names_;
+};
 
 // The same dtype, shape and bytes (NaNs compare by their bits).
 EMAKIT_FUNC bool bitwise_equal(const at::Tensor& a, const at::Tensor& b);
