@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Fuzzes emakit's checkpoint loader (tests/fuzz/fuzz_checkpoint.cpp) with libFuzzer: builds the
-# target against Debian's LibTorch 1.13 (the archive check with clang, libFuzzer, AddressSanitizer
-# and UndefinedBehaviorSanitizer; the loading after it with g++), writes the seed corpus (valid, truncated and bit-flipped checkpoints), and
+# Fuzzes emakit's readers of untrusted files (tests/fuzz/fuzz_checkpoint.cpp: the checkpoint
+# loader, the torch.save pickle rewrite and the snapshot reader) with libFuzzer: builds the target
+# against Debian's LibTorch 1.13 (the archive check and the rewrite with clang, libFuzzer,
+# AddressSanitizer and UndefinedBehaviorSanitizer; the loading after them with g++), writes the
+# seed corpus (valid, truncated and bit-flipped checkpoints, torch.save pickles, snapshots), and
 # runs for EMAKIT_FUZZ_SECONDS (default 60). Any crash, sanitizer report, leak or timeout fails
 # the run; the input that caused it is left in build/fuzz/findings.
 #
 #   ./scripts/fuzz.sh
 #   EMAKIT_FUZZ_SECONDS=1800 ./scripts/fuzz.sh
+#   EMAKIT_FUZZ_BUILD=build/my-fuzz ./scripts/fuzz.sh     another build folder (and <it>-glue)
 #
 # The corpus grows in build/fuzz/corpus (kept between runs: later runs start from what earlier
 # ones found). scripts/test.sh runs this after the test variants. The two builds are the presets
@@ -17,17 +20,17 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cd "$EMAKIT_ROOT"
 
 seconds="${EMAKIT_FUZZ_SECONDS:-60}"
-dir=build/fuzz
+dir="$(realpath -m "${EMAKIT_FUZZ_BUILD:-build/fuzz}")"
 
 emakit_apt_ensure "${EMAKIT_BUILD_DEB_PACKAGES[@]}" clang libclang-rt-dev
 # Two parts, two compilers (tests/fuzz/fuzz_checkpoint.cpp says why); the fuzz preset links
 # build/fuzz-glue's library.
 emakit_say "[fuzz] configure and build the loading part (g++, Debian LibTorch 1.13)"
-cmake --preset fuzz-glue >/dev/null
-cmake --build --preset fuzz-glue -j "$EMAKIT_JOBS"
+cmake --preset fuzz-glue -B "$dir-glue" >/dev/null
+cmake --build "$dir-glue" --target emakit_fuzz_glue -j "$EMAKIT_JOBS"
 emakit_say "[fuzz] configure and build the fuzzer (clang, libFuzzer, ASan + UBSan)"
-cmake --preset fuzz >/dev/null
-cmake --build --preset fuzz -j "$EMAKIT_JOBS"
+cmake --preset fuzz -B "$dir" -DEMAKIT_FUZZ_GLUE="$dir-glue/tests/fuzz/libemakit_fuzz_glue.a" >/dev/null
+cmake --build "$dir" --target emakit_fuzz_checkpoint -j "$EMAKIT_JOBS"
 
 fuzzer="$dir/tests/fuzz/emakit_fuzz_checkpoint"
 mkdir -p "$dir/corpus" "$dir/findings"

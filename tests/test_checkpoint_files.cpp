@@ -459,7 +459,7 @@ TEST_CASE("Every file emakit writes passes its own check", "[reliability][untrus
   hook.save_checkpoint(dir.path / "hook.pt");
   for (const char* file : {"ema.pt", "torch_save.pt", "hook.pt"}) {
     INFO(file);
-    CHECK_NOTHROW(emakit::detail::scan_archive_file(dir.path / file, "test"));
+    CHECK_NOTHROW(emakit::detail::read_scanned_file(dir.path / file, "test"));
   }
 }
 
@@ -489,7 +489,7 @@ TEST_CASE("A bit-flipped Ema file is an error or loads exactly what was saved, n
       if (!checked) {
         bool refused = false;
         try {
-          emakit::detail::scan_archive_file(file, "test");
+          static_cast<void>(emakit::detail::read_scanned_file(file, "test"));
         } catch (const std::exception&) {
           refused = true;
         }
@@ -596,6 +596,133 @@ TEST_CASE("import_state checks a torch.save file before LibTorch's unpickler rea
   // What export_state writes passes the check and loads back.
   emakit::export_state(ema, emakit::Peer::averaged_model, dir.path / "export.pt");
   CHECK(emakit::import_state(ema, emakit::Peer::averaged_model, dir.path / "export.pt").clean());
+}
+
+// An OrderedDict root (torch.save(state_dict())) holding a root-level SETITEM, an OrderedDict
+// inside a list and its _metadata (BUILD), all rewritten from the one walk of the scan's checker
+// into opcodes LibTorch reads: the root a plain dict with the placeholder key, each SETITEM and
+// APPEND with a MARK, the nested OrderedDict a plain dict (its MARK after the list's), no
+// _metadata. A plain dict's SETITEM whose key is a SHORT_BINUNICODE (protocol 4, which the
+// scan accepts and LibTorch 1.13 does not read) is rewritten too.
+TEST_CASE("plain_root rewrites OrderedDicts and SETITEMs into the plain dicts LibTorch reads",
+          "[reliability][untrusted][interop]") {
+  const std::string ordered_global = "ccollections\nOrderedDict\n";
+  Pickle p;
+  p.bytes += ordered_global + std::string("q\x00)Rq\x01", 6);
+  p.str("a").int1(1).op('s');                                                // a = 1
+  p.str("l").op(']').op('q').op('\x02').op('h').op('\x00').op(')').op('R');  // l = [OrderedDict(b=2)]
+  p.op('q').op('\x03').str("b").int1(2).op('s').op('a').op('s');
+  p.op('}').op('q').op('\x04').str("_metadata").op('h').op('\x00').op(')').op('R').op('q').op('\x05').op('s');
+  p.op('b').op('.');
+
+  Pickle want;
+  want.op('}').mark().str(std::string(emakit::detail::archive_scan::placeholder));
+  want.bytes += ordered_global + std::string("q\x00)Ruq\x01", 7);
+  want.mark().str("a").int1(1).op('u');
+  want.mark().str("l").op(']').op('q').op('\x02').mark().op('}').mark();
+  want.str(std::string(emakit::detail::archive_scan::nested_placeholder)).op('h').op('\x00').op(')').op('R').op('u');
+  want.op('q').op('\x03').mark().str("b").int1(2).op('u').op('e').op('u').op('.');
+  const auto plain = emakit::detail::plain_root(p.bytes);
+  REQUIRE(plain.has_value());
+  CHECK(*plain == want.bytes);
+
+  emakit_test::TempDir dir;
+  emakit_test::write_bytes(dir.path / "ordered.pt", zip_bytes({{"data.pkl", p.bytes}, {"version", "3\n"}}));
+  const auto read = emakit::detail::read_pickle_dict(dir.path / "ordered.pt", "test");
+  REQUIRE(read.size() == 2);
+  CHECK(read.at("a").toInt() == 1);
+  const auto list = read.at("l").toListRef();
+  REQUIRE(list.size() == 1);
+  const auto inner = list[0].toGenericDict();
+  REQUIRE(inner.size() == 1);
+  CHECK(inner.at("b").toInt() == 2);
+
+  Pickle short_key;  // {'k': 5}, its key a SHORT_BINUNICODE
+  short_key.op('}').op('q').op('\x00').op('\x8c').op('\x01').op('k').int1(5).op('s').op('.');
+  CHECK(emakit::detail::plain_root(short_key.bytes) == std::string("\x80\x02}q\x00(\x8c\x01kK\x05u.", 13));
+  // Nothing to rewrite, or not a pickle the checker accepts: nullopt.
+  CHECK_FALSE(emakit::detail::plain_root(std::string("\x80\x02}q\x00.", 6)).has_value());
+  CHECK_FALSE(emakit::detail::plain_root(p.bytes.substr(0, p.bytes.size() - 1)).has_value());
+}
+
+// ---- the bytes checked are the bytes loaded ----------------------------------------------------
+
+// What the after-scan seam puts in place of the file just scanned, as another process writing the
+// folder would: a copy renamed over it (the path then names another file).
+fs::path swap_source;  // NOLINT: read by a plain function pointer
+int swaps = 0;         // NOLINT
+
+void swap_in(const fs::path& scanned) {
+  const fs::path temp = scanned.string() + ".swap";
+  fs::copy_file(swap_source, temp, fs::copy_options::overwrite_existing);
+  fs::rename(temp, scanned);
+  ++swaps;
+}
+
+// Sets the seam for one scope.
+struct SwapAfterScan {
+  explicit SwapAfterScan(fs::path source) {
+    swap_source = std::move(source);
+    swaps = 0;
+    emakit::detail::testing::after_scan() = &swap_in;
+  }
+  SwapAfterScan(const SwapAfterScan&) = delete;
+  SwapAfterScan& operator=(const SwapAfterScan&) = delete;
+  ~SwapAfterScan() { emakit::detail::testing::after_scan() = nullptr; }
+};
+
+TEST_CASE("A checkpoint replaced between the scan and the load: what loads is what was scanned",
+          "[reliability][untrusted]") {
+  torch::manual_seed(18);
+  emakit_test::TinyNet model;
+  emakit::FixedEma ema(*model, emakit::Fixed(0.5));
+  emakit_test::perturb(*model);
+  ema.update();
+  emakit_test::TempDir dir;
+  emakit::save(ema, dir.path / "scanned.pt");
+  const auto scanned = emakit_test::snapshot(ema.averages());
+  emakit_test::perturb(*model);
+  ema.update();
+  emakit::save(ema, dir.path / "other.pt");  // a valid checkpoint of other values
+  const auto other = emakit_test::snapshot(ema.averages());
+  REQUIRE_FALSE(emakit_test::same_averages(ema.averages(), scanned));
+  // A file the scan refuses and LibTorch loads (it compiles and keeps the method).
+  auto records = read_records(dir.path / "scanned.pt");
+  record(records, "code/__torch__.py") += "  def forward(self) -> int:\n    return 1\n";
+  write_records(dir.path / "hostile.pt", records);
+  REQUIRE_THROWS_WITH(emakit::load(ema, dir.path / "hostile.pt"), Contains("refusing") && Contains("def forward"));
+
+  for (const char* replacement : {"other.pt", "hostile.pt"}) {
+    INFO("replaced by " << replacement);
+    fs::copy_file(dir.path / "scanned.pt", dir.path / "target.pt", fs::copy_options::overwrite_existing);
+    const std::string replacement_bytes = emakit_test::read_bytes(dir.path / replacement);
+    {
+      const SwapAfterScan seam(dir.path / replacement);
+      emakit::load(ema, dir.path / "target.pt");
+      CHECK(swaps == 1);
+    }
+    CHECK(emakit_test::read_bytes(dir.path / "target.pt") == replacement_bytes);  // the path holds the new file
+    CHECK(emakit_test::same_averages(ema.averages(), scanned));                   // and the scanned one loaded
+    emakit::load(ema, dir.path / "other.pt");
+    CHECK(emakit_test::same_averages(ema.averages(), other));
+  }
+
+  // import_state's torch.save dicts: the same.
+  auto peer = emakit::averaged_model_ema(*model);
+  peer.update();
+  emakit::export_state(peer, emakit::Peer::averaged_model, dir.path / "export_a.pt");
+  const auto exported = emakit_test::snapshot(peer.averages());
+  emakit_test::perturb(*model);
+  peer.update();
+  emakit::export_state(peer, emakit::Peer::averaged_model, dir.path / "export_b.pt");
+  REQUIRE_FALSE(emakit_test::same_averages(peer.averages(), exported));
+  {
+    const SwapAfterScan seam(dir.path / "export_b.pt");
+    CHECK(emakit::import_state(peer, emakit::Peer::averaged_model, dir.path / "export_a.pt").clean());
+    CHECK(swaps == 1);
+  }
+  CHECK(emakit_test::same_averages(peer.averages(), exported));
+  CHECK(emakit_test::read_bytes(dir.path / "export_a.pt") == emakit_test::read_bytes(dir.path / "export_b.pt"));
 }
 
 TEST_CASE("The format registry holds the version every writer stores", "[reliability]") {

@@ -1,17 +1,26 @@
-// libFuzzer target for emakit's checkpoint loader: any bytes, as a file given to
-// emakit::load(ema, path) or EmaHook::load_checkpoint(path) would be. The bytes go through the
-// archive check first (detail/serial/archive_scan.hpp); those it accepts go on to LibTorch's loader
-// and emakit's own checks (names, shapes, config, CRC-32s: fuzz_glue.cpp). Any crash,
-// sanitizer report, leak or timeout fails the run.
+// libFuzzer target for the readers of untrusted files: any bytes, as a file emakit is given.
+// The first bytes choose the reader, as the file itself would:
+//   0x80 (a pickle's PROTO)   the data.pkl of a torch.save dict (import_state): plain_root, the
+//                             OrderedDict rewrite, then, for a pickle the scan's checker accepts,
+//                             LibTorch's unpickler on what read_pickle_dict would give it
+//   "EMAKITPH"                a post-hoc snapshot (SnapshotReader: the header, then each tensor)
+//   anything else             a checkpoint given to emakit::load(ema, path) or
+//                             EmaHook::load_checkpoint(path): the archive check first
+//                             (detail/serial/archive_scan.hpp), then, for the archives it accepts,
+//                             LibTorch's loader and emakit's own checks (names, shapes, config, CRC-32s)
+// Any crash, sanitizer report, leak or timeout fails the run.
 //
 //   scripts/fuzz.sh                         build, make the seed corpus, run 60 s
 //   EMAKIT_FUZZ_SECONDS=1800 scripts/fuzz.sh
 //
 // Two compilers: this file is built with clang (libFuzzer's coverage, AddressSanitizer,
-// UndefinedBehaviorSanitizer), so the archive check, which stands between the bytes and
-// LibTorch, is instrumented. The loading after it (fuzz_glue.cpp) is built with g++ without
-// instrumentation, like LibTorch itself: clang 14 cannot compile LibTorch 1.13's IValue headers
-// in C++20 with libstdc++ 12 (std::vector<c10::IValue> of an incomplete type).
+// UndefinedBehaviorSanitizer), so the archive check and the pickle rewrite, which stand between
+// the bytes and LibTorch, are instrumented. The rest (fuzz_glue.cpp: LibTorch's loaders and the
+// snapshot reader, whose headers need c10's IValue) is built with g++ without instrumentation, like
+// LibTorch itself: clang 14 cannot compile LibTorch 1.13's IValue headers in C++20 with
+// libstdc++ 12 (std::vector<c10::IValue> of an incomplete type). The snapshot reader is therefore
+// fuzzed blind (no coverage feedback): from valid seeds, with the header's CRC-32 made right
+// (fuzz_glue.cpp), so that mutated headers reach the parser.
 //
 // With EMAKIT_FUZZ_MAKE_CORPUS=<folder> the target writes its seed corpus there and exits.
 #include <emakit/detail/serial/archive_scan.hpp>
@@ -21,10 +30,13 @@
 #include <cstdlib>
 #include <span>
 #include <stdexcept>
+#include <string_view>
 
 // fuzz_glue.cpp
 void emakit_fuzz_make_corpus(const char* folder);
 void emakit_fuzz_load(const char* data, std::size_t size);
+void emakit_fuzz_unpickle(const char* data, std::size_t size);
+void emakit_fuzz_snapshot(const char* data, std::size_t size);
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
   if (const char* folder = std::getenv("EMAKIT_FUZZ_MAKE_CORPUS")) {
@@ -34,8 +46,37 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   return 0;
 }
 
+namespace {
+
+// read_pickle_dict's steps after the archive check, with every data/<n> record 256 bytes long.
+void fuzz_pickle(std::span<const char> bytes) {
+  namespace scan = emakit::detail::archive_scan;
+  const std::string_view pickle(bytes.data(), bytes.size());
+  const auto plain = emakit::detail::plain_root(pickle);
+  try {
+    const scan::PickleRules rules{"the input", nullptr, [](const std::string&) { return std::int64_t{256}; }};
+    if (scan::check_pickle(bytes, rules, scan::Refuse{}).first != scan::Value::Kind::dict) return;
+  } catch (const std::invalid_argument&) {
+    return;  // the scan refuses it: LibTorch never sees it
+  }
+  if (!plain && pickle.starts_with(scan::ordered_dict_root.substr(0, 27))) return;  // refused by read_pickle_dict
+  const std::string_view loaded = plain ? std::string_view(*plain) : pickle;
+  emakit_fuzz_unpickle(loaded.data(), loaded.size());
+}
+
+}  // namespace
+
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::span<const char> bytes(reinterpret_cast<const char*>(data), size);
+  const std::string_view text(bytes.data(), bytes.size());
+  if (text.starts_with('\x80')) {
+    fuzz_pickle(bytes);
+    return 0;
+  }
+  if (text.starts_with("EMAKITPH")) {
+    emakit_fuzz_snapshot(bytes.data(), bytes.size());
+    return 0;
+  }
   try {
     emakit::detail::scan_archive_bytes(bytes, "the input");
   } catch (const std::invalid_argument&) {

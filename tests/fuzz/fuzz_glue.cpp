@@ -1,15 +1,27 @@
 // The loading half of the fuzz target (fuzz_checkpoint.cpp has the why): what emakit does with
-// bytes its archive check accepted, and the seed corpus. Built with g++, not instrumented.
+// bytes its archive check accepted, the snapshot reader, and the seed corpus. Built with g++, not
+// instrumented.
 #include <emakit/aliases.hpp>
 #include <emakit/checkpoint.hpp>
+#include <emakit/detail/serial/archive_scan.hpp>
+#include <emakit/detail/serial/checksum.hpp>
+#include <emakit/detail/serial/snapshot_file.hpp>
 #include <emakit/hooks.hpp>
 
+#include <c10/core/CPUAllocator.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/unpickler.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/serialize.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -54,6 +66,33 @@ void make_corpus(const std::filesystem::path& folder) {
   const std::string hook_file = bytes_of(h);
 
   int n = 0;
+  // The pickles of torch.save files (Python's, in the repository; LibTorch's write_tensor_dict),
+  // OrderedDicts at the root and inside (Lightning's), for the pickle reader.
+  const std::filesystem::path source(EMAKIT_FUZZ_SOURCE_DIR);
+  for (const auto* fixtures : {"tests/conformance/fixtures/roundtrip", "tests/fixtures/posthoc_v1"})
+    for (const auto& entry : std::filesystem::directory_iterator(source / fixtures)) {
+      if (entry.path().extension() != ".pt") continue;
+      caffe2::serialize::PyTorchStreamReader zip(entry.path().string());
+      const auto [data, size] = zip.getRecord("data.pkl");
+      write(folder / ("pickle-" + std::to_string(n++)), std::string(static_cast<const char*>(data.get()), size));
+    }
+  // Snapshots: format 1 (the repository's fixtures) and 2 (written here), for the snapshot reader.
+  for (const auto& entry : std::filesystem::directory_iterator(source / "tests/fixtures/posthoc_v1"))
+    if (entry.path().extension() == ".emkit")
+      std::filesystem::copy_file(entry.path(), folder / ("snapshot-" + std::to_string(n++)),
+                                 std::filesystem::copy_options::overwrite_existing);
+  emakit::SnapshotInfo info{.step = 7, .t = 6, .gamma = 6.9, .sigma_rel = 0.05, .previous_step = 3};
+  for (const auto& item : net.named_parameters())
+    info.tensors.push_back({.name = item.key(), .sizes = item.value().sizes().vec()});
+  info.tensors.push_back(
+      {.name = "steps", .stored_dtype = c10::kLong, .dtype = c10::kLong, .averaged = false, .sizes = {1}});
+  {
+    emakit::detail::SnapshotWriter writer(folder / ("snapshot-" + std::to_string(n++)), info);
+    std::size_t i = 0;
+    for (const auto& item : net.named_parameters()) writer.write(i++, item.value());
+    writer.write(i, torch::zeros({1}, torch::kLong));
+    writer.commit();
+  }
   for (const std::string* good : {&ema_file, &hook_file}) {
     write(folder / ("valid-" + std::to_string(n++)), *good);
     for (std::size_t cut : {good->size() / 2, good->size() - 22, std::size_t{64}})  // truncated
@@ -69,9 +108,51 @@ void make_corpus(const std::filesystem::path& folder) {
 
 }  // namespace
 
-// Valid files (emakit::save / torch::save(ema), hook checkpoints) and broken ones (cut short,
-// bytes flipped).
+// Valid files (emakit::save / torch::save(ema), hook checkpoints, torch.save pickles, snapshots)
+// and broken ones (cut short, bytes flipped).
 void emakit_fuzz_make_corpus(const char* folder) { make_corpus(folder); }
+
+// What read_pickle_dict does with the pickle it has checked and rewritten: LibTorch's unpickler,
+// here with every data/<n> record 256 bytes long (the check held each storage to that).
+void emakit_fuzz_unpickle(const char* data, std::size_t size) {
+  std::size_t at = 0;
+  std::function<std::size_t(char*, std::size_t)> reader = [&](char* buffer, std::size_t n) {
+    n = std::min(n, size - at);
+    std::memcpy(buffer, data + at, n);
+    at += n;
+    return n;
+  };
+  std::function<at::DataPtr(const std::string&)> record = [](const std::string&) {
+    return c10::GetCPUAllocator()->allocate(256);
+  };
+  try {
+    torch::jit::Unpickler unpickler(std::move(reader), torch::jit::TypeResolver{}, torch::jit::ObjLoader{},
+                                    std::move(record), {});
+    unpickler.set_version(3);
+    (void)unpickler.parse_ivalue();
+  } catch (const std::exception&) {
+  }
+}
+
+// A snapshot file of these bytes, its header's CRC-32 made right (libFuzzer cannot find one), read
+// as SnapshotReader reads it: the header, then each tensor.
+void emakit_fuzz_snapshot(const char* data, std::size_t size) {
+  std::string bytes(data, size);
+  std::uint32_t header = 0;
+  if (size >= 16) std::memcpy(&header, data + 12, 4);
+  if (size >= 20 && header <= size - 20) {
+    const std::uint32_t crc = emakit::detail::crc32(bytes.data(), 16 + std::size_t{header});
+    std::memcpy(bytes.data() + 16 + header, &crc, 4);
+  }
+  const int fd = ::memfd_create("emakit-fuzz-snapshot", MFD_CLOEXEC);
+  if (fd < 0 || ::write(fd, bytes.data(), bytes.size()) != static_cast<ssize_t>(bytes.size())) std::abort();
+  try {
+    const emakit::detail::SnapshotReader reader("/proc/self/fd/" + std::to_string(fd));
+    for (std::size_t i = 0; i < reader.info().tensors.size(); ++i) (void)reader.read(i);
+  } catch (const std::exception&) {
+  }
+  ::close(fd);
+}
 
 // LibTorch may still find an accepted file wrong (a bad zip record, a type mismatch) and
 // emakit's checks may refuse it; both throw std::exception, never crash.

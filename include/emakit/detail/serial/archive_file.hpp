@@ -1,8 +1,9 @@
 // Archive files, the one read path and the one write path of every emakit checkpoint: a file is
-// written atomically (atomic_file.hpp) and read only after archive_scan.hpp has checked it, so
-// LibTorch's loader never runs on a file that holds code, unknown records or oversized tensors.
+// written atomically (atomic_file.hpp) and read into memory once; archive_scan.hpp checks those
+// bytes and LibTorch loads the same bytes, so its loader never runs on a file that holds code,
+// unknown records or oversized tensors, even one replaced between the check and the load.
 //
-//   read_archive(archive, path, "emakit::load")      // an OutputArchive file: scan, then load
+//   read_archive(archive, path, "emakit::load")      // an OutputArchive file: read, scan, load
 //   write_archive(archive, path)                      // atomically
 //   read_pickle_dict(path, "import_state")            // a torch.save file of a dict or state_dict()
 //

@@ -10,6 +10,7 @@
 #include <emakit/detail/serial/archive_scan.hpp>
 
 #include <emakit/detail/errors.hpp>
+#include <emakit/detail/serial/atomic_file.hpp>
 
 #include <c10/util/Exception.h>
 #include <caffe2/serialize/inline_container.h>
@@ -33,6 +34,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -214,6 +216,25 @@ inline std::string_view kind_name(Value::Kind k) {
   return names[static_cast<std::size_t>(k)];
 }
 
+// Where a pickle's containers are filled, recorded by PickleChecker when asked: what plain_root
+// rewrites (archive_scan.hpp). An offset is a byte of the pickle; a value is an id of the walk.
+struct PickleLayout {
+  struct OrderedDict {
+    std::size_t start;  // where the code of its collections.OrderedDict() starts
+    std::size_t made;   // the byte after its REDUCE
+    bool root;          // made at the bottom of the stack
+  };
+  struct Fill {
+    unsigned char op;     // SETITEM 's', SETITEMS 'u', APPEND 'a' or BUILD 'b'
+    std::size_t at;       // the opcode's offset
+    std::size_t operand;  // where the code of its first operand starts (key, value, state)
+    std::size_t target;   // the value filled
+    bool root;            // the target is at the bottom of the stack
+  };
+  std::map<std::size_t, OrderedDict> ordered;  // by value
+  std::vector<Fill> fills;                     // in pickle order
+};
+
 struct PickleRules {
   std::string record;                                                // for messages
   const std::set<std::string>* classes = nullptr;                    // declared __torch__ classes ("mod.Name")
@@ -222,11 +243,14 @@ struct PickleRules {
 
 // The abstract unpickler: the state a real unpickler keeps (values, stack, marks, memo), with one
 // handler per accepted opcode in a table (opcode_table below). An opcode without a handler is
-// refused. Every handler checks its operands before it changes the state.
+// refused. Every handler checks its operands before it changes the state. Each stack entry
+// also keeps where its code starts (the first operand's, for a value made of operands): with a
+// `layout`, the fills of containers and the OrderedDicts are recorded there.
 class PickleChecker {
  public:
-  PickleChecker(std::span<const char> bytes, const PickleRules& rules, const Refuse& refuse)
-      : bytes_(bytes), rules_(rules), refuse_(refuse) {}
+  PickleChecker(std::span<const char> bytes, const PickleRules& rules, const Refuse& refuse,
+                PickleLayout* layout = nullptr)
+      : bytes_(bytes), rules_(rules), refuse_(refuse), layout_(layout) {}
 
   // Runs the pickle to STOP; returns the root value's kind and, for a tuple, its length.
   std::pair<Value::Kind, std::size_t> run();
@@ -256,21 +280,32 @@ class PickleChecker {
     values_.push_back(std::move(v));
     return values_.size() - 1;
   }
-  void push(Value v) { stack_.push_back(make(std::move(v))); }
-  std::size_t floor() const { return marks_.empty() ? std::size_t{0} : marks_.back(); }
+  void push(Value v) { push_id(make(std::move(v))); }
+  void push_id(std::size_t id) {  // its code starts where this opcode's first operand's does
+    stack_.push_back(id);
+    starts_.push_back(first_);
+  }
+  std::size_t floor() const { return marks_.empty() ? std::size_t{0} : marks_.back().first; }
   std::size_t pop() {
     if (stack_.size() <= floor()) bad("the stack is empty");
     const std::size_t id = stack_.back();
+    first_ = starts_.back();
     stack_.pop_back();
+    starts_.pop_back();
     return id;
   }
   std::vector<std::size_t> pop_mark() {
     if (marks_.empty()) bad("no MARK to pop to");
-    const std::size_t at = marks_.back();
+    const auto [at, mark_at] = marks_.back();
     marks_.pop_back();
     std::vector<std::size_t> items(stack_.begin() + static_cast<std::ptrdiff_t>(at), stack_.end());
     stack_.resize(at);
+    starts_.resize(at);
+    first_ = mark_at;
     return items;
+  }
+  void record_fill(std::size_t target) {  // after the operands are popped
+    if (layout_ != nullptr) layout_->fills.push_back({op_, op_at_, first_, target, stack_.size() == 1});
   }
   std::size_t top() const {
     if (stack_.size() <= floor()) bad("the stack is empty");
@@ -407,14 +442,14 @@ class PickleChecker {
     const auto key = static_cast<std::uint32_t>(le(op_ == 'h' ? 1 : 4));
     const auto it = memo_.find(key);
     if (it == memo_.end()) bad(fmt::format("the memo has no entry {}", key));
-    stack_.push_back(it->second);
+    push_id(it->second);
   }
   void empty_tuple() { push(Value{.kind = Value::Kind::tuple}); }
   void empty_dict() { push(Value{.kind = Value::Kind::dict}); }
   void empty_list() { push(Value{.kind = Value::Kind::list}); }
   void mark() {
     if (marks_.size() >= 1000) bad("more than 1000 nested MARKs");
-    marks_.push_back(stack_.size());
+    marks_.emplace_back(stack_.size(), op_at_);
   }
   void tuple() { push(Value{.kind = Value::Kind::tuple, .items = pop_mark()}); }
   void small_tuple() {  // TUPLE1..3
@@ -447,13 +482,13 @@ class PickleChecker {
     const char* p = need(static_cast<std::size_t>(n));
     push(Value{.kind = Value::Kind::string, .text = std::string(p, static_cast<std::size_t>(n))});
   }
-  void append() {
-    (void)pop();
+  void append() {  // APPEND, APPENDS
+    if (op_ == 'a')
+      (void)pop();
+    else
+      (void)pop_mark();
     if (values_[top()].kind != Value::Kind::list) bad("APPEND to something other than a list");
-  }
-  void appends() {
-    (void)pop_mark();
-    if (values_[top()].kind != Value::Kind::list) bad("APPENDS to something other than a list");
+    record_fill(top());
   }
   void setitems() {  // SETITEM, SETITEMS
     std::vector<std::size_t> items;
@@ -465,6 +500,7 @@ class PickleChecker {
     }
     if (items.size() % 2 != 0) bad("SETITEMS with an odd number of keys and values");
     if (values_[top()].kind != Value::Kind::dict) bad("SETITEM on something other than a dict");
+    record_fill(top());
     for (std::size_t i = 0; i < items.size(); i += 2) {
       const auto k = values_[items[i]].kind;
       if (k != Value::Kind::string && k != Value::Kind::integer && k != Value::Kind::boolean &&
@@ -484,6 +520,7 @@ class PickleChecker {
       push(rebuild_tensor(a));
     } else if (name == "collections.OrderedDict") {
       if (!a.empty()) bad("OrderedDict called with arguments");
+      if (layout_ != nullptr) layout_->ordered[values_.size()] = {first_, pos_, stack_.empty()};
       push(Value{.kind = Value::Kind::dict});
     } else if (name == "torch.jit._pickle.restore_type_tag") {
       // (value, "Dict[str, Tensor]"): the value with its TorchScript type; the type is parsed
@@ -491,7 +528,7 @@ class PickleChecker {
       if (a.size() != 2 || values_[a[1]].kind != Value::Kind::string) bad("restore_type_tag without (value, type)");
       const std::string& type = values_[a[1]].text;
       if (type.size() > 256 || !is_type_text(type)) bad(fmt::format("the type tag '{}'", shown(type)));
-      stack_.push_back(a[0]);  // the same value, shared
+      push_id(a[0]);  // the same value, shared
     } else if (name.starts_with("torch.jit._pickle.build_")) {
       if (a.size() != 1 || values_[a[0]].kind != Value::Kind::list) bad(fmt::format("{} without one list", name));
       push(Value{.kind = Value::Kind::list});
@@ -514,6 +551,7 @@ class PickleChecker {
     if (values_[state].kind != Value::Kind::dict) bad("BUILD with a state that is not a dict");
     if (values_[target].kind != Value::Kind::object && values_[target].kind != Value::Kind::dict)
       bad(fmt::format("BUILD of a {}", kind_name(values_[target].kind)));
+    record_fill(target);
   }
   void stop() {
     if (!marks_.empty()) bad("STOP inside a MARK");
@@ -525,12 +563,15 @@ class PickleChecker {
   std::span<const char> bytes_;
   const PickleRules& rules_;
   const Refuse& refuse_;
-  std::vector<Value> values_;       // arena: ids index it; no ownership cycles
-  std::vector<std::size_t> stack_;  // value ids
-  std::vector<std::size_t> marks_;  // stack sizes at MARK
+  std::vector<Value> values_;  // arena: ids index it; no ownership cycles
+  PickleLayout* layout_;
+  std::vector<std::size_t> stack_;                          // value ids
+  std::vector<std::size_t> starts_;                         // where each entry's code starts
+  std::vector<std::pair<std::size_t, std::size_t>> marks_;  // stack size at MARK, its offset
   std::map<std::uint32_t, std::size_t> memo_;
   std::size_t pos_ = 0;
   std::size_t op_at_ = 0;
+  std::size_t first_ = 0;  // where the code of this opcode's first operand starts
   unsigned char op_ = 0;
   bool stopped_ = false;
 };
@@ -548,7 +589,7 @@ struct PickleChecker::OpcodeTable {
         {0x88, &PickleChecker::boolean},     {0x89, &PickleChecker::boolean},     {'K', &PickleChecker::binint1},
         {'M', &PickleChecker::binint2},      {'J', &PickleChecker::binint},       {0x8a, &PickleChecker::long1},
         {'G', &PickleChecker::binfloat},     {'X', &PickleChecker::unicode},      {0x8c, &PickleChecker::unicode},
-        {'a', &PickleChecker::append},       {'e', &PickleChecker::appends},      {'s', &PickleChecker::setitems},
+        {'a', &PickleChecker::append},       {'e', &PickleChecker::append},       {'s', &PickleChecker::setitems},
         {'u', &PickleChecker::setitems},     {'Q', &PickleChecker::binpersid},    {'R', &PickleChecker::reduce},
         {0x81, &PickleChecker::newobj},      {'b', &PickleChecker::build},        {'.', &PickleChecker::stop},
     };
@@ -561,7 +602,7 @@ inline std::pair<Value::Kind, std::size_t> PickleChecker::run() {
   if (bytes_.size() < 2 || static_cast<unsigned char>(bytes_[0]) != 0x80)
     refuse_("{} is not a pickle (it does not start with the PROTO opcode)", rules_.record);
   while (!stopped_) {
-    op_at_ = pos_;
+    op_at_ = first_ = pos_;
     if (pos_ >= bytes_.size()) bad("the pickle ends without STOP");
     op_ = static_cast<unsigned char>(bytes_[pos_++]);
     const Handler h = table.handler[op_];
@@ -681,20 +722,98 @@ void scan(const Open& open, const Refuse& refuse, Root root = Root::module) {
 
 }  // namespace archive_scan
 
-EMAKIT_FUNC void scan_archive_file(const std::filesystem::path& path, std::string_view what, archive_scan::Root root) {
-  const archive_scan::Refuse refuse{fmt::format("{}: refusing '{}': ", what, path.string())};
-  archive_scan::scan([&] { return std::make_unique<caffe2::serialize::PyTorchStreamReader>(path.string()); }, refuse,
-                     root);
+namespace archive_scan {
+
+inline void scan_bytes(std::span<const char> bytes, const Refuse& refuse, Root root) {
+  scan([&] { return std::make_unique<caffe2::serialize::PyTorchStreamReader>(std::make_shared<SpanReader>(bytes)); },
+       refuse, root);
 }
 
-EMAKIT_FUNC void scan_archive_bytes(std::span<const char> bytes, std::string_view where) {
-  const archive_scan::Refuse refuse{fmt::format("refusing {}: ", where)};
-  archive_scan::scan(
-      [&] {
-        return std::make_unique<caffe2::serialize::PyTorchStreamReader>(
-            std::make_shared<archive_scan::SpanReader>(bytes));
-      },
-      refuse);
+}  // namespace archive_scan
+
+EMAKIT_FUNC void scan_archive_bytes(std::span<const char> bytes, std::string_view where, archive_scan::Root root) {
+  archive_scan::scan_bytes(bytes, archive_scan::Refuse{fmt::format("refusing {}: ", where)}, root);
+}
+
+EMAKIT_FUNC std::vector<char> read_scanned_file(const std::filesystem::path& path, std::string_view what,
+                                                archive_scan::Root root) {
+  std::vector<char> bytes = read_file_bytes(path, what);
+  archive_scan::scan_bytes(bytes, archive_scan::Refuse{fmt::format("{}: refusing '{}': ", what, path.string())}, root);
+  if (const auto hook = testing::after_scan()) hook(path);
+  return bytes;
+}
+
+EMAKIT_FUNC std::optional<std::string> plain_root(std::string_view pickle) {
+  using archive_scan::ordered_dict_root;
+  const bool ordered = pickle.starts_with(ordered_dict_root);
+  if (!ordered && !pickle.starts_with(std::string_view("\x80\x02}", 3))) return std::nullopt;
+  archive_scan::PickleLayout layout;
+  try {  // the scan checked the tensors against their records already
+    const archive_scan::PickleRules rules{"data.pkl", nullptr, [](const std::string&) { return INT64_MAX; }};
+    archive_scan::PickleChecker(std::span<const char>(pickle.data(), pickle.size()), rules, archive_scan::Refuse{},
+                                &layout)
+        .run();
+  } catch (const std::invalid_argument&) {
+    return std::nullopt;
+  }
+  struct Edit {
+    std::size_t at;       // offset in the original pickle
+    std::size_t removed;  // bytes removed there
+    std::string inserted;
+    std::size_t order = 0;  // at one offset: the end of a value first, then the outermost value's start
+  };
+  std::vector<Edit> edits;
+  const auto opens = [&](std::size_t at, std::string text) {  // a value starts at `at`: later, outer
+    edits.push_back({at, 0, std::move(text), SIZE_MAX - edits.size()});
+  };
+  const auto mark_key = [](std::string_view key) {  // MARK, BINUNICODE key
+    std::string out("(X", 2);
+    for (int byte = 0; byte < 4; ++byte) out += static_cast<char>((key.size() >> (8 * byte)) & 0xFF);
+    return out += key;
+  };
+  if (ordered)  // PROTO 2, EMPTY_DICT, MARK placeholder, GLOBAL, BINPUT 0, EMPTY_TUPLE, REDUCE, SETITEMS, BINPUT 1
+    edits.push_back({0, ordered_dict_root.size(),
+                     "\x80\x02}" + mark_key(archive_scan::placeholder) + std::string(ordered_dict_root.substr(2, 29)) +
+                         "u" + std::string(ordered_dict_root.substr(31))});
+  std::set<std::size_t> made_plain;
+  const auto make_plain = [&](std::size_t value) {  // a nested OrderedDict, once
+    const auto it = layout.ordered.find(value);
+    if (it == layout.ordered.end() || it->second.root || !made_plain.insert(value).second) return;
+    opens(it->second.start, "}" + mark_key(archive_scan::nested_placeholder));
+    edits.push_back({it->second.made, 0, "u"});
+  };
+  for (const auto& fill : layout.fills) {
+    if (fill.op == 'b' && fill.root) {  // the root's _metadata: dropped, with the edits inside it
+      std::erase_if(edits, [&](const Edit& e) { return e.at >= fill.operand && e.at <= fill.at; });
+      edits.push_back({fill.operand, fill.at + 1 - fill.operand, ""});
+    } else if (fill.op == 'b' && layout.ordered.contains(fill.target)) {  // under the nested placeholder
+      make_plain(fill.target);
+      opens(fill.operand, mark_key(archive_scan::nested_placeholder));
+      edits.push_back({fill.at, 1, "u"});
+    } else if (fill.op == 's' || fill.op == 'u') {
+      make_plain(fill.target);
+      if (fill.op == 's') opens(fill.operand, "("), edits.push_back({fill.at, 1, "u"});
+    } else if (fill.op == 'a') {
+      opens(fill.operand, "("), edits.push_back({fill.at, 1, "e"});
+    }
+  }
+  if (edits.empty()) return std::nullopt;
+  std::stable_sort(edits.begin(), edits.end(),
+                   [](const Edit& a, const Edit& b) { return std::tie(a.at, a.order) < std::tie(b.at, b.order); });
+  std::string out;
+  std::size_t copied = 0;
+  for (const auto& e : edits) {
+    if (e.at < copied) return std::nullopt;  // overlapping edits: not a pickle this reads
+    out.append(pickle.substr(copied, e.at - copied));
+    out += e.inserted;
+    copied = e.at + e.removed;
+  }
+  return out.append(pickle.substr(copied));
+}
+
+EMAKIT_FUNC testing::AfterScan& testing::after_scan() noexcept {
+  static AfterScan hook = nullptr;
+  return hook;
 }
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

@@ -53,8 +53,11 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <span>
+#include <string>
 #include <string_view>
+#include <vector>
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
@@ -80,16 +83,60 @@ class SpanReader final : public caffe2::serialize::ReadAdapterInterface {
 // of a plain dict, which also writes the records .format_version and .storage_alignment).
 enum class Root : std::uint8_t { module, dict };
 
+// plain_root's signature of an OrderedDict root, and its placeholder keys (see plain_root).
+constexpr std::string_view ordered_dict_root{"\x80\x02"
+                                             "ccollections\nOrderedDict\nq\x00)Rq\x01",
+                                             33};
+constexpr std::string_view placeholder{"\0emakit:OrderedDict\0", 20};
+constexpr std::string_view nested_placeholder{"\0emakit:NestedOrderedDict\0", 26};
+
 }  // namespace archive_scan
 
-// Throws std::invalid_argument "emakit: <what>: refusing '<path>': <reason>" unless the archive at
-// `path` holds only what an emakit checkpoint may hold (see the table above); with Root::dict, a
-// torch.save file of a plain dict of tensors and plain values.
-EMAKIT_FUNC void scan_archive_file(const std::filesystem::path& path, std::string_view what,
-                                   archive_scan::Root root = archive_scan::Root::module);
+// Reads the file at `path` into memory in one open, scans those bytes and returns them: a caller
+// loads the bytes that were checked, never the path again (a file replaced meanwhile, a symlink
+// swapped, is not read). Throws std::invalid_argument "emakit: <what>: refusing '<path>': <reason>"
+// unless the archive holds only what an emakit checkpoint may hold (see the table above); with
+// Root::dict, a torch.save file of a plain dict of tensors and plain values.
+EMAKIT_FUNC std::vector<char> read_scanned_file(const std::filesystem::path& path, std::string_view what,
+                                                archive_scan::Root root = archive_scan::Root::module);
 
-// The same for bytes in memory (`where` names them in errors).
-EMAKIT_FUNC void scan_archive_bytes(std::span<const char> bytes, std::string_view where);
+// The same scan for bytes in memory (`where` names them in errors).
+EMAKIT_FUNC void scan_archive_bytes(std::span<const char> bytes, std::string_view where,
+                                    archive_scan::Root root = archive_scan::Root::module);
+
+// Python's torch.save(model.state_dict()) pickles (protocol 2, torch.save's) an OrderedDict:
+//   PROTO 2, GLOBAL 'collections OrderedDict', BINPUT 0, EMPTY_TUPLE, REDUCE, BINPUT 1,
+//   the items (MARK key value ... SETITEMS, in batches of 1000; a batch of one is key value
+//   SETITEM), then its _metadata: a dict, BUILD, STOP.
+// LibTorch's unpickler (1.13 and 2.x alike) makes OrderedDict() None (it knows that global only
+// as a tensor's empty backward hooks) and then fails on the items with an internal assert; it
+// reads neither SETITEM nor BUILD on a dict. plain_root rewrites such a pickle into the plain
+// dict it holds, with opcodes that unpickler reads:
+//   PROTO 2, EMPTY_DICT, MARK, BINUNICODE placeholder, GLOBAL 'collections OrderedDict',
+//   BINPUT 0, EMPTY_TUPLE, REDUCE, SETITEMS, BINPUT 1 (the global stays memoized at 0 for the
+//   tensors that name it; the placeholder key holds the None it makes and is removed after
+//   unpickling), the items with each root-level SETITEM made MARK key value SETITEMS, and no
+//   _metadata (its BUILD and the dict before it are dropped). A plain dict's root-level SETITEM
+//   (a dict of one entry, or 1000k + 1) is made MARK key value SETITEMS too.
+// An OrderedDict inside the dict (a Lightning checkpoint's current_model_state: a model's
+// state_dict()) is made a plain dict too, with opcodes LibTorch reads (it has no POP): the
+// OrderedDict() that receives items (SETITEM(S)) or its _metadata (BUILD) becomes EMPTY_DICT,
+// MARK, BINUNICODE nested_placeholder, <the global> EMPTY_TUPLE REDUCE (None), SETITEMS (the global
+// stays memoized), and its BUILD becomes MARK nested_placeholder <the _metadata> SETITEMS; the
+// placeholder key is removed from every dict after unpickling. OrderedDict() with neither, a
+// tensor's empty backward hooks, stays as it is. Every SETITEM, at any depth, becomes MARK key
+// value SETITEMS, and every APPEND MARK value APPENDS.
+// The edits come from one walk of the pickle by the scan's checker, which records where each
+// container is filled and each OrderedDict made (PickleLayout); a pickle it refuses, or one that
+// needs no edit, gives nullopt (LibTorch then reads it or fails, and read_pickle_dict says so).
+EMAKIT_FUNC std::optional<std::string> plain_root(std::string_view pickle);
+
+namespace testing {
+// A test's seam: when set, read_scanned_file calls it with the path after the scan, before it
+// returns (a test replaces the file there and checks that what loads is what was scanned).
+using AfterScan = void (*)(const std::filesystem::path&);
+EMAKIT_FUNC AfterScan& after_scan() noexcept;
+}  // namespace testing
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 

@@ -28,6 +28,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
@@ -178,6 +179,20 @@ EMAKIT_FUNC void write_file_atomically(const std::filesystem::path& target, std:
   AtomicFile file(target);
   file.write(bytes.data(), bytes.size());
   file.commit();
+}
+
+EMAKIT_FUNC std::vector<char> read_file_bytes(const std::filesystem::path& path, std::string_view what) {
+  const FileDescriptor fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd) fail_runtime("{}: cannot open '{}': {}", what, path.string(), errno_text(errno));
+  struct ::stat info {};
+  if (::fstat(fd.get(), &info) != 0) fail_runtime("{}: cannot read '{}': {}", what, path.string(), errno_text(errno));
+  if (!S_ISREG(info.st_mode)) fail_runtime("{}: '{}' is not a regular file", what, path.string());
+  std::vector<char> bytes(static_cast<std::size_t>(info.st_size));
+  char past_end = 0;
+  if (read_at(fd.get(), 0, bytes.data(), bytes.size(), path) != bytes.size() ||
+      read_at(fd.get(), bytes.size(), &past_end, 1, path) != 0)
+    fail_runtime("{}: '{}' changed size while it was read ({} bytes when opened)", what, path.string(), bytes.size());
+  return bytes;
 }
 
 EMAKIT_FUNC void check_writable_folder(const std::filesystem::path& folder, const std::filesystem::path& target) {

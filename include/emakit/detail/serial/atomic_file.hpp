@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <span>
 #include <string_view>
+#include <vector>
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
@@ -27,6 +28,11 @@ EMAKIT_FUNC bool is_temporary_name(std::string_view filename);
 
 // Writes `bytes` to `target` atomically.
 EMAKIT_FUNC void write_file_atomically(const std::filesystem::path& target, std::span<const char> bytes);
+
+// The whole of `path`, read in one open: a caller that checks these bytes and then uses them uses
+// what it checked, whatever replaces the file meanwhile. Throws std::runtime_error naming `what`
+// and the file if it cannot be opened or read, or if its size changes while it is read.
+EMAKIT_FUNC std::vector<char> read_file_bytes(const std::filesystem::path& path, std::string_view what);
 
 // Throws unless a file can be created in `folder` (creates and removes a temporary file). The
 // error names `target` when given (the file about to be written), else the folder.
