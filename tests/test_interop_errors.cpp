@@ -14,9 +14,15 @@
 
 #include <catch2/catch.hpp>
 
+#include <fmt/format.h>
+
+#include <cstddef>
 #include <filesystem>
 #include <optional>
+#include <set>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 namespace test_interop_errors {  // this file's names (unity batches: tests/CMakeLists.txt)
@@ -691,6 +697,75 @@ TEST_CASE("diffusers: a tied weight is one entry of shadow_params, as model.para
   CHECK_THROWS_WITH(emakit::import_state(refused, emakit::Peer::diffusers, dir.path / "four.pt"),
                     Contains("shadow_params holds 4 tensors, this EMA averages 3 distinct ones (and 1 tied name)"));
   CHECK(same_averages(refused.averages(), before));
+}
+
+namespace {
+
+// The name of Peer's enumerator of value V ("ema_pytorch"), or "" when no enumerator has it: the
+// compiler spells a template argument by its enumerator's name, and another value as a cast,
+// "(emakit::header_only::Peer)7".
+template <emakit::Peer V>
+constexpr std::string_view enumerator_name() {
+  const std::string_view signature = __PRETTY_FUNCTION__;
+  const std::string_view marker = "V = ";
+  const std::size_t start = signature.find(marker) + marker.size();
+  const std::string_view value = signature.substr(start, signature.find_first_of(";]", start) - start);
+  if (value.empty() || value.front() == '(' || (value.front() >= '0' && value.front() <= '9')) return {};
+  return value.substr(value.rfind(':') + 1);
+}
+static_assert(enumerator_name<emakit::Peer::ema_pytorch>() == "ema_pytorch" &&
+                  enumerator_name<emakit::Peer::nvalchemi_hook>() == "nvalchemi_hook" &&
+                  enumerator_name<static_cast<emakit::Peer>(200)>().empty(),
+              "enumerator_name: this compiler spells a template argument of enum type otherwise");
+
+// The enumerator name of each value of Peer's underlying type (std::uint8_t: all 256).
+template <std::size_t... I>
+std::vector<std::string_view> enumerator_names(std::index_sequence<I...>) {
+  return {enumerator_name<static_cast<emakit::Peer>(I)>()...};
+}
+
+}  // namespace
+
+TEST_CASE("Every Peer enumerator has one codec, named as the enumerator, and another value is refused by name",
+          "[interop][errors]") {
+  const std::vector<std::string_view> names = enumerator_names(std::make_index_sequence<256>());
+  std::set<std::string_view> ids;
+  std::optional<std::size_t> unknown;
+  for (std::size_t v = 0; v < names.size(); ++v) {
+    const auto peer = static_cast<emakit::Peer>(v);
+    if (names[v].empty()) {
+      // Before: "interop: unknown Peer value 7", from the name table; now it lists the codecs.
+      CHECK_THROWS_WITH(emakit::detail::interop::codec(peer),
+                        Contains(fmt::format("interop: unknown Peer value {}; emakit has a codec for ", v)) &&
+                            Contains("Peer::ema_pytorch (0), Peer::timm_v3 (1)"));
+      if (!unknown) unknown = v;
+      continue;
+    }
+    INFO("Peer::" << names[v] << " (" << v << ")");
+    const emakit::detail::interop::Codec& codec = emakit::detail::interop::codec(peer);
+    CHECK(codec.peer == peer);
+    CHECK(codec.id == names[v]);
+    CHECK(ids.insert(codec.id).second);
+    CHECK(codec.write != nullptr);
+    CHECK(codec.read != nullptr);
+    CHECK(!codec.name.empty());
+    CHECK(!codec.save_call.empty());
+    CHECK(!codec.inner_call.empty());
+  }
+  CHECK(ids.size() >= 7);  // ema_pytorch ... nvalchemi_hook: the enumerators were found
+  REQUIRE(unknown);
+
+  // Through the public calls: nothing written, nothing loaded.
+  TempDir dir;
+  TinyNet model;
+  auto ema = emakit::ema_pytorch(*model);
+  const auto bad = static_cast<emakit::Peer>(*unknown);
+  const std::string message = fmt::format("interop: unknown Peer value {};", *unknown);
+  CHECK_THROWS_WITH(emakit::export_state(ema, bad, dir.path / "bad.pt"), Contains(message));
+  CHECK(!std::filesystem::exists(dir.path / "bad.pt"));
+  emakit::export_state(ema, emakit::Peer::ema_pytorch, dir.path / "ema.pt");
+  CHECK_THROWS_WITH(emakit::import_state(ema, bad, dir.path / "ema.pt"), Contains(message));
+  CHECK(ema.num_updates() == 0);
 }
 
 }  // namespace test_interop_errors

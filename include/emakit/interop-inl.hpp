@@ -1,5 +1,7 @@
 // The non-template definitions of interop.hpp: included at the end of interop.hpp in header-only mode,
 // compiled once into the emakit library (src/emakit.cpp) in compiled mode (detail/config.hpp).
+// The helpers every peer uses, then one section per peer (its config, its file both ways), then the
+// codec table (one codec per peer, in Peer's order) and the core of export_state and import_state.
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
@@ -14,36 +16,18 @@
 #include <c10/util/Exception.h>
 
 #include <ATen/core/List.h>
+#include <ATen/ops/scalar_tensor.h>
 
 #include <algorithm>
 #include <iterator>
+#include <utility>
 #include <vector>
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail::interop {
 
-EMAKIT_FUNC const PeerText& peer_text(Peer peer) {
-  static constexpr PeerText table[] = {
-      {"ema_model.", "an ema-pytorch EMA", "torch.save(ema.state_dict(), path)", "ema.ema_model.state_dict()"},
-      {"module.", "a timm ModelEmaV3", "torch.save(ema.state_dict(), path)", "ema.module.state_dict()"},
-      {"module.", "a torch AveragedModel", "torch.save(averaged_model.state_dict(), path)",
-       "averaged_model.module.state_dict()"},
-      {"", "a diffusers EMAModel", "torch.save(ema.state_dict(), path)", "ema.shadow_params"},
-      {"", "a luxonis-train EMACallback", "torch.save(callback.state_dict(), path)", "callback.ema.state_dict_ema"},
-      {"", "a Lightning EMAWeightAveraging checkpoint", "trainer.save_checkpoint(path)",
-       "the model's own state_dict()"},
-      {"module.", "an nvalchemi EMAHook", "torch.save(hook.state_dict(), path)",
-       "hook.get_averaged_model().state_dict()"},
-  };
-  static_assert(static_cast<int>(Peer::ema_pytorch) == 0 && static_cast<int>(Peer::timm_v3) == 1 &&
-                static_cast<int>(Peer::averaged_model) == 2 && static_cast<int>(Peer::diffusers) == 3 &&
-                static_cast<int>(Peer::luxonis_callback) == 4 && static_cast<int>(Peer::lightning) == 5 &&
-                static_cast<int>(Peer::nvalchemi_hook) == 6);
-  const auto i = static_cast<std::size_t>(peer);
-  if (i >= std::size(table)) fail("interop: unknown Peer value {}", i);
-  return table[i];
-}
-
 // No anonymous namespace: the helpers below are EMAKIT_FUNC (external linkage in compiled mode).
+
+// ---- what every peer uses -----------------------------------------------------------------
 
 EMAKIT_FUNC const at::Tensor* entry(const c10::impl::GenericDict& dict, const std::string& key) {
   const auto it = dict.find(key);
@@ -73,13 +57,12 @@ EMAKIT_FUNC bool holds_unprefixed(const c10::impl::GenericDict& dict, const std:
 // What the file holds where it should hold the `missing` names (under the peer's prefix), as a
 // sentence for a message; `matched`: how many of this EMA's tensors it does hold. Empty when it
 // holds none of them under another key and some of this EMA's tensors under the peer's.
-EMAKIT_FUNC std::string holds_instead(const c10::impl::GenericDict& dict, Peer peer,
+EMAKIT_FUNC std::string holds_instead(const c10::impl::GenericDict& dict, const Codec& peer,
                                       const std::vector<std::string>& missing, std::size_t matched) {
   for (const auto& name : missing)
     if (entry(dict, name) != nullptr)
-      return fmt::format("it holds '{}' instead: saved from {}? Save the whole {} state ({})", name,
-                         peer_text(peer).inner_call, peer_text(peer).name.substr(peer_text(peer).name.find(' ') + 1),
-                         peer_text(peer).save_call);
+      return fmt::format("it holds '{}' instead: saved from {}? Save the whole {} state ({})", name, peer.inner_call,
+                         peer.name.substr(peer.name.find(' ') + 1), peer.save_call);
   for (const auto& name : missing) {
     for (const auto& item : dict) {
       if (!item.key().isString()) continue;
@@ -97,39 +80,13 @@ EMAKIT_FUNC std::string holds_instead(const c10::impl::GenericDict& dict, Peer p
                      dict.size(), fmt::join(keys, ", "), dict.size() > keys.size() ? ", ..." : "");
 }
 
-EMAKIT_FUNC PeerFile read_peer_file(const c10::impl::GenericDict& dict, Peer peer, const std::string& path,
-                                    const StateDict& state) {
+// The tensors of `dict` under this EMA's keys (prefix + name) as average.<name>, with the config
+// entries of this EMA's own state: a file whose tensors are named as the model names them.
+EMAKIT_FUNC PeerFile read_named(const ReadContext& in, const c10::impl::GenericDict& dict, std::string_view prefix) {
   PeerFile f;
-  f.prefix = std::string(peer_text(peer).prefix);
-  const std::vector<std::string> names = average_names(state);
-  const bool prefixed = holds_prefixed(dict, f.prefix);
-  // timm's ModelEmaV3 has no counters: its own checkpoints hold ema.module.state_dict(), which is
-  // the whole state. The other peers' inner model lacks their counters: refused below.
-  if (peer == Peer::timm_v3 && !prefixed && holds_unprefixed(dict, names)) f.prefix.clear();
-  const auto unprefixed =
-      std::find_if(names.begin(), names.end(), [&](const auto& n) { return entry(dict, n) != nullptr; });
-  const std::string hint = !prefixed && unprefixed != names.end()
-                               ? fmt::format(": its keys are the model's own ('{}'): saved from {}? Save {}",
-                                             *unprefixed, peer_text(peer).inner_call, peer_text(peer).save_call)
-                               : std::string();
-  if (peer == Peer::ema_pytorch) {
-    const at::Tensor* s = entry(dict, "step");
-    const at::Tensor* initted = entry(dict, "initted");
-    if (s == nullptr || initted == nullptr)
-      fail("import_state: '{}' has no 'step' and 'initted': not an ema-pytorch EMA state{}", path, hint);
-    const std::string where = fmt::format("import_state: '{}'", path);
-    f.step = integer_value(*s, "step", where);
-    if (f.step < 0) fail("{}: step must be >= 0, got {}", where, f.step);
-    f.initted = number_value(*initted, "initted", where) != 0;
-  } else if (peer == Peer::averaged_model || peer == Peer::nvalchemi_hook) {
-    const at::Tensor* n = entry(dict, "n_averaged");
-    if (n == nullptr)
-      fail("import_state: '{}' has no 'n_averaged'{}: not an AveragedModel state{}", path,
-           peer == Peer::nvalchemi_hook ? " in averaged_model_state" : "", hint);
-    f.n_averaged = integer_value(*n, "n_averaged", fmt::format("import_state: '{}'", path));
-    if (f.n_averaged < 0) fail("import_state: '{}': n_averaged must be >= 0, got {}", path, f.n_averaged);
-  }
-  for (const auto& item : state) {
+  f.prefix = std::string(prefix);
+  f.tensors = dict;
+  for (const auto& item : in.state) {
     const std::string& key = item.key();
     if (ema_state::is_average_key(key)) {
       const at::Tensor* t = entry(dict, f.prefix + ema_state::average_name(key));
@@ -139,6 +96,18 @@ EMAKIT_FUNC PeerFile read_peer_file(const c10::impl::GenericDict& dict, Peer pee
     }
   }
   return f;
+}
+
+// For a message on missing counters: when `dict` holds no key under the peer's prefix but one of
+// this EMA's names without it, the peer's averaged model saved alone, and how to save the state.
+EMAKIT_FUNC std::string inner_model_hint(const ReadContext& in, const c10::impl::GenericDict& dict) {
+  if (holds_prefixed(dict, in.codec.prefix)) return {};
+  const std::vector<std::string> names = average_names(in.state);
+  const auto unprefixed =
+      std::find_if(names.begin(), names.end(), [&](const auto& n) { return entry(dict, n) != nullptr; });
+  if (unprefixed == names.end()) return {};
+  return fmt::format(": its keys are the model's own ('{}'): saved from {}? Save {}", *unprefixed, in.codec.inner_call,
+                     in.codec.save_call);
 }
 
 // emakit's key (average.<name>) in a report line, as the peer's file names it.
@@ -153,8 +122,10 @@ EMAKIT_FUNC std::string to_peer_key(std::string text, const std::string& prefix)
   return text;
 }
 
-EMAKIT_FUNC LoadReport peer_report(const LoadReport& found, const PeerFile& file, const c10::impl::GenericDict& dict,
-                                   Peer peer, const std::string& path, LoadMode mode) {
+// `found` (this EMA's check of the file's tensors) in the peer's keys. Strict mode: throws when it
+// is not clean, naming each key the file should hold and what it holds instead. Lenient: warns.
+EMAKIT_FUNC LoadReport peer_report(const LoadReport& found, const PeerFile& file, const Codec& peer,
+                                   const std::string& path, LoadMode mode) {
   LoadReport report;
   for (const auto& k : found.missing) report.missing.push_back(to_peer_key(k, file.prefix));
   for (const auto& k : found.unexpected) report.unexpected.push_back(to_peer_key(k, file.prefix));
@@ -171,16 +142,18 @@ EMAKIT_FUNC LoadReport peer_report(const LoadReport& found, const PeerFile& file
   for (const auto& k : found.missing) missing.push_back(ema_state::average_name(k));
   std::size_t matched = 0;
   for (const auto& item : file.state) matched += ema_state::is_average_key(item.key()) ? 1 : 0;
-  std::string instead = missing.empty() ? std::string() : holds_instead(dict, peer, missing, matched);
+  std::string instead = missing.empty() ? std::string() : holds_instead(file.tensors, peer, missing, matched);
   if (!instead.empty()) instead.insert(0, "; ");
   if (mode == LoadMode::strict)
-    fail("import_state: '{}' is not {} state of this EMA's model: {}{}; nothing was loaded", path, peer_text(peer).name,
+    fail("import_state: '{}' is not {} state of this EMA's model: {}{}; nothing was loaded", path, peer.name,
          fmt::join(parts, "; "), instead);
   TORCH_WARN("emakit: import_state: '", path, "': ", fmt::format("{}", fmt::join(parts, "; ")), instead,
              "; kept the current values of those");
   return report;
 }
 
+// For each key `found` lists as missing or mismatched, this EMA's current value (from `state`):
+// what a lenient load keeps, so that the load itself is clean.
 EMAKIT_FUNC void keep_current(StateDict& out, const LoadReport& found, const StateDict& state) {
   auto keep = [&](const std::string& key) {
     if (const at::Tensor* t = state.find(key)) {
@@ -194,43 +167,13 @@ EMAKIT_FUNC void keep_current(StateDict& out, const LoadReport& found, const Sta
   for (const auto& k : found.mismatched) keep(k.substr(0, k.find(": ")));
 }
 
-EMAKIT_FUNC c10::impl::GenericDict tensor_dict(const StateDict& averages, std::string_view prefix) {
+// The averages as a name -> tensor dict (CPU, contiguous), each name after `prefix`: what every
+// export writes its tensors as.
+EMAKIT_FUNC c10::impl::GenericDict tensor_dict(const StateDict& averages, std::string_view prefix = {}) {
   c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
   for (const auto& item : averages)
     dict.insert(std::string(prefix) + item.key(), item.value().detach().cpu().contiguous());
   return dict;
-}
-
-// ---- luxonis-train EMACallback -------------------------------------------------------------
-
-EMAKIT_FUNC c10::impl::GenericDict luxonis_dict(const StateDict& averages, std::int64_t updates) {
-  c10::impl::GenericDict outer(c10::StringType::get(), c10::AnyType::get());
-  outer.insert("ema_state_dict", tensor_dict(averages));
-  outer.insert("updates", updates);
-  return outer;
-}
-
-EMAKIT_FUNC c10::impl::GenericDict luxonis_tensors(const c10::impl::GenericDict& dict, const std::string& path,
-                                                   std::int64_t& updates) {
-  const std::string save = "save torch.save(callback.state_dict(), path), or checkpoint[\"callbacks\"][key] of a "
-                           "Lightning checkpoint";
-  const auto inner = dict.find("ema_state_dict");
-  const auto count = dict.find("updates");
-  if (inner == dict.end() || count == dict.end())
-    fail("import_state: '{}' has no 'ema_state_dict' and 'updates': not a luxonis-train EMACallback state; {}", path,
-         save);
-  if (!inner->value().isGenericDict())
-    fail("import_state: '{}': 'ema_state_dict' must be a dict of tensors, got a {}", path, inner->value().tagKind());
-  const c10::IValue& u = count->value();
-  if (u.isInt()) {
-    updates = u.toInt();
-  } else if (u.isTensor()) {
-    updates = integer_value(u.toTensor(), "updates", fmt::format("import_state: '{}'", path));
-  } else {
-    fail("import_state: '{}': 'updates' must be an int, got a {}", path, u.tagKind());
-  }
-  if (updates < 0) fail("import_state: '{}': updates must be >= 0, got {}", path, updates);
-  return inner->value().toGenericDict();
 }
 
 // dict[key] of a peer's file, or an error naming the file, the key and how such a file is written.
@@ -241,85 +184,6 @@ EMAKIT_FUNC const c10::IValue& required_entry(const c10::impl::GenericDict& dict
   return it->value();
 }
 
-// ---- Lightning EMAWeightAveraging ----------------------------------------------------------
-
-EMAKIT_FUNC c10::impl::GenericDict lightning_tensors(const c10::impl::GenericDict& dict, const std::string& path,
-                                                     LightningCounters& counters) {
-  const std::string where = fmt::format("import_state: '{}'", path);
-  const auto value = [&](const char* key) -> const c10::IValue& {
-    return required_entry(dict, key, where,
-                          "not a Lightning checkpoint (save it with trainer.save_checkpoint(path) while the "
-                          "EMAWeightAveraging callback runs)");
-  };
-  const c10::IValue& state = value("state_dict");
-  if (!state.isGenericDict())
-    fail("{}: 'state_dict' must be a dict of tensors, got a {}; nothing was loaded", where, state.tagKind());
-  if (dict.find("averaging_state") == dict.end())
-    fail("{} has no 'averaging_state': not written with Lightning's EMAWeightAveraging callback (whose "
-         "on_save_checkpoint puts the averages in state_dict and n_averaged in averaging_state), so its state_dict is "
-         "the model's own weights, not an average; nothing was loaded",
-         where);
-  const c10::IValue& averaging = value("averaging_state");
-  if (!averaging.isGenericDict())
-    fail("{}: 'averaging_state' must be a dict, got a {}; nothing was loaded", where, averaging.tagKind());
-  const at::Tensor* n = entry(averaging.toGenericDict(), "n_averaged");
-  if (n == nullptr)
-    fail("{}: 'averaging_state' has no tensor 'n_averaged' (the AveragedModel's update count); nothing was loaded",
-         where);
-  counters.n_averaged = integer_value(*n, "n_averaged", where);
-  if (counters.n_averaged < 0)
-    fail("{}: n_averaged must be >= 0, got {}; nothing was loaded", where, counters.n_averaged);
-  const c10::IValue& step = value("global_step");
-  if (!step.isInt()) fail("{}: 'global_step' must be an int, got a {}; nothing was loaded", where, step.tagKind());
-  counters.global_step = step.toInt();
-  if (counters.global_step < 0)
-    fail("{}: global_step must be >= 0, got {}; nothing was loaded", where, counters.global_step);
-  // The callback's own entry (its state_key: the class name); absent when the checkpoint was saved
-  // without callback states, then not checked.
-  if (const auto callbacks = dict.find("callbacks"); callbacks != dict.end() && callbacks->value().isGenericDict()) {
-    const auto all = callbacks->value().toGenericDict();
-    if (const auto own = all.find("EMAWeightAveraging"); own != all.end() && own->value().isGenericDict()) {
-      const auto fields = own->value().toGenericDict();
-      const auto latest = fields.find("latest_update_step");
-      if (latest == fields.end() || !latest->value().isInt())
-        fail("{}: callbacks['EMAWeightAveraging'] has no int 'latest_update_step'; nothing was loaded", where);
-      counters.latest_update_step = latest->value().toInt();
-    }
-  }
-  return state.toGenericDict();
-}
-
-EMAKIT_FUNC void check_lightning_counters(const LightningCounters& file, std::int64_t updates, std::int64_t last,
-                                          const std::string& path) {
-  const std::string options =
-      "made with other EMAWeightAveraging options (update_every_n_steps, update_starting_at_step) than this EMA's, or "
-      "by a callback that also updated at epoch ends (update_starting_at_epoch)?";
-  if (file.n_averaged != updates)
-    fail("import_state: '{}': n_averaged is {} in the file, but this EMA's schedule makes {} updates in global_step "
-         "{} steps: {}; nothing was loaded",
-         path, file.n_averaged, updates, file.global_step, options);
-  if (file.latest_update_step >= 0 && file.latest_update_step != last)
-    fail("import_state: '{}': callbacks['EMAWeightAveraging'] latest_update_step is {} in the file, but this EMA's "
-         "schedule last updates at step {} of {}: {}; nothing was loaded",
-         path, file.latest_update_step, last, file.global_step, options);
-}
-
-EMAKIT_FUNC c10::impl::GenericDict lightning_dict(const StateDict& averages, std::int64_t global_step,
-                                                  std::int64_t n_averaged, std::int64_t latest_update_step) {
-  c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
-  dict.insert("state_dict", tensor_dict(averages));
-  c10::impl::GenericDict averaging(c10::StringType::get(), c10::TensorType::get());
-  averaging.insert("n_averaged", at::scalar_tensor(n_averaged, at::kLong));  // AveragedModel's long buffer
-  dict.insert("averaging_state", averaging);
-  c10::impl::GenericDict fields(c10::StringType::get(), c10::AnyType::get());
-  fields.insert("latest_update_step", latest_update_step);  // a Python int, as the callback's state_dict()
-  c10::impl::GenericDict callbacks(c10::StringType::get(), c10::AnyType::get());
-  callbacks.insert("EMAWeightAveraging", fields);
-  dict.insert("callbacks", callbacks);
-  dict.insert("global_step", global_step);
-  return dict;
-}
-
 // A file's value as Python writes it (True, 3, 0.5), or its kind, for messages.
 EMAKIT_FUNC std::string python_value(const c10::IValue& v) {
   if (v.isBool()) return v.toBool() ? "True" : "False";
@@ -328,94 +192,101 @@ EMAKIT_FUNC std::string python_value(const c10::IValue& v) {
   return fmt::format("a {}", v.tagKind());
 }
 
-// ---- nvalchemi EMAHook --------------------------------------------------------------------
+// ---- ema-pytorch EMA: ema_model.<name>, step (update calls) and initted ---------------------
 
-EMAKIT_FUNC c10::impl::GenericDict nvalchemi_dict(const StateDict& averages, const NvalchemiConfig& config,
-                                                  std::int64_t num_updates) {
-  // Values of type Any: a double, ints and a bool pickle as Python float, int and bool, what
-  // EMAHook's pydantic fields compare equal to in its load_state_dict.
-  c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
-  dict.insert("decay", config.decay);
-  dict.insert("update_every", config.update_every);
-  dict.insert("start_step", config.start_step);
-  dict.insert("use_buffers", config.use_buffers);
-  dict.insert("num_updates", num_updates);
-  c10::impl::GenericDict averaged = tensor_dict(averages, "module.");
-  averaged.insert("n_averaged", at::scalar_tensor(num_updates, at::kLong));  // AveragedModel's long buffer
-  dict.insert("averaged_model_state", averaged);
+EMAKIT_FUNC c10::impl::GenericDict write_ema_pytorch(const Codec& self, const ExportSource& ema) {
+  c10::impl::GenericDict dict = tensor_dict(ema.averages, self.prefix);
+  dict.insert("step", at::scalar_tensor(ema.step, at::kLong));
+  dict.insert("initted", at::scalar_tensor(ema.num_updates > 0, at::kBool));
   return dict;
 }
 
-EMAKIT_FUNC c10::impl::GenericDict nvalchemi_tensors(const c10::impl::GenericDict& dict, const std::string& path,
-                                                     const NvalchemiConfig& config, std::int64_t& num_updates) {
-  const std::string where = fmt::format("import_state: '{}'", path);
-  const auto value = [&](const char* key) -> const c10::IValue& {
-    return required_entry(dict, key, where,
-                          "not an nvalchemi EMAHook state (save it with torch.save(hook.state_dict(), path))");
-  };
-  const auto integer = [&](const char* key) {
-    const c10::IValue& v = value(key);
-    if (!v.isInt()) fail("{}: '{}' must be an int, got {}; nothing was loaded", where, key, python_value(v));
-    return v.toInt();
-  };
-  const auto differs = [&](const char* field, const std::string& file, const std::string& ours, const char* option) {
-    fail("{}: config differs: {} is {} in the file, {} in this EMA ({}); make the EMA with the hook's options "
-         "(nvalchemi_ema); nothing was loaded",
-         where, field, file, ours, option);
-  };
-  const c10::IValue& decay = value("decay");
-  if (!decay.isDouble() && !decay.isInt())
-    fail("{}: 'decay' must be a number, got {}; nothing was loaded", where, python_value(decay));
-  if (const double d = decay.isDouble() ? decay.toDouble() : static_cast<double>(decay.toInt()); d != config.decay)
-    differs("decay", fmt::format("{}", d), fmt::format("{}", config.decay), "Fixed::beta");
-  if (const std::int64_t v = integer("update_every"); v != config.update_every)
-    differs("update_every", fmt::format("{}", v), fmt::format("{}", config.update_every), "update_every");
-  if (const std::int64_t v = integer("start_step"); v != config.start_step)
-    differs("start_step", fmt::format("{}", v), fmt::format("{}", config.start_step), "start_step");
-  const c10::IValue& buffers = value("use_buffers");
-  if (!buffers.isBool())
-    fail("{}: 'use_buffers' must be a bool, got {}; nothing was loaded", where, python_value(buffers));
-  if (buffers.toBool() != config.use_buffers)
-    differs("use_buffers", python_value(buffers), config.use_buffers ? "True" : "False",
-            config.use_buffers ? "buffers averaged" : "buffers copied");
-  num_updates = integer("num_updates");
-  if (num_updates < 0) fail("{}: num_updates must be >= 0, got {}; nothing was loaded", where, num_updates);
-  const auto averaged = dict.find("averaged_model_state");
-  if (averaged == dict.end())
-    fail("{} has no 'averaged_model_state': the hook had not made its averaged model yet (saved before its first "
-         "eligible step, num_updates {}), so there is no average to import; start the EMA afresh; nothing was loaded",
-         where, num_updates);
-  if (!averaged->value().isGenericDict())
-    fail("{}: 'averaged_model_state' must be a dict of tensors, got {}; nothing was loaded", where,
-         python_value(averaged->value()));
-  return averaged->value().toGenericDict();
+EMAKIT_FUNC PeerFile read_ema_pytorch(const ReadContext& in) {
+  const at::Tensor* s = entry(in.file, "step");
+  const at::Tensor* initted = entry(in.file, "initted");
+  if (s != nullptr && initted != nullptr) {
+    PeerFile f = read_named(in, in.file, in.codec.prefix);
+    f.count = Count::recounted;
+    const std::string where = fmt::format("import_state: '{}'", in.path);
+    f.step = integer_value(*s, "step", where);
+    if (f.step < 0) fail("{}: step must be >= 0, got {}", where, f.step);
+    f.initted = number_value(*initted, "initted", where) != 0;
+    return f;
+  }
+  fail("import_state: '{}' has no 'step' and 'initted': not an ema-pytorch EMA state{}", in.path,
+       inner_model_hint(in, in.file));
 }
 
-EMAKIT_FUNC std::int64_t nvalchemi_step(const std::optional<std::int64_t>& step, std::int64_t num_updates,
-                                        std::int64_t n_averaged, const std::string& path) {
-  if (num_updates != n_averaged)
-    fail("import_state: '{}': num_updates is {} but averaged_model_state's n_averaged is {}: an EMAHook updates both "
-         "together, so the file was edited or mixes two states; nothing was loaded",
-         path, num_updates, n_averaged);
-  if (!step)
-    fail("import_state: '{}': an nvalchemi EMAHook state holds no step, and the hook's update_every and start_step "
-         "count the trainer's completed optimizer steps: pass the trainer's step_count when the state was saved, "
-         "import_state(ema, Peer::nvalchemi_hook, path, {{.step = step_count}}); nothing was loaded",
-         path);
-  if (*step < 0) fail("import_state: '{}': ImportOptions::step must be >= 0, got {}; nothing was loaded", path, *step);
-  return *step;
+// ---- timm ModelEmaV3: module.<name> (ema.state_dict()) or <name> (ema.module.state_dict()) --
+
+EMAKIT_FUNC c10::impl::GenericDict write_timm(const Codec& self, const ExportSource& ema) {
+  return tensor_dict(ema.averages, self.prefix);
 }
 
-EMAKIT_FUNC void check_nvalchemi_updates(std::int64_t num_updates, std::int64_t updates, std::int64_t step,
-                                         const std::string& path) {
-  if (num_updates != updates)
-    fail("import_state: '{}': num_updates is {} in the file, but this EMA's schedule makes {} updates in {} completed "
-         "steps (ImportOptions::step): the step is not the trainer's step_count when the hook was saved, or the hook "
-         "had other options; nothing was loaded",
-         path, num_updates, updates, step);
+// timm's ModelEmaV3 has no counters (Count::kept): its own checkpoints hold ema.module.state_dict(),
+// which is the whole state. The other peers' inner model lacks their counters: refused.
+EMAKIT_FUNC PeerFile read_timm(const ReadContext& in) {
+  const bool inner = !holds_prefixed(in.file, in.codec.prefix) && holds_unprefixed(in.file, average_names(in.state));
+  return read_named(in, in.file, inner ? std::string_view() : in.codec.prefix);
 }
 
-// ---- diffusers EMAModel ------------------------------------------------------------------
+// ---- torch AveragedModel: module.<name> and n_averaged (= num_updates) ---------------------
+
+// The n_averaged of an AveragedModel's state_dict() (`inside`: where it is, for messages).
+EMAKIT_FUNC std::int64_t read_n_averaged(const ReadContext& in, const c10::impl::GenericDict& dict,
+                                         std::string_view inside) {
+  const at::Tensor* n = entry(dict, "n_averaged");
+  if (n == nullptr)
+    fail("import_state: '{}' has no 'n_averaged'{}: not an AveragedModel state{}", in.path, inside,
+         inner_model_hint(in, dict));
+  const std::int64_t n_averaged = integer_value(*n, "n_averaged", fmt::format("import_state: '{}'", in.path));
+  if (n_averaged < 0) fail("import_state: '{}': n_averaged must be >= 0, got {}", in.path, n_averaged);
+  return n_averaged;
+}
+
+EMAKIT_FUNC c10::impl::GenericDict write_averaged_model(const Codec& self, const ExportSource& ema) {
+  c10::impl::GenericDict dict = tensor_dict(ema.averages, self.prefix);
+  dict.insert("n_averaged", at::scalar_tensor(ema.num_updates, at::kLong));
+  return dict;
+}
+
+EMAKIT_FUNC PeerFile read_averaged_model(const ReadContext& in) {
+  const std::int64_t n_averaged = read_n_averaged(in, in.file, "");
+  PeerFile f = read_named(in, in.file, in.codec.prefix);
+  f.count = Count::given;
+  f.updates = n_averaged;
+  return f;
+}
+
+// ---- diffusers EMAModel: shadow_params (a list, by position), optimization_step, the config ---
+
+// The config a diffusers EMAModel writes in its state_dict(), as this EMA's decay holds it.
+struct DiffusersConfig {
+  double decay = 0.9999;
+  double min_decay = 0.0;
+  std::int64_t update_after_step = 0;
+  bool use_ema_warmup = false;
+  double inv_gamma = 1.0;    // only used (and checked) with use_ema_warmup
+  double power = 2.0 / 3.0;  // only used (and checked) with use_ema_warmup
+  std::string_view policy;   // "RationalRamp" or "InversePowerWarmup", for messages
+};
+
+// The config of an EMA made by diffusers_ema_model (RationalRamp) or diffusers_ema_model_warmup
+// (InversePowerWarmup); throws for any other decay, which no EMAModel file describes.
+EMAKIT_FUNC DiffusersConfig diffusers_config(const EmaPolicies& policies, const char* what) {
+  if (const RationalRamp* d = policies.ramp)
+    return {d->decay_max(), d->min_decay(), d->update_after_step(), false, 1.0, 2.0 / 3.0, "RationalRamp"};
+  if (const InversePowerWarmup* d = policies.warmup) {
+    if (!d->warmup() || d->single_precision())
+      fail("{}: Peer::diffusers with an InversePowerWarmup needs warmup(true) and single_precision(false), as "
+           "diffusers_ema_model_warmup makes it (EMAModel(use_ema_warmup=True) computes the warmup in float64)",
+           what);
+    return {d->beta(), d->min_value(), d->update_after_step(), true, d->inv_gamma(), d->power(), "InversePowerWarmup"};
+  }
+  fail("{}: Peer::diffusers needs an EMA made by diffusers_ema_model (RationalRamp) or "
+       "diffusers_ema_model_warmup (InversePowerWarmup): a diffusers EMAModel file describes no other decay",
+       what);
+}
 
 // For each tensor, the index of the first one it is (a tied weight: one average under two names,
 // head.weight IS emb.weight), or its own index. model.parameters() lists a tied Parameter once, so
@@ -472,6 +343,10 @@ EMAKIT_FUNC const c10::IValue& diffusers_entry(const c10::impl::GenericDict& dic
   return it->value();
 }
 
+// What import_state takes from an EMAModel.state_dict() file: shadow_params matched by position to
+// the averages of `state`, after the config is checked against `config`; `step`:
+// optimization_step. Throws (nothing loaded) on a missing entry, a config that differs, a list of
+// another length, or a tensor whose shape or dtype differs from the one at its position.
 EMAKIT_FUNC PeerFile read_diffusers_file(const c10::impl::GenericDict& dict, const std::string& path,
                                          const StateDict& state, const DiffusersConfig& config) {
   const std::string where = fmt::format("import_state: '{}'", path);
@@ -516,6 +391,8 @@ EMAKIT_FUNC PeerFile read_diffusers_file(const c10::impl::GenericDict& dict, con
     differs("power", fmt::format("{}", power), fmt::format("{}", config.power), "power");
 
   PeerFile f;
+  f.tensors = dict;
+  f.count = Count::recounted;
   f.step = integer("optimization_step");
   if (f.step < 0) fail("{}: optimization_step must be >= 0, got {}; nothing was loaded", where, f.step);
   f.initted = true;  // EMAModel holds its shadow params from construction on
@@ -579,6 +456,424 @@ EMAKIT_FUNC PeerFile read_diffusers_file(const c10::impl::GenericDict& dict, con
   for (std::size_t i = 0; i < keys.size(); ++i) f.state.insert(keys[i], shadow[i].toTensor());
   for (const auto& [key, i] : aliases) f.state.insert(key, shadow[i].toTensor());
   return f;
+}
+
+EMAKIT_FUNC c10::impl::GenericDict write_diffusers(const Codec&, const ExportSource& ema) {
+  return diffusers_dict(ema.averages, diffusers_config(ema.policies, "export_state"), ema.step);
+}
+
+EMAKIT_FUNC PeerFile read_diffusers(const ReadContext& in) {
+  return read_diffusers_file(in.file, in.path, in.state, diffusers_config(in.policies, "import_state"));
+}
+
+// ---- luxonis-train EMACallback: ema_state_dict (<name>) and updates (= num_updates) ----------
+
+// What EMACallback.state_dict() returns: {"ema_state_dict": the averages, "updates": a Python int
+// (EMACallback ignores any other type)}.
+EMAKIT_FUNC c10::impl::GenericDict luxonis_dict(const StateDict& averages, std::int64_t updates) {
+  c10::impl::GenericDict outer(c10::StringType::get(), c10::AnyType::get());
+  outer.insert("ema_state_dict", tensor_dict(averages));
+  outer.insert("updates", updates);
+  return outer;
+}
+
+// luxonis-train's EMACallback.state_dict(): {"ema_state_dict": {<name>: tensor}, "updates": int}.
+// Returns the inner dict (where the tensors are) and sets `updates`; throws naming the file when
+// either entry is absent or of another type.
+EMAKIT_FUNC c10::impl::GenericDict luxonis_tensors(const c10::impl::GenericDict& dict, const std::string& path,
+                                                   std::int64_t& updates) {
+  const std::string save = "save torch.save(callback.state_dict(), path), or checkpoint[\"callbacks\"][key] of a "
+                           "Lightning checkpoint";
+  const auto inner = dict.find("ema_state_dict");
+  const auto count = dict.find("updates");
+  if (inner == dict.end() || count == dict.end())
+    fail("import_state: '{}' has no 'ema_state_dict' and 'updates': not a luxonis-train EMACallback state; {}", path,
+         save);
+  if (!inner->value().isGenericDict())
+    fail("import_state: '{}': 'ema_state_dict' must be a dict of tensors, got a {}", path, inner->value().tagKind());
+  const c10::IValue& u = count->value();
+  if (u.isInt()) {
+    updates = u.toInt();
+  } else if (u.isTensor()) {
+    updates = integer_value(u.toTensor(), "updates", fmt::format("import_state: '{}'", path));
+  } else {
+    fail("import_state: '{}': 'updates' must be an int, got a {}", path, u.tagKind());
+  }
+  if (updates < 0) fail("import_state: '{}': updates must be >= 0, got {}", path, updates);
+  return inner->value().toGenericDict();
+}
+
+EMAKIT_FUNC c10::impl::GenericDict write_luxonis(const Codec&, const ExportSource& ema) {
+  return luxonis_dict(ema.averages, ema.num_updates);
+}
+
+EMAKIT_FUNC PeerFile read_luxonis(const ReadContext& in) {
+  std::int64_t updates = -1;
+  const c10::impl::GenericDict inner = luxonis_tensors(in.file, in.path, updates);
+  PeerFile f = read_named(in, inner, in.codec.prefix);
+  f.count = Count::given;  // ModelEma: one update per call, its decay from `updates`
+  f.updates = updates;
+  return f;
+}
+
+// ---- Lightning EMAWeightAveraging: a checkpoint's state_dict, averaging_state, callbacks -----
+
+// The counters of a Lightning checkpoint written with EMAWeightAveraging.
+struct LightningCounters {
+  std::int64_t global_step = -1;
+  std::int64_t n_averaged = -1;
+  std::int64_t latest_update_step = -1;  // -1: the file holds no callback entry
+};
+
+// A Lightning checkpoint: returns its state_dict (the averages) and sets `counters`; throws naming
+// the file and the key when state_dict, averaging_state (a checkpoint saved without
+// EMAWeightAveraging), its n_averaged or global_step is absent or of another type.
+EMAKIT_FUNC c10::impl::GenericDict lightning_tensors(const c10::impl::GenericDict& dict, const std::string& path,
+                                                     LightningCounters& counters) {
+  const std::string where = fmt::format("import_state: '{}'", path);
+  const auto value = [&](const char* key) -> const c10::IValue& {
+    return required_entry(dict, key, where,
+                          "not a Lightning checkpoint (save it with trainer.save_checkpoint(path) while the "
+                          "EMAWeightAveraging callback runs)");
+  };
+  const c10::IValue& state = value("state_dict");
+  if (!state.isGenericDict())
+    fail("{}: 'state_dict' must be a dict of tensors, got a {}; nothing was loaded", where, state.tagKind());
+  if (dict.find("averaging_state") == dict.end())
+    fail("{} has no 'averaging_state': not written with Lightning's EMAWeightAveraging callback (whose "
+         "on_save_checkpoint puts the averages in state_dict and n_averaged in averaging_state), so its state_dict is "
+         "the model's own weights, not an average; nothing was loaded",
+         where);
+  const c10::IValue& averaging = value("averaging_state");
+  if (!averaging.isGenericDict())
+    fail("{}: 'averaging_state' must be a dict, got a {}; nothing was loaded", where, averaging.tagKind());
+  const at::Tensor* n = entry(averaging.toGenericDict(), "n_averaged");
+  if (n == nullptr)
+    fail("{}: 'averaging_state' has no tensor 'n_averaged' (the AveragedModel's update count); nothing was loaded",
+         where);
+  counters.n_averaged = integer_value(*n, "n_averaged", where);
+  if (counters.n_averaged < 0)
+    fail("{}: n_averaged must be >= 0, got {}; nothing was loaded", where, counters.n_averaged);
+  const c10::IValue& step = value("global_step");
+  if (!step.isInt()) fail("{}: 'global_step' must be an int, got a {}; nothing was loaded", where, step.tagKind());
+  counters.global_step = step.toInt();
+  if (counters.global_step < 0)
+    fail("{}: global_step must be >= 0, got {}; nothing was loaded", where, counters.global_step);
+  // The callback's own entry (its state_key: the class name); absent when the checkpoint was saved
+  // without callback states, then not checked.
+  if (const auto callbacks = dict.find("callbacks"); callbacks != dict.end() && callbacks->value().isGenericDict()) {
+    const auto all = callbacks->value().toGenericDict();
+    if (const auto own = all.find("EMAWeightAveraging"); own != all.end() && own->value().isGenericDict()) {
+      const auto fields = own->value().toGenericDict();
+      const auto latest = fields.find("latest_update_step");
+      if (latest == fields.end() || !latest->value().isInt())
+        fail("{}: callbacks['EMAWeightAveraging'] has no int 'latest_update_step'; nothing was loaded", where);
+      counters.latest_update_step = latest->value().toInt();
+    }
+  }
+  return state.toGenericDict();
+}
+// Throws (nothing loaded) when the file's n_averaged or latest_update_step differ from the
+// `updates` and `last` update step this EMA's schedule gives over global_step steps.
+EMAKIT_FUNC void check_lightning_counters(const LightningCounters& file, std::int64_t updates, std::int64_t last,
+                                          const std::string& path) {
+  const std::string options =
+      "made with other EMAWeightAveraging options (update_every_n_steps, update_starting_at_step) than this EMA's, or "
+      "by a callback that also updated at epoch ends (update_starting_at_epoch)?";
+  if (file.n_averaged != updates)
+    fail("import_state: '{}': n_averaged is {} in the file, but this EMA's schedule makes {} updates in global_step "
+         "{} steps: {}; nothing was loaded",
+         path, file.n_averaged, updates, file.global_step, options);
+  if (file.latest_update_step >= 0 && file.latest_update_step != last)
+    fail("import_state: '{}': callbacks['EMAWeightAveraging'] latest_update_step is {} in the file, but this EMA's "
+         "schedule last updates at step {} of {}: {}; nothing was loaded",
+         path, file.latest_update_step, last, file.global_step, options);
+}
+
+// The entries of a Lightning checkpoint EMAWeightAveraging's on_load_checkpoint reads from the
+// callback's side: state_dict, averaging_state {n_averaged}, callbacks {EMAWeightAveraging:
+// {latest_update_step}}, and global_step.
+EMAKIT_FUNC c10::impl::GenericDict lightning_dict(const StateDict& averages, std::int64_t global_step,
+                                                  std::int64_t n_averaged, std::int64_t latest_update_step) {
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+  dict.insert("state_dict", tensor_dict(averages));
+  c10::impl::GenericDict averaging(c10::StringType::get(), c10::TensorType::get());
+  averaging.insert("n_averaged", at::scalar_tensor(n_averaged, at::kLong));  // AveragedModel's long buffer
+  dict.insert("averaging_state", averaging);
+  c10::impl::GenericDict fields(c10::StringType::get(), c10::AnyType::get());
+  fields.insert("latest_update_step", latest_update_step);  // a Python int, as the callback's state_dict()
+  c10::impl::GenericDict callbacks(c10::StringType::get(), c10::AnyType::get());
+  callbacks.insert("EMAWeightAveraging", fields);
+  dict.insert("callbacks", callbacks);
+  dict.insert("global_step", global_step);
+  return dict;
+}
+
+EMAKIT_FUNC c10::impl::GenericDict write_lightning(const Codec&, const ExportSource& ema) {
+  return lightning_dict(ema.averages, ema.step, ema.num_updates, ema.last_update_step);
+}
+
+EMAKIT_FUNC PeerFile read_lightning(const ReadContext& in) {
+  LightningCounters counters;
+  const c10::impl::GenericDict inner = lightning_tensors(in.file, in.path, counters);
+  PeerFile f = read_named(in, inner, in.codec.prefix);
+  f.count = Count::recounted;
+  f.step = counters.global_step;
+  f.initted = true;
+  f.updates = counters.n_averaged;
+  f.last_update_step = counters.latest_update_step;
+  return f;
+}
+
+EMAKIT_FUNC void check_lightning(const PeerFile& file, std::int64_t updates, std::int64_t last,
+                                 const std::string& path) {
+  check_lightning_counters(
+      {.global_step = file.step, .n_averaged = file.updates, .latest_update_step = file.last_update_step}, updates,
+      last, path);
+}
+
+// ---- nvalchemi EMAHook: its config, num_updates, averaged_model_state (module.<name>) -------
+
+// The config an nvalchemi EMAHook writes in its state_dict(), as this EMA holds it.
+struct NvalchemiConfig {
+  double decay = 0.999;
+  std::int64_t update_every = 1;
+  std::int64_t start_step = 0;
+  bool use_buffers = true;
+};
+
+// The config of an EMA made by nvalchemi_ema (Fixed decay, StepSchedule skip_before_start with
+// every_offset 0 and no accumulation, buffers averaged or copied); throws for any other EMA, which
+// no EMAHook file describes.
+EMAKIT_FUNC NvalchemiConfig nvalchemi_config(const EmaPolicies& policies, const char* what) {
+  const auto refuse = [&](std::string_view why) {
+    fail("{}: Peer::nvalchemi_hook needs an EMA made by nvalchemi_ema (an EMAHook's AveragedModel EMA): {}", what, why);
+  };
+  if (policies.fixed == nullptr || policies.step_schedule == nullptr)
+    refuse("this EMA's decay or schedule is another policy (EMAHook's is Fixed with a StepSchedule)");
+  const StepSchedule& s = *policies.step_schedule;
+  if (s.warmup() != Warmup::skip_before_start || s.every_offset() != 0 || s.accumulate() != 1)
+    refuse(fmt::format("its StepSchedule has warmup {}, every_offset {}, accumulate {} (EMAHook: skip_before_start, "
+                       "0, 1)",
+                       static_cast<int>(s.warmup()), s.every_offset(), s.accumulate()));
+  const TensorMode buffers = policies.buffers;
+  if (buffers != TensorMode::average && buffers != TensorMode::copy)
+    refuse("its buffers are ignored (EMAHook's AveragedModel averages them, use_buffers=True, or keeps them, False)");
+  return {policies.fixed->beta(), s.update_every(), s.start_step(), buffers == TensorMode::average};
+}
+
+// EMAHook.state_dict()'s dict without model_key: the config as Python float, ints and a bool,
+// num_updates a Python int, averaged_model_state the averages as <prefix><name> with n_averaged
+// (AveragedModel's long tensor, = num_updates).
+EMAKIT_FUNC c10::impl::GenericDict nvalchemi_dict(const StateDict& averages, std::string_view prefix,
+                                                  const NvalchemiConfig& config, std::int64_t num_updates) {
+  // Values of type Any: a double, ints and a bool pickle as Python float, int and bool, what
+  // EMAHook's pydantic fields compare equal to in its load_state_dict.
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+  dict.insert("decay", config.decay);
+  dict.insert("update_every", config.update_every);
+  dict.insert("start_step", config.start_step);
+  dict.insert("use_buffers", config.use_buffers);
+  dict.insert("num_updates", num_updates);
+  c10::impl::GenericDict averaged = tensor_dict(averages, prefix);
+  averaged.insert("n_averaged", at::scalar_tensor(num_updates, at::kLong));  // AveragedModel's long buffer
+  dict.insert("averaged_model_state", averaged);
+  return dict;
+}
+// An EMAHook.state_dict() file: checks its config against `config` and returns its
+// averaged_model_state (where the tensors are), setting `num_updates`; throws (nothing loaded) on
+// a missing or mistyped entry, a config that differs, or a state saved before the hook's first
+// update.
+EMAKIT_FUNC c10::impl::GenericDict nvalchemi_tensors(const c10::impl::GenericDict& dict, const std::string& path,
+                                                     const NvalchemiConfig& config, std::int64_t& num_updates) {
+  const std::string where = fmt::format("import_state: '{}'", path);
+  const auto value = [&](const char* key) -> const c10::IValue& {
+    return required_entry(dict, key, where,
+                          "not an nvalchemi EMAHook state (save it with torch.save(hook.state_dict(), path))");
+  };
+  const auto integer = [&](const char* key) {
+    const c10::IValue& v = value(key);
+    if (!v.isInt()) fail("{}: '{}' must be an int, got {}; nothing was loaded", where, key, python_value(v));
+    return v.toInt();
+  };
+  const auto differs = [&](const char* field, const std::string& file, const std::string& ours, const char* option) {
+    fail("{}: config differs: {} is {} in the file, {} in this EMA ({}); make the EMA with the hook's options "
+         "(nvalchemi_ema); nothing was loaded",
+         where, field, file, ours, option);
+  };
+  const c10::IValue& decay = value("decay");
+  if (!decay.isDouble() && !decay.isInt())
+    fail("{}: 'decay' must be a number, got {}; nothing was loaded", where, python_value(decay));
+  if (const double d = decay.isDouble() ? decay.toDouble() : static_cast<double>(decay.toInt()); d != config.decay)
+    differs("decay", fmt::format("{}", d), fmt::format("{}", config.decay), "Fixed::beta");
+  if (const std::int64_t v = integer("update_every"); v != config.update_every)
+    differs("update_every", fmt::format("{}", v), fmt::format("{}", config.update_every), "update_every");
+  if (const std::int64_t v = integer("start_step"); v != config.start_step)
+    differs("start_step", fmt::format("{}", v), fmt::format("{}", config.start_step), "start_step");
+  const c10::IValue& buffers = value("use_buffers");
+  if (!buffers.isBool())
+    fail("{}: 'use_buffers' must be a bool, got {}; nothing was loaded", where, python_value(buffers));
+  if (buffers.toBool() != config.use_buffers)
+    differs("use_buffers", python_value(buffers), config.use_buffers ? "True" : "False",
+            config.use_buffers ? "buffers averaged" : "buffers copied");
+  num_updates = integer("num_updates");
+  if (num_updates < 0) fail("{}: num_updates must be >= 0, got {}; nothing was loaded", where, num_updates);
+  const auto averaged = dict.find("averaged_model_state");
+  if (averaged == dict.end())
+    fail("{} has no 'averaged_model_state': the hook had not made its averaged model yet (saved before its first "
+         "eligible step, num_updates {}), so there is no average to import; start the EMA afresh; nothing was loaded",
+         where, num_updates);
+  if (!averaged->value().isGenericDict())
+    fail("{}: 'averaged_model_state' must be a dict of tensors, got {}; nothing was loaded", where,
+         python_value(averaged->value()));
+  return averaged->value().toGenericDict();
+}
+// The step import_state gives an EMAHook file: `step`, which must be given and >= 0; throws
+// (nothing loaded) without it, or when the file's num_updates differs from its n_averaged.
+EMAKIT_FUNC std::int64_t nvalchemi_step(const std::optional<std::int64_t>& step, std::int64_t num_updates,
+                                        std::int64_t n_averaged, const std::string& path) {
+  if (num_updates != n_averaged)
+    fail("import_state: '{}': num_updates is {} but averaged_model_state's n_averaged is {}: an EMAHook updates both "
+         "together, so the file was edited or mixes two states; nothing was loaded",
+         path, num_updates, n_averaged);
+  if (!step)
+    fail("import_state: '{}': an nvalchemi EMAHook state holds no step, and the hook's update_every and start_step "
+         "count the trainer's completed optimizer steps: pass the trainer's step_count when the state was saved, "
+         "import_state(ema, Peer::nvalchemi_hook, path, {{.step = step_count}}); nothing was loaded",
+         path);
+  if (*step < 0) fail("import_state: '{}': ImportOptions::step must be >= 0, got {}; nothing was loaded", path, *step);
+  return *step;
+}
+// Throws (nothing loaded) when this EMA's schedule makes `updates` != num_updates updates over
+// `step` completed steps.
+EMAKIT_FUNC void check_nvalchemi_updates(std::int64_t num_updates, std::int64_t updates, std::int64_t step,
+                                         const std::string& path) {
+  if (num_updates != updates)
+    fail("import_state: '{}': num_updates is {} in the file, but this EMA's schedule makes {} updates in {} completed "
+         "steps (ImportOptions::step): the step is not the trainer's step_count when the hook was saved, or the hook "
+         "had other options; nothing was loaded",
+         path, num_updates, updates, step);
+}
+
+EMAKIT_FUNC c10::impl::GenericDict write_nvalchemi(const Codec& self, const ExportSource& ema) {
+  return nvalchemi_dict(ema.averages, self.prefix, nvalchemi_config(ema.policies, "export_state"), ema.num_updates);
+}
+
+EMAKIT_FUNC PeerFile read_nvalchemi(const ReadContext& in) {
+  std::int64_t num_updates = -1;
+  const c10::impl::GenericDict inner =
+      nvalchemi_tensors(in.file, in.path, nvalchemi_config(in.policies, "import_state"), num_updates);
+  const std::int64_t n_averaged = read_n_averaged(in, inner, " in averaged_model_state");
+  PeerFile f = read_named(in, inner, in.codec.prefix);
+  f.count = Count::recounted;
+  f.step = nvalchemi_step(in.step, num_updates, n_averaged, in.path);
+  f.initted = true;
+  f.updates = num_updates;
+  return f;
+}
+
+EMAKIT_FUNC void check_nvalchemi(const PeerFile& file, std::int64_t updates, std::int64_t, const std::string& path) {
+  check_nvalchemi_updates(file.updates, updates, file.step, path);
+}
+
+// ---- the codecs: one per peer, in Peer's order ----------------------------------------------
+
+// One codec a block (clang-format would give each field a line).
+// clang-format off
+inline constexpr Codec codecs[] = {
+    {.peer = Peer::ema_pytorch, .id = "ema_pytorch", .prefix = "ema_model.", .name = "an ema-pytorch EMA",
+     .save_call = "torch.save(ema.state_dict(), path)", .inner_call = "ema.ema_model.state_dict()",
+     .write = write_ema_pytorch, .read = read_ema_pytorch},
+    {.peer = Peer::timm_v3, .id = "timm_v3", .prefix = "module.", .name = "a timm ModelEmaV3",
+     .save_call = "torch.save(ema.state_dict(), path)", .inner_call = "ema.module.state_dict()",
+     .write = write_timm, .read = read_timm},
+    {.peer = Peer::averaged_model, .id = "averaged_model", .prefix = "module.", .name = "a torch AveragedModel",
+     .save_call = "torch.save(averaged_model.state_dict(), path)", .inner_call = "averaged_model.module.state_dict()",
+     .write = write_averaged_model, .read = read_averaged_model},
+    {.peer = Peer::diffusers, .id = "diffusers", .prefix = "", .name = "a diffusers EMAModel",
+     .save_call = "torch.save(ema.state_dict(), path)", .inner_call = "ema.shadow_params",
+     .write = write_diffusers, .read = read_diffusers},
+    {.peer = Peer::luxonis_callback, .id = "luxonis_callback", .prefix = "", .name = "a luxonis-train EMACallback",
+     .save_call = "torch.save(callback.state_dict(), path)", .inner_call = "callback.ema.state_dict_ema",
+     .write = write_luxonis, .read = read_luxonis},
+    {.peer = Peer::lightning, .id = "lightning", .prefix = "", .name = "a Lightning EMAWeightAveraging checkpoint",
+     .save_call = "trainer.save_checkpoint(path)", .inner_call = "the model's own state_dict()",
+     .write = write_lightning, .read = read_lightning, .check = check_lightning},
+    {.peer = Peer::nvalchemi_hook, .id = "nvalchemi_hook", .prefix = "module.", .name = "an nvalchemi EMAHook",
+     .save_call = "torch.save(hook.state_dict(), path)", .inner_call = "hook.get_averaged_model().state_dict()",
+     .takes_step = true, .write = write_nvalchemi, .read = read_nvalchemi, .check = check_nvalchemi},
+};
+// clang-format on
+// clang-format on
+
+// codec() finds a codec by its position: each one sits at its Peer's value.
+constexpr bool codecs_in_peer_order() {
+  for (std::size_t i = 0; i < std::size(codecs); ++i)
+    if (static_cast<std::size_t>(codecs[i].peer) != i) return false;
+  return true;
+}
+static_assert(codecs_in_peer_order(), "interop: the codecs must be listed in Peer's order, one per enumerator");
+
+EMAKIT_FUNC const Codec& codec(Peer peer) {
+  const auto i = static_cast<std::size_t>(peer);
+  if (i >= std::size(codecs)) {
+    std::vector<std::string> known;
+    for (const Codec& c : codecs) known.push_back(fmt::format("Peer::{} ({})", c.id, static_cast<int>(c.peer)));
+    fail("interop: unknown Peer value {}; emakit has a codec for {}", i, fmt::join(known, ", "));
+  }
+  return codecs[i];
+}
+
+// ---- the core of export_state and import_state ----------------------------------------------
+
+EMAKIT_FUNC void export_peer(const ExportSource& ema, Peer peer, const std::filesystem::path& path) {
+  const Codec& c = codec(peer);
+  write_tensor_dict(path, c.write(c, ema));  // atomic, untagged: torch.load(weights_only=True) reads it
+}
+
+EMAKIT_FUNC LoadReport import_peer(const ImportTarget& ema, Peer peer, const std::filesystem::path& file,
+                                   const ImportOptions& options) {
+  const auto file_dict = read_pickle_dict(file, "import_state");
+  const std::string path = file.string();  // for messages
+  const Codec& c = codec(peer);
+  if (options.step && !c.takes_step) {
+    std::vector<std::string> takers;
+    for (const Codec& taker : codecs)
+      if (taker.takes_step) takers.push_back(fmt::format("Peer::{}", taker.id));
+    fail("import_state: ImportOptions::step ({}) is for {}, whose file holds no step; {} file holds its own counters",
+         *options.step, fmt::join(takers, ", "), c.name);
+  }
+  PeerFile f = c.read({c, file_dict, path, ema.state, ema.policies, options.step});
+  std::int64_t step = ema.step, updates = ema.num_updates, last = ema.last_update_step;
+  if (f.count == Count::given) {
+    updates = f.updates;
+    step = last = updates;  // one update per call (luxonis-train's ModelEma: its decay from `updates`)
+  } else if (f.count == Count::recounted) {
+    step = f.step;
+    updates = 0;
+    last = 0;
+    if (f.initted) {
+      // Recount what the schedule did over `step` calls (ema-pytorch's and diffusers' calls are
+      // never vetoed; a vetoed batch completes no step of nvalchemi's trainer).
+      for (std::int64_t call = 1, previous = 0; call <= step; ++call) {
+        const Decision d = ema.decide({call, std::nullopt, previous, updates, false});
+        previous = d.step;
+        if (d.action != Action::skipped) {
+          ++updates;
+          last = d.step;
+        }
+      }
+    }
+    if (c.check != nullptr) c.check(f, updates, last, path);
+  }
+  StateDict& out = f.state;
+  ema_state::write_counters(
+      out, {.calls = step, .step = step, .num_updates = updates, .last_update_step = last, .last_decay = ema.decay});
+  const LoadReport found = ema.check_state(out, LoadMode::lenient);
+  LoadReport report = peer_report(found, f, c, path, options.mode);
+  if (!found.clean()) keep_current(out, found, ema.state);
+  ema.load_state(out, options.mode);
+  return report;
 }
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail::interop

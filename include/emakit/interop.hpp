@@ -117,10 +117,10 @@
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
-#include <ATen/ops/scalar_tensor.h>
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -128,6 +128,8 @@
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
+// Each peer is one codec in interop-inl.hpp's table (detail::interop::codecs: its name, its file
+// layout both ways, its counters) and one preset in presets.hpp.
 enum class Peer : std::uint8_t {
   ema_pytorch,
   timm_v3,
@@ -148,176 +150,112 @@ struct ImportOptions {
 
 namespace detail::interop {
 
-// What emakit says and writes about one peer: the prefix of its keys, its name in messages
-// ("an ema-pytorch EMA"), the Python call that saves the state import_state wants, and the one
-// that saves only its averaged model (keys without the prefix).
-struct PeerText {
-  std::string_view prefix, name, save_call, inner_call;
-};
-EMAKIT_FUNC const PeerText& peer_text(Peer peer);
+// export_state and import_state are thin templates: they gather what depends on the Ema type into
+// the plain values below and call the non-template core (export_peer, import_peer), compiled once
+// in compiled mode, which looks up the peer's codec and does the rest.
 
-// What import_state takes from a peer's file: the tensors under this EMA's keys (average.<name>,
-// with the config entries of `state`, this EMA's own), the prefix the file's keys have and the
-// peer's counters. Throws, naming the file, when the counters the peer writes are absent.
-struct PeerFile {
-  StateDict state;
-  std::string prefix;
-  std::int64_t step = -1;        // ema_pytorch: update calls
-  bool initted = false;          // ema_pytorch
-  std::int64_t n_averaged = -1;  // averaged_model
-};
-EMAKIT_FUNC PeerFile read_peer_file(const c10::impl::GenericDict& dict, Peer peer, const std::string& path,
-                                    const StateDict& state);
-
-// luxonis-train's EMACallback.state_dict(): {"ema_state_dict": {<name>: tensor}, "updates": int}.
-// Returns the inner dict (where the tensors are) and sets `updates`; throws naming the file when
-// either entry is absent or of another type.
-EMAKIT_FUNC c10::impl::GenericDict luxonis_tensors(const c10::impl::GenericDict& dict, const std::string& path,
-                                                   std::int64_t& updates);
-
-// `found` (this EMA's check of the file's tensors) in the peer's keys. Strict mode: throws when it
-// is not clean, naming each key the file should hold and what it holds instead. Lenient: warns.
-EMAKIT_FUNC LoadReport peer_report(const LoadReport& found, const PeerFile& file, const c10::impl::GenericDict& dict,
-                                   Peer peer, const std::string& path, LoadMode mode);
-
-// For each key `found` lists as missing or mismatched, this EMA's current value (from `state`):
-// what a lenient load keeps, so that the load itself is clean.
-EMAKIT_FUNC void keep_current(StateDict& out, const LoadReport& found, const StateDict& state);
-
-EMAKIT_FUNC const at::Tensor* entry(const c10::impl::GenericDict& dict, const std::string& key);
-
-// The counters of a Lightning checkpoint written with EMAWeightAveraging.
-struct LightningCounters {
-  std::int64_t global_step = -1;
-  std::int64_t n_averaged = -1;
-  std::int64_t latest_update_step = -1;  // -1: the file holds no callback entry
+// The EMA's policies a peer's config is read from (diffusers' EMAModel and nvalchemi's EMAHook
+// write theirs): each pointer is set when the EMA's policy is of that type, else null.
+struct EmaPolicies {
+  const Fixed* fixed = nullptr;
+  const RationalRamp* ramp = nullptr;
+  const InversePowerWarmup* warmup = nullptr;
+  const StepSchedule* step_schedule = nullptr;
+  TensorMode buffers = TensorMode::average;  // EmaOptions::buffers()
 };
 
-// A Lightning checkpoint: returns its state_dict (the averages) and sets `counters`; throws naming
-// the file and the key when state_dict, averaging_state (a checkpoint saved without
-// EMAWeightAveraging), its n_averaged or global_step is absent or of another type.
-EMAKIT_FUNC c10::impl::GenericDict lightning_tensors(const c10::impl::GenericDict& dict, const std::string& path,
-                                                     LightningCounters& counters);
-
-// The entries of a Lightning checkpoint EMAWeightAveraging's on_load_checkpoint reads from the
-// callback's side: state_dict, averaging_state {n_averaged}, callbacks {EMAWeightAveraging:
-// {latest_update_step}}, and global_step.
-EMAKIT_FUNC c10::impl::GenericDict lightning_dict(const StateDict& averages, std::int64_t global_step,
-                                                  std::int64_t n_averaged, std::int64_t latest_update_step);
-
-// Throws (nothing loaded) when the file's n_averaged or latest_update_step differ from the
-// `updates` and `last` update step this EMA's schedule gives over global_step steps.
-EMAKIT_FUNC void check_lightning_counters(const LightningCounters& file, std::int64_t updates, std::int64_t last,
-                                          const std::string& path);
-
-// The config an nvalchemi EMAHook writes in its state_dict(), as this EMA holds it.
-struct NvalchemiConfig {
-  double decay = 0.999;
-  std::int64_t update_every = 1;
-  std::int64_t start_step = 0;
-  bool use_buffers = true;
-};
-
-// The config of an EMA made by nvalchemi_ema (Fixed decay, StepSchedule skip_before_start with
-// every_offset 0 and no accumulation, buffers averaged or copied); throws for any other EMA, which
-// no EMAHook file describes.
 template <class E>
-NvalchemiConfig nvalchemi_config(const E& ema, const char* what) {
+EmaPolicies policies_of(const E& ema) {
   using D = std::decay_t<decltype(ema.decay_policy())>;
   using S = std::decay_t<decltype(ema.schedule())>;
-  const auto refuse = [&](std::string_view why) {
-    fail("{}: Peer::nvalchemi_hook needs an EMA made by nvalchemi_ema (an EMAHook's AveragedModel EMA): {}", what, why);
-  };
-  if constexpr (!std::is_same_v<D, Fixed> || !std::is_same_v<S, StepSchedule>) {
-    refuse("this EMA's decay or schedule is another policy (EMAHook's is Fixed with a StepSchedule)");
-    return {};
-  } else {
-    const StepSchedule& s = ema.schedule();
-    if (s.warmup() != Warmup::skip_before_start || s.every_offset() != 0 || s.accumulate() != 1)
-      refuse(fmt::format("its StepSchedule has warmup {}, every_offset {}, accumulate {} (EMAHook: skip_before_start, "
-                         "0, 1)",
-                         static_cast<int>(s.warmup()), s.every_offset(), s.accumulate()));
-    const BufferMode buffers = ema.options().buffers();
-    if (buffers != BufferMode::average && buffers != BufferMode::copy)
-      refuse("its buffers are ignored (EMAHook's AveragedModel averages them, use_buffers=True, or keeps them, False)");
-    return {ema.decay_policy().beta(), s.update_every(), s.start_step(), buffers == BufferMode::average};
-  }
+  EmaPolicies p;
+  if constexpr (std::is_same_v<D, Fixed>) p.fixed = &ema.decay_policy();
+  if constexpr (std::is_same_v<D, RationalRamp>) p.ramp = &ema.decay_policy();
+  if constexpr (std::is_same_v<D, InversePowerWarmup>) p.warmup = &ema.decay_policy();
+  if constexpr (std::is_same_v<S, StepSchedule>) p.step_schedule = &ema.schedule();
+  p.buffers = ema.options().buffers();
+  return p;
 }
 
-// EMAHook.state_dict()'s dict without model_key: the config as Python float, ints and a bool,
-// num_updates a Python int, averaged_model_state the averages as module.<name> with n_averaged
-// (AveragedModel's long tensor, = num_updates).
-EMAKIT_FUNC c10::impl::GenericDict nvalchemi_dict(const StateDict& averages, const NvalchemiConfig& config,
-                                                  std::int64_t num_updates);
-
-// An EMAHook.state_dict() file: checks its config against `config` and returns its
-// averaged_model_state (where the tensors are), setting `num_updates`; throws (nothing loaded) on
-// a missing or mistyped entry, a config that differs, or a state saved before the hook's first
-// update.
-EMAKIT_FUNC c10::impl::GenericDict nvalchemi_tensors(const c10::impl::GenericDict& dict, const std::string& path,
-                                                     const NvalchemiConfig& config, std::int64_t& num_updates);
-
-// The step import_state gives an EMAHook file: `step`, which must be given and >= 0; throws
-// (nothing loaded) without it, or when the file's num_updates differs from its n_averaged.
-EMAKIT_FUNC std::int64_t nvalchemi_step(const std::optional<std::int64_t>& step, std::int64_t num_updates,
-                                        std::int64_t n_averaged, const std::string& path);
-
-// Throws (nothing loaded) when this EMA's schedule makes `updates` != num_updates updates over
-// `step` completed steps.
-EMAKIT_FUNC void check_nvalchemi_updates(std::int64_t num_updates, std::int64_t updates, std::int64_t step,
-                                         const std::string& path);
-
-// The config a diffusers EMAModel writes in its state_dict(), as this EMA's decay holds it.
-struct DiffusersConfig {
-  double decay = 0.9999;
-  double min_decay = 0.0;
-  std::int64_t update_after_step = 0;
-  bool use_ema_warmup = false;
-  double inv_gamma = 1.0;    // only used (and checked) with use_ema_warmup
-  double power = 2.0 / 3.0;  // only used (and checked) with use_ema_warmup
-  std::string_view policy;   // "RationalRamp" or "InversePowerWarmup", for messages
+// What export_state writes: the EMA's averages (by name, in its order) and counters.
+struct ExportSource {
+  StateDict averages;
+  std::int64_t step = 0, num_updates = 0, last_update_step = 0;
+  EmaPolicies policies;
 };
 
-// The config of an EMA made by diffusers_ema_model (RationalRamp) or diffusers_ema_model_warmup
-// (InversePowerWarmup); throws for any other decay, which no EMAModel file describes.
-template <class E>
-DiffusersConfig diffusers_config(const E& ema, const char* what) {
-  using D = std::decay_t<decltype(ema.decay_policy())>;
-  const D& d = ema.decay_policy();
-  if constexpr (std::is_same_v<D, RationalRamp>) {
-    return {d.decay_max(), d.min_decay(), d.update_after_step(), false, 1.0, 2.0 / 3.0, "RationalRamp"};
-  } else if constexpr (std::is_same_v<D, InversePowerWarmup>) {
-    if (!d.warmup() || d.single_precision())
-      fail("{}: Peer::diffusers with an InversePowerWarmup needs warmup(true) and single_precision(false), as "
-           "diffusers_ema_model_warmup makes it (EMAModel(use_ema_warmup=True) computes the warmup in float64)",
-           what);
-    return {d.beta(), d.min_value(), d.update_after_step(), true, d.inv_gamma(), d.power(), "InversePowerWarmup"};
-  } else {
-    fail("{}: Peer::diffusers needs an EMA made by diffusers_ema_model (RationalRamp) or "
-         "diffusers_ema_model_warmup (InversePowerWarmup): a diffusers EMAModel file describes no other decay",
-         what);
-  }
-}
+// What import_state reads into: the EMA's own state (config, counters, keys), counters and
+// policies, and the calls into it that depend on its type.
+struct ImportTarget {
+  StateDict state;
+  std::int64_t step = 0, num_updates = 0, last_update_step = 0;
+  double decay = 0;  // Ema::decay(): d of the last applied update
+  EmaPolicies policies;
+  std::function<Decision(const ScheduleInput&)> decide;               // its schedule
+  std::function<LoadReport(const StateDict&, LoadMode)> check_state;  // Ema::check_state_dict
+  std::function<void(const StateDict&, LoadMode)> load_state;         // Ema::load_state_dict
+};
 
-// The averages as a name -> tensor dict (CPU, contiguous), each name after `prefix`: what every
-// export writes its tensors as.
-EMAKIT_FUNC c10::impl::GenericDict tensor_dict(const StateDict& averages, std::string_view prefix = {});
+EMAKIT_FUNC void export_peer(const ExportSource& ema, Peer peer, const std::filesystem::path& path);
+EMAKIT_FUNC LoadReport import_peer(const ImportTarget& ema, Peer peer, const std::filesystem::path& file,
+                                   const ImportOptions& options);
 
-// What EMACallback.state_dict() returns: {"ema_state_dict": the averages, "updates": a Python int
-// (EMACallback ignores any other type)}.
-EMAKIT_FUNC c10::impl::GenericDict luxonis_dict(const StateDict& averages, std::int64_t updates);
+// ---- the codec of a peer ------------------------------------------------------------------
 
-// EMAModel.state_dict()'s dict: the config as Python floats, ints and a bool, `step` as
-// optimization_step, the averages as the list shadow_params (in the EMA's order).
-EMAKIT_FUNC c10::impl::GenericDict diffusers_dict(const StateDict& averages, const DiffusersConfig& config,
-                                                  std::int64_t step);
+struct Codec;
 
-// What import_state takes from an EMAModel.state_dict() file: shadow_params matched by position to
-// the averages of `state`, after the config is checked against `config`; `step`:
-// optimization_step. Throws (nothing loaded) on a missing entry, a config that differs, a list of
-// another length, or a tensor whose shape or dtype differs from the one at its position.
-EMAKIT_FUNC PeerFile read_diffusers_file(const c10::impl::GenericDict& dict, const std::string& path,
-                                         const StateDict& state, const DiffusersConfig& config);
+// What a codec's read is given: the whole file, this EMA's state and policies, ImportOptions::step.
+struct ReadContext {
+  const Codec& codec;
+  const c10::impl::GenericDict& file;
+  const std::string& path;  // for messages
+  const StateDict& state;   // this EMA's own config, counters and keys
+  const EmaPolicies& policies;
+  std::optional<std::int64_t> step;
+};
+
+// How import_state sets the EMA's counters from a peer's file.
+enum class Count : std::uint8_t {
+  kept,       // the file holds none (timm): the EMA keeps its own
+  given,      // the file holds the update count (`updates`): step = last update step = updates
+  recounted,  // the file holds the update calls (`step`): the EMA's schedule recounts the updates
+};
+
+// What a codec's read takes from a peer's file: the tensors under this EMA's keys
+// (average.<name>, with the config entries of this EMA's own state), where they are and the
+// peer's counters.
+struct PeerFile {
+  StateDict state;
+  std::string prefix;                                                           // of the file's keys, for messages
+  c10::impl::GenericDict tensors{c10::StringType::get(), c10::AnyType::get()};  // the dict that holds them
+  Count count = Count::kept;
+  std::int64_t step = -1;              // recounted: update calls (completed steps)
+  bool initted = false;                // recounted: the peer made its average (else no update counts)
+  std::int64_t updates = -1;           // given: the update count; recounted: the file's, for `check`
+  std::int64_t last_update_step = -1;  // recounted: the file's (-1: none), for `check`
+};
+
+// One Python peer: its name, its file layout both ways and its counters. Adding a peer is one
+// codec in interop-inl.hpp's table (in Peer's order) and its preset in presets.hpp.
+struct Codec {
+  Peer peer;
+  std::string_view id;          // the enumerator's name, as messages write it: Peer::<id>
+  std::string_view prefix;      // of the keys of its tensors (module.)
+  std::string_view name;        // in messages: "an ema-pytorch EMA"
+  std::string_view save_call;   // the Python call that saves the state import_state wants
+  std::string_view inner_call;  // the one that saves only its averaged model (keys without the prefix)
+  bool takes_step = false;      // its file holds no step: ImportOptions::step gives it
+  // The dict export_state writes: what the peer's torch.load and load_state_dict read.
+  c10::impl::GenericDict (*write)(const Codec& self, const ExportSource& ema);
+  // The tensors and counters of a file, or throws naming the file and what it lacks.
+  PeerFile (*read)(const ReadContext& in);
+  // Count::recounted: throws (nothing loaded) when the file's own counts differ from the
+  // `updates` and `last` update step the EMA's schedule makes over file.step steps; may be null.
+  void (*check)(const PeerFile& file, std::int64_t updates, std::int64_t last, const std::string& path) = nullptr;
+};
+
+// The codec of `peer`; throws for a value that names no Peer.
+EMAKIT_FUNC const Codec& codec(Peer peer);
 
 }  // namespace detail::interop
 
@@ -325,33 +263,9 @@ EMAKIT_FUNC PeerFile read_diffusers_file(const c10::impl::GenericDict& dict, con
 // torch.load (weights_only) as a plain dict.
 template <class E>
 void export_state(const E& ema, Peer peer, const std::filesystem::path& path) {
-  if (peer == Peer::diffusers) {
-    const auto config = detail::interop::diffusers_config(ema, "export_state");
-    detail::write_tensor_dict(path, detail::interop::diffusers_dict(ema.averages(), config, ema.step()));
-    return;
-  }
-  if (peer == Peer::lightning) {
-    detail::write_tensor_dict(
-        path, detail::interop::lightning_dict(ema.averages(), ema.step(), ema.num_updates(), ema.last_update_step()));
-    return;
-  }
-  if (peer == Peer::luxonis_callback) {
-    detail::write_tensor_dict(path, detail::interop::luxonis_dict(ema.averages(), ema.num_updates()));
-    return;
-  }
-  if (peer == Peer::nvalchemi_hook) {
-    const auto config = detail::interop::nvalchemi_config(ema, "export_state");
-    detail::write_tensor_dict(path, detail::interop::nvalchemi_dict(ema.averages(), config, ema.num_updates()));
-    return;
-  }
-  c10::impl::GenericDict dict = detail::interop::tensor_dict(ema.averages(), detail::interop::peer_text(peer).prefix);
-  if (peer == Peer::ema_pytorch) {
-    dict.insert("step", at::scalar_tensor(ema.step(), at::kLong));
-    dict.insert("initted", at::scalar_tensor(ema.num_updates() > 0, at::kBool));
-  } else if (peer == Peer::averaged_model) {
-    dict.insert("n_averaged", at::scalar_tensor(ema.num_updates(), at::kLong));
-  }
-  detail::write_tensor_dict(path, dict);  // atomic, untagged: torch.load(weights_only=True) reads it
+  detail::interop::export_peer(
+      {ema.averages(), ema.step(), ema.num_updates(), ema.last_update_step(), detail::interop::policies_of(ema)}, peer,
+      path);
 }
 
 // Loads the EMA state a Python `peer` saved (torch.save(peer.state_dict()), or of a plain dict)
@@ -364,66 +278,17 @@ void export_state(const E& ema, Peer peer, const std::filesystem::path& path) {
 // plain values, nothing else. A failed import changes nothing.
 template <class E>
 LoadReport import_state(E& ema, Peer peer, const std::filesystem::path& file, const ImportOptions& options) {
-  const auto file_dict = detail::read_pickle_dict(file, "import_state");
-  const std::string path = file.string();    // for messages
-  const StateDict state = ema.state_dict();  // this EMA's own config, counters and keys
-  if (options.step && peer != Peer::nvalchemi_hook)
-    detail::fail("import_state: ImportOptions::step ({}) is for Peer::nvalchemi_hook, whose file holds no step; {} "
-                 "file holds its own counters",
-                 *options.step, detail::interop::peer_text(peer).name);
-  std::int64_t luxonis_updates = -1, hook_updates = -1;
-  detail::interop::LightningCounters lightning;
-  const auto dict = peer == Peer::luxonis_callback ? detail::interop::luxonis_tensors(file_dict, path, luxonis_updates)
-                    : peer == Peer::lightning      ? detail::interop::lightning_tensors(file_dict, path, lightning)
-                    : peer == Peer::nvalchemi_hook
-                        ? detail::interop::nvalchemi_tensors(
-                              file_dict, path, detail::interop::nvalchemi_config(ema, "import_state"), hook_updates)
-                        : file_dict;
-  detail::interop::PeerFile peer_file =
-      peer == Peer::diffusers ? detail::interop::read_diffusers_file(
-                                    dict, path, state, detail::interop::diffusers_config(ema, "import_state"))
-                              : detail::interop::read_peer_file(dict, peer, path, state);
-  std::int64_t step = ema.step(), updates = ema.num_updates(), last = ema.last_update_step();
-  if (peer == Peer::lightning) {
-    peer_file.step = lightning.global_step;
-    peer_file.initted = true;
-  } else if (peer == Peer::nvalchemi_hook) {
-    peer_file.step = detail::interop::nvalchemi_step(options.step, hook_updates, peer_file.n_averaged, path);
-    peer_file.initted = true;
-  }
-  if (peer == Peer::ema_pytorch || peer == Peer::diffusers || peer == Peer::lightning || peer == Peer::nvalchemi_hook) {
-    step = peer_file.step;
-    updates = 0;
-    last = 0;
-    if (peer_file.initted) {
-      // Recount what the schedule did over `step` calls (ema-pytorch's and diffusers' calls are
-      // never vetoed; a vetoed batch completes no step of nvalchemi's trainer).
-      for (std::int64_t call = 1, previous = 0; call <= step; ++call) {
-        const Decision d = ema.schedule().decide({call, std::nullopt, previous, updates, false});
-        previous = d.step;
-        if (d.action != Action::skipped) {
-          ++updates;
-          last = d.step;
-        }
-      }
-    }
-    if (peer == Peer::lightning) detail::interop::check_lightning_counters(lightning, updates, last, path);
-    if (peer == Peer::nvalchemi_hook) detail::interop::check_nvalchemi_updates(hook_updates, updates, step, path);
-  } else if (peer == Peer::averaged_model || peer == Peer::luxonis_callback) {
-    updates = peer == Peer::averaged_model ? peer_file.n_averaged : luxonis_updates;
-    step = last = updates;  // ModelEma: one update per call, its decay from `updates`
-  }
-  StateDict& out = peer_file.state;
-  out.insert("counters.calls", at::scalar_tensor(step, at::kLong));
-  out.insert("counters.step", at::scalar_tensor(step, at::kLong));
-  out.insert("counters.num_updates", at::scalar_tensor(updates, at::kLong));
-  out.insert("counters.last_update_step", at::scalar_tensor(last, at::kLong));
-  out.insert("counters.last_decay", at::scalar_tensor(ema.decay(), at::kDouble));
-  const LoadReport found = ema.check_state_dict(out, LoadMode::lenient);
-  LoadReport report = detail::interop::peer_report(found, peer_file, dict, peer, path, options.mode);
-  if (!found.clean()) detail::interop::keep_current(out, found, state);
-  ema.load_state_dict(out, options.mode);
-  return report;
+  return detail::interop::import_peer(
+      {.state = ema.state_dict(),
+       .step = ema.step(),
+       .num_updates = ema.num_updates(),
+       .last_update_step = ema.last_update_step(),
+       .decay = ema.decay(),
+       .policies = detail::interop::policies_of(ema),
+       .decide = [&ema](const ScheduleInput& in) { return ema.schedule().decide(in); },
+       .check_state = [&ema](const StateDict& s, LoadMode mode) { return ema.check_state_dict(s, mode); },
+       .load_state = [&ema](const StateDict& s, LoadMode mode) { ema.load_state_dict(s, mode); }},
+      peer, file, options);
 }
 
 template <class E>

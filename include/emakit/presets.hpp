@@ -93,7 +93,7 @@ inline EmaOptions ema_pytorch_options(const EmaPytorchOptions& o) {
                  .ignore(o.ignore_names)
                  .ignore_prefixes(o.ignore_startswith_names)
                  .ignored_follow_copies(true)
-                 .non_floating(BufferMode::ignore);
+                 .non_floating(TensorMode::ignore);
   if (o.update_model_with_ema_every > 0)
     out.switch_model(o.update_model_with_ema_every, o.update_model_with_ema_beta, 1);
   if (o.dtype) out.dtype(*o.dtype);
@@ -138,7 +138,7 @@ inline EmaOptions timm_v3_options(const TimmModelEmaV3Options& o) {
   auto out = EmaOptions()
                  .keep_model_dtype(true)
                  .arithmetic(Arithmetic::fused_lerp)
-                 .buffers(o.exclude_buffers ? BufferMode::copy : BufferMode::average);
+                 .buffers(o.exclude_buffers ? TensorMode::copy : TensorMode::average);
   if (o.dtype) out.dtype(*o.dtype);
   if (o.device) out.device(*o.device);
   return out;
@@ -169,7 +169,7 @@ inline EmaOptions averaged_model_options(bool use_buffers, Arithmetic arithmetic
   return EmaOptions()
       .keep_model_dtype(true)
       .arithmetic(arithmetic)
-      .buffers(use_buffers ? BufferMode::average : BufferMode::copy);
+      .buffers(use_buffers ? TensorMode::average : TensorMode::copy);
 }
 inline StepSchedule averaged_model_schedule() { return StepSchedule().warmup(Warmup::skip_before_start); }
 
@@ -227,7 +227,7 @@ inline Recipe<Fixed> nvalchemi_ema_recipe(const NvalchemiEmaOptions& o = {}) {
   return Recipe<Fixed>(Fixed(o.decay), nvalchemi_ema_schedule(o), averaged_model_options(o.use_buffers));
 }
 
-// The names before 0.2, kept for one release: ema_hook() returned an Ema, not a hook (EmaHook is
+// Earlier names of 0.1 development, deprecated (removed in 0.2): ema_hook() returned an Ema, not a hook (EmaHook is
 // the trainer hook), so the preset is named after its peer like the others.
 using EmaHookOptions [[deprecated("renamed emakit::NvalchemiEmaOptions")]] = NvalchemiEmaOptions;
 template <StoragePolicy Storage = FlatStorage>
@@ -316,8 +316,8 @@ inline EmaOptions diffusers_options() {
   return EmaOptions()
       .keep_model_dtype(true)
       .arithmetic(Arithmetic::subtract)
-      .buffers(BufferMode::ignore)
-      .frozen_parameters(BufferMode::copy);
+      .buffers(TensorMode::ignore)
+      .frozen_parameters(TensorMode::copy);
 }
 inline RationalRamp diffusers_decay(const DiffusersEmaModelOptions& o) {
   detail::check_diffusers_options(o, false);
@@ -431,7 +431,7 @@ inline CosineMomentum cosine_teacher_decay(const CosineTeacherOptions& o) {
       .steps_per_epoch(o.steps_per_epoch);
 }
 inline EmaOptions cosine_teacher_options(Arithmetic arithmetic = Arithmetic::scaled_fused_add) {
-  return EmaOptions().keep_model_dtype(true).arithmetic(arithmetic).buffers(BufferMode::ignore);
+  return EmaOptions().keep_model_dtype(true).arithmetic(arithmetic).buffers(TensorMode::ignore);
 }
 
 template <StoragePolicy Storage = FlatStorage>
