@@ -151,7 +151,8 @@ TEST_CASE("Every Arithmetic computes its peer's formula, bitwise, on the fused p
         using Job = UpdateKernel::Job;
         const UpdateKernel::Work work[] = {{&measured, Job{UpdateKernel::Kind::average, k}},
                                            {&lerped, Job{UpdateKernel::Kind::average, k}}};
-        UpdateKernel::run_together(work);  // `measured` twice: the pass is a function of its input
+        UpdateKernel::TogetherScratch scratch;
+        UpdateKernel::run_together(work, scratch);  // `measured` twice: the pass is a function of its input
         for (std::size_t i = 0; i < std::size(sizes); ++i) {
           INFO("tensor " << i << " of " << sizes[i] << " elements");
           const auto& got = plain.settled_slots()[i].average;

@@ -21,6 +21,14 @@
 
 #include <catch2/catch.hpp>
 
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/allocator_interface.h>
+#endif
+
+#include <atomic>
+#include <memory>
+#include <new>
+#include <span>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -29,6 +37,33 @@
 #include <random>
 #include <string>
 #include <vector>
+
+// Every allocation made, on any thread, while `counting` is set: the replaceable operator new (a
+// program has one: this is the test program's), or under ASan, whose operator new must stay, its
+// malloc hook (which sees ATen's tensors too).
+namespace test_together_allocations {
+inline std::atomic<bool> counting{false};
+inline std::atomic<long> made{0};
+inline void note() noexcept {
+  if (counting.load(std::memory_order_relaxed)) made.fetch_add(1, std::memory_order_relaxed);
+}
+}  // namespace test_together_allocations
+
+#if defined(__SANITIZE_ADDRESS__)
+namespace {
+void count_malloc(const volatile void*, std::size_t) { test_together_allocations::note(); }
+void ignore_free(const volatile void*) {}
+const int malloc_hooks_installed = __sanitizer_install_malloc_and_free_hooks(count_malloc, ignore_free);
+}  // namespace
+#else
+void* operator new(std::size_t n) {
+  test_together_allocations::note();
+  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+#endif
 
 namespace test_together {  // this file's names (unity batches: tests/CMakeLists.txt)
 
@@ -250,10 +285,11 @@ TEST_CASE("update_together of different Ema types, and PostHocEma's profiles, ru
   emakit::Ema<emakit::InversePowerWarmup> warm2(*model);
   emakit::Ema<emakit::Uniform> mean2(*model);
   const auto groupings = emakit::detail::sync_counts().fused_groupings;
+  emakit::EmaGroup group(fast, warm, mean);
   for (int step = 1; step <= 5; ++step) {
     emakit_test::perturb(*model);
     const auto calls = emakit::detail::sync_counts().fused_calls;
-    const auto results = emakit::update_together(fast, warm, mean);
+    const auto results = group.update();
     CHECK(emakit::detail::sync_counts().fused_calls == calls + 1);
     CHECK(same_result(results[0], fast2.update()));
     CHECK(same_result(results[1], warm2.update()));
@@ -263,13 +299,19 @@ TEST_CASE("update_together of different Ema types, and PostHocEma's profiles, ru
   CHECK(emakit_test::same_averages(warm.averages(), emakit_test::snapshot(warm2.averages())));
   CHECK(emakit_test::same_averages(mean.averages(), emakit_test::snapshot(mean2.averages())));
   CHECK(fast.num_updates() == 5);
-  // The members' segments were grouped at the first call only (their plans did not change); the
-  // later calls took the grouping with their new weights (warm's and mean's change every step).
+  // The members' segments were grouped at the group's first update only (their plans did not
+  // change); the later ones took the grouping with their new weights (warm's and mean's change
+  // every step).
   CHECK(emakit::detail::sync_counts().fused_groupings == groupings + 1);
-  // Another set of members is grouped anew, and so is the first set after it.
-  emakit::update_together(fast2, warm2);
+  // Another group groups its own members, and the first keeps its grouping.
+  emakit::EmaGroup other(fast2, warm2);
+  other.update();
+  group.update();
+  CHECK(emakit::detail::sync_counts().fused_groupings == groupings + 2);
+  // update_together(a, b, ...) is a group for one call: it groups anew each time.
   emakit::update_together(fast, warm, mean);
-  CHECK(emakit::detail::sync_counts().fused_groupings == groupings + 3);
+  emakit::update_together(fast, warm, mean);
+  CHECK(emakit::detail::sync_counts().fused_groupings == groupings + 4);
 }
 
 namespace {
@@ -526,7 +568,8 @@ TEST_CASE("The fused pass's drift sums are the same bits with any number of thre
         return UpdateKernel::Job{UpdateKernel::Kind::average, w, UpdateKernel::DriftMeasure::measure};
       };
       const UpdateKernel::Work work[] = {{&first, measuring({0.3, 0.7})}, {&second, measuring({0.01, 0.99})}};
-      UpdateKernel::run_together(work);
+      UpdateKernel::TogetherScratch scratch;
+      UpdateKernel::run_together(work, scratch);
       std::vector<double> alone_sums(alone.drift_sums().begin(), alone.drift_sums().end());
       std::vector<double> group_sums(first.drift_sums().begin(), first.drift_sums().end());
       group_sums.insert(group_sums.end(), second.drift_sums().begin(), second.drift_sums().end());
@@ -619,6 +662,78 @@ TEST_CASE("drift_every measures on every n-th averaging update: the result, last
   CHECK(std::isnan(r.drift->relative));
   CHECK(r.drift->farthest == "near");
   CHECK_THROWS_WITH(emakit::EmaOptions().drift_every(-1), Contains("EmaOptions::drift_every"));
+}
+
+namespace {
+std::unique_ptr<std::vector<int>> kept_alive;  // NOLINT: the control allocation, out of the optimizer's reach
+
+// The allocations f() makes, on any thread.
+template <class F>
+long allocations_of(F&& f) {
+  using namespace test_together_allocations;
+  made = 0;
+  counting = true;
+  f();
+  counting = false;
+  return made.load();
+}
+}  // namespace
+
+TEST_CASE("An EmaGroup checks its members once and then allocates nothing per update, nor does an Ema's update()",
+          "[together][allocation]") {
+  torch::manual_seed(21);
+  emakit_test::TinyNet model;
+  torch::nn::Linear wide(512, 512);  // 262k elements: the pass is cut between threads
+  emakit::Ema<emakit::Fixed> fast(*model, emakit::Fixed(0.9)), alone(*model, emakit::Fixed(0.9));
+  emakit::Ema<emakit::InversePowerWarmup> warm(*model);
+  emakit::Ema<emakit::Uniform> mean(*model);
+  emakit::Ema<emakit::Fixed> wide_fast(*wide, emakit::Fixed(0.9)), wide_slow(*wide, emakit::Fixed(0.99));
+  emakit::EmaGroup group(fast, warm, mean);
+  emakit::EmaGroup wide_group(wide_fast, wide_slow);
+  // The counter sees allocations: this one must be counted, or the test proves nothing.
+  CHECK(allocations_of([] { kept_alive = std::make_unique<std::vector<int>>(1000); }) >= 1);
+  kept_alive.reset();
+  const auto groupings = emakit::detail::sync_counts().fused_groupings;
+  for (int step = 1; step <= 6; ++step) {
+    INFO("step " << step);
+    emakit_test::perturb(*model);
+    {
+      torch::NoGradGuard no_grad;
+      wide->weight.add_(torch::randn_like(wide->weight), 0.1);
+    }
+    std::span<const emakit::UpdateResult> results, wide_results;
+    emakit::UpdateResult own;
+    const long made = allocations_of([&] {
+      results = group.update();
+      wide_results = wide_group.update();
+      own = alone.update();
+    });
+    // The first update groups the passes (and sizes the scratch); from the second on nothing is allocated.
+    if (step > 1) CHECK(made == 0);
+    REQUIRE(results.size() == 3);
+    CHECK(results[0].action == emakit::Action::averaged);
+    CHECK(same_result(results[0], own));  // `fast` in the group is `alone` apart
+    CHECK(wide_results[1].step == step);
+  }
+  CHECK(emakit_test::same_averages(fast.averages(), emakit_test::snapshot(alone.averages())));
+  // Each group grouped its passes once (their plans did not change) and reused the grouping.
+  CHECK(emakit::detail::sync_counts().fused_groupings == groupings + 2);
+}
+
+TEST_CASE("An EmaGroup refuses at construction what update_together refuses, and a member moved from at update",
+          "[together][errors]") {
+  emakit_test::TinyNet model, other;
+  emakit::Ema<emakit::Fixed> a(*model, emakit::Fixed(0.9)), b(*model, emakit::Fixed(0.9)),
+      c(*other, emakit::Fixed(0.9));
+  CHECK_THROWS_WITH(emakit::EmaGroup(a, a), Contains("the same Ema is given twice (members 0 and 1)"));
+  CHECK_THROWS_WITH(emakit::EmaGroup(a, c), Contains("member 1 is bound to another model than member 0"));
+  emakit::EmaGroup group(a, b);
+  group.update();
+  CHECK(a.num_updates() == 1);
+  emakit::Ema<emakit::Fixed> taken = std::move(b);
+  CHECK_THROWS_WITH(group.update(), Contains("update_together() on a moved-from Ema"));
+  CHECK(a.num_updates() == 1);  // refused before anything changed
+  CHECK(taken.num_updates() == 1);
 }
 
 }  // namespace test_together

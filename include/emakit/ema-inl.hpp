@@ -42,18 +42,17 @@ EMAKIT_FUNC void EmaCore::fail_moved_from(const char* what) {
   fail("{}() on a moved-from Ema; use the Ema it was moved into", what);
 }
 
-EMAKIT_FUNC EmaCore::Prepared EmaCore::prepare(const StepInfo& info, const PolicyNames& names, DecideFn decide,
-                                               WeightFn weight) {
+EMAKIT_FUNC EmaCore::Prepared EmaCore::prepare(const StepInfo& info, const PolicyCalls& calls) {
   check_model_not_swapped("update");
   check_step_in(info);
   const ema_state::Counters& c = counters_;
   const ScheduleInput in{c.calls + 1, info.step, c.step, c.num_updates, info.vetoed};
-  const Decision decision = decide(in);
-  check_decision(decision, info, names.schedule);
-  return prepare_decided(Prepared{{decision.action, decision.step, std::nan(""), {}}, {}, info.vetoed}, names, weight);
+  const Decision decision = calls.decide_with(in);
+  check_decision(decision, info, calls.names.schedule);
+  return prepare_decided(Prepared{{decision.action, decision.step, std::nan(""), {}}, {}, info.vetoed}, calls);
 }
 
-EMAKIT_FUNC EmaCore::Prepared EmaCore::prepare_decided(Prepared p, const PolicyNames& names, WeightFn weight) {
+EMAKIT_FUNC EmaCore::Prepared EmaCore::prepare_decided(Prepared p, const PolicyCalls& calls) {
   const ema_state::Counters& c = counters_;
   const Action action = p.result.action;
   const std::int64_t step = p.result.step;
@@ -72,10 +71,10 @@ EMAKIT_FUNC EmaCore::Prepared EmaCore::prepare_decided(Prepared p, const PolicyN
     const DecayInput d_in{step, c.num_updates + 1, step - c.last_update_step};
     Weights& weights = p.job.weights;
     p.job.kind = UpdateKernel::Kind::average;
-    weights = weight(d_in);
+    weights = calls.weight_with(d_in);
     const auto unit = [](double v) { return v >= 0.0 && v <= 1.0; };
     if (!unit(weights.weight) || !unit(weights.decay))
-      fail("decay policy {} gave d = {} at step {} (update {}); d must be in [0, 1]", names.decay, weights.decay,
+      fail("decay policy {} gave d = {} at step {} (update {}); d must be in [0, 1]", calls.names.decay, weights.decay,
            d_in.step, d_in.update);
     p.result.decay = weights.decay;  // d as the policy gave it (not 1 - w: that is not d in every bit)
     if (options_.drift_every() > 0 && (c.num_updates + 1) % options_.drift_every() == 0)
@@ -148,7 +147,7 @@ EMAKIT_FUNC UpdateResult EmaCore::finish(const Prepared& p) {
   return result;
 }
 
-EMAKIT_FUNC UpdateResult EmaCore::epoch_end(std::int64_t epoch, const PolicyNames& names, WeightFn weight) {
+EMAKIT_FUNC UpdateResult EmaCore::epoch_end(std::int64_t epoch, const PolicyCalls& calls) {
   ensure_bound("epoch_end");
   check_model_alive("epoch_end");
   check_non_negative_int(epoch, "epoch_end(epoch)");
@@ -159,19 +158,18 @@ EMAKIT_FUNC UpdateResult EmaCore::epoch_end(std::int64_t epoch, const PolicyName
   if (!from || epoch < *from || epoch <= last_epoch_end_) return UpdateResult{Action::skipped, c.step};
   Prepared p{{c.num_updates == 0 ? Action::copied : Action::averaged, c.step, std::nan(""), {}}, {}, false};
   p.off_schedule = true;
-  p = prepare_decided(std::move(p), names, weight);
+  p = prepare_decided(std::move(p), calls);
   if (applies(p)) kernel_.run(p.job);
   UpdateResult out = finish(p);
   last_epoch_end_ = epoch;
   return out;
 }
 
-EMAKIT_FUNC UpdateResult EmaCore::update(const StepInfo& info, const PolicyNames& names, DecideFn decide,
-                                         WeightFn weight) {
+EMAKIT_FUNC UpdateResult EmaCore::update(const StepInfo& info, const PolicyCalls& calls) {
   ensure_bound("update");
   check_model_alive("update");
   BusyScope busy(busy_, "update");
-  const Prepared p = prepare(info, names, decide, weight);
+  const Prepared p = prepare(info, calls);
   if (applies(p)) kernel_.run(p.job);
   return finish(p);
 }
@@ -194,7 +192,7 @@ EMAKIT_FUNC std::string EmaCore::shared_tensor(const EmaCore& other) const {
 
 // The busy flags of update_together's members, taken in order and given back by the destructor
 // (those taken, if one was refused): a BusyScope per member, without allocating one. (No anonymous
-// namespace: EmaCore::update_together is inline in header-only mode.)
+// namespace: GroupCore::update is inline in header-only mode.)
 class BusyAll {
  public:
   explicit BusyAll(std::span<const EmaCore::Member> members, BusyFlag EmaCore::*flag, const char* what)
@@ -220,20 +218,15 @@ class BusyAll {
   std::size_t taken_ = 0;
 };
 
-EMAKIT_FUNC void EmaCore::update_together(std::span<const Member> members, const StepInfo& info,
-                                          std::span<UpdateResult> out) {
-  if (out.size() != members.size())
-    fail("internal: update_together given {} results for {} members", out.size(), members.size());
-  if (members.empty()) return;
-  for (std::size_t i = 0; i < members.size(); ++i) {
-    EmaCore& m = *members[i].core;
+EMAKIT_FUNC GroupCore::GroupCore(std::vector<EmaCore::Member> members) : members_(std::move(members)) {
+  for (std::size_t i = 0; i < members_.size(); ++i) {
+    const EmaCore& m = *members_[i].core;
     m.ensure_bound("update_together");
-    m.check_model_alive("update_together");
     for (std::size_t j = 0; j < i; ++j)
-      if (members[j].core == members[i].core)
+      if (members_[j].core == members_[i].core)
         fail("update_together: the same Ema is given twice (members {} and {}); each EMA updates once per step", j, i);
-    if (i > 0 && !members[0].core->same_model(m)) {
-      const std::string shared = members[0].core->shared_tensor(m);
+    if (i > 0 && !members_[0].core->same_model(m)) {
+      const std::string shared = members_[0].core->shared_tensor(m);
       fail("update_together: member {} is bound to another model than member 0 ({}); update_together reads one "
            "model once for the EMAs of that model: update each model's EMAs apart",
            i,
@@ -242,43 +235,35 @@ EMAKIT_FUNC void EmaCore::update_together(std::span<const Member> members, const
                                         "module part of the other, or parameters shared between them)",
                                         shared));
     }
-    m.check_model_not_swapped("update_together", i);
     if (m.options_.switch_every() > 0)
       fail("update_together: member {} writes the model after its update (EmaOptions::switch_model), which the "
            "other members would read in the same step; update it on its own, after the others",
            i);
   }
-  const BusyAll busy(members, &EmaCore::busy_, "update_together");
-  // Per-thread scratch, kept from call to call (a call made from inside another, by a policy, gets
-  // its own).
-  struct Scratch {
-    std::vector<Prepared> prepared;
-    std::vector<UpdateKernel::Work> work;
-    bool in_use = false;
-  };
-  thread_local Scratch kept;
-  Scratch own;
-  Scratch& scratch = kept.in_use ? own : kept;
-  scratch.in_use = true;
-  struct Release {
-    Scratch& s;
-    ~Release() {
-      s.prepared.clear();
-      s.work.clear();
-      s.in_use = false;
-    }
-  } release{scratch};
-  std::vector<Prepared>& prepared = scratch.prepared;
-  for (const auto& m : members) {
-    const auto decide = [&m](const ScheduleInput& in) { return m.decide(m.policies, in); };
-    const auto weight = [&m](const DecayInput& in) { return m.weight(m.policies, in); };
-    prepared.push_back(m.core->prepare(info, m.names, decide, weight));
+  prepared_.reserve(members_.size());
+  work_.reserve(members_.size());
+}
+
+EMAKIT_FUNC void GroupCore::update(const StepInfo& info, std::span<UpdateResult> out) {
+  if (out.size() != members_.size())
+    fail("internal: update_together given {} results for {} members", out.size(), members_.size());
+  if (members_.empty()) return;
+  // What may have changed since the group was made: a member moved from, its model destroyed, a
+  // swap opened.
+  for (std::size_t i = 0; i < members_.size(); ++i) {
+    const EmaCore& m = *members_[i].core;
+    m.ensure_bound("update_together");
+    m.check_model_alive("update_together");
+    m.check_model_not_swapped("update_together", i);
   }
-  std::vector<UpdateKernel::Work>& work = scratch.work;
-  for (std::size_t i = 0; i < members.size(); ++i)
-    if (members[i].core->applies(prepared[i])) work.push_back({&members[i].core->kernel_, prepared[i].job});
-  UpdateKernel::run_together(work);
-  for (std::size_t i = 0; i < members.size(); ++i) out[i] = members[i].core->finish(prepared[i]);
+  const BusyAll busy(members_, &EmaCore::busy_, "update_together");
+  prepared_.clear();  // capacity kept: no allocation after the first call
+  work_.clear();
+  for (const auto& m : members_) prepared_.push_back(m.core->prepare(info, m.calls));
+  for (std::size_t i = 0; i < members_.size(); ++i)
+    if (members_[i].core->applies(prepared_[i])) work_.push_back({&members_[i].core->kernel_, prepared_[i].job});
+  UpdateKernel::run_together(work_, scratch_);
+  for (std::size_t i = 0; i < members_.size(); ++i) out[i] = members_[i].core->finish(prepared_[i]);
 }
 
 EMAKIT_FUNC void EmaCore::wait_for_model_reads() const {

@@ -155,11 +155,22 @@ struct PolicyNames {
   std::string_view schedule;
 };
 
+// The calls into an Ema's policies: the one record by which update(), epoch_end() and
+// update_together() reach them (`policies`: the Ema, passed back to them).
+struct PolicyCalls {
+  PolicyNames names;
+  void* policies;
+  Decision (*decide)(void*, const ScheduleInput&);
+  Weights (*weight)(void*, const DecayInput&);  // w = 1 - d and d, unchecked
+  Decision decide_with(const ScheduleInput& in) const { return decide(policies, in); }
+  Weights weight_with(const DecayInput& in) const { return weight(policies, in); }
+};
+
+class GroupCore;
+
 class EmaCore {
  public:
   using CreateFn = FunctionRef<std::vector<at::Tensor>(const torch::nn::Module*, std::span<const TensorSpec>)>;
-  using DecideFn = FunctionRef<Decision(const ScheduleInput&)>;
-  using WeightFn = FunctionRef<Weights(const DecayInput&)>;  // w = 1 - d and d, unchecked
 
   // Binds to `tensors` of `model` (null: a list of tensors); `create` is the storage's create().
   EMAKIT_FUNC EmaCore(const torch::nn::Module* model, std::vector<SourceTensor> tensors, EmaOptions options,
@@ -168,31 +179,17 @@ class EmaCore {
   EmaCore& operator=(EmaCore&&) noexcept = default;
   EMAKIT_FUNC ~EmaCore();
 
-  EMAKIT_FUNC UpdateResult update(const StepInfo& info, const PolicyNames& names, DecideFn decide, WeightFn weight);
+  EMAKIT_FUNC UpdateResult update(const StepInfo& info, const PolicyCalls& calls);
   // The update at the end of training epoch `epoch` (EmaOptions::update_at_epoch_ends): outside
   // the schedule, at the current step; skipped before the option's first epoch and for an epoch
   // not after the last one it ran at.
-  EMAKIT_FUNC UpdateResult epoch_end(std::int64_t epoch, const PolicyNames& names, WeightFn weight);
+  EMAKIT_FUNC UpdateResult epoch_end(std::int64_t epoch, const PolicyCalls& calls);
 
-  // One member of update_together(): its core and the calls into its policies (`policies`: the
-  // Ema, passed back to them).
+  // One member of update_together() (GroupCore): its core and the calls into its policies.
   struct Member {
     EmaCore* core;
-    PolicyNames names;
-    void* policies;
-    Decision (*decide)(void*, const ScheduleInput&);
-    Weights (*weight)(void*, const DecayInput&);
+    PolicyCalls calls;
   };
-  // Updates several EMAs of one model as their own update() calls would, one after another, with
-  // each CPU source tensor read once for all of them (the members whose whole update is the
-  // fused CPU pass); bitwise the same averages, counters and results. Refuses before anything
-  // changes: an Ema given twice, members bound to different models, a member whose update writes
-  // the model (EmaOptions::switch_model), and what update() refuses (a swap open, an update
-  // running, a step going back). The results go to `out` (one per member). Its scratch (the
-  // prepared updates, the work, the grouping) is kept per thread, so that a call for the same
-  // members allocates nothing of its own after the first.
-  EMAKIT_FUNC static void update_together(std::span<const Member> members, const StepInfo& info,
-                                          std::span<UpdateResult> out);
 
   EMAKIT_FUNC void wait_for_model_reads() const;
   EMAKIT_FUNC void wait_for_update() const;
@@ -239,6 +236,7 @@ class EmaCore {
   }
 
  private:
+  friend class GroupCore;
   [[noreturn]] EMAKIT_FUNC static void fail_moved_from(const char* what);
 
   // Binds the EMA. What it holds is decided by identity, not by name: a tensor registered under
@@ -259,9 +257,9 @@ class EmaCore {
     bool vetoed = false;
     bool off_schedule = false;  // an epoch-end update: not a call, not a step
   };
-  EMAKIT_FUNC Prepared prepare(const StepInfo& info, const PolicyNames& names, DecideFn decide, WeightFn weight);
+  EMAKIT_FUNC Prepared prepare(const StepInfo& info, const PolicyCalls& calls);
   // prepare() once the schedule has decided (or epoch_end() has, for itself).
-  EMAKIT_FUNC Prepared prepare_decided(Prepared p, const PolicyNames& names, WeightFn weight);
+  EMAKIT_FUNC Prepared prepare_decided(Prepared p, const PolicyCalls& calls);
   bool applies(const Prepared& p) const noexcept {
     return p.result.action != Action::skipped && p.result.non_finite.empty();
   }
@@ -329,6 +327,31 @@ class EmaCore {
   BoundFlag bound_;
 };
 
+// The members of update_together(), checked once, and the scratch of their updates kept from
+// call to call: emakit::EmaGroup owns one; update_together(a, b, ...) makes one for its call.
+// The members must stay where they are while the group lives (a group of a std::vector's EMAs:
+// the vector is not resized).
+class GroupCore {
+ public:
+  // Refuses, naming the member: an unbound (moved-from) Ema, an Ema given twice, members bound to
+  // different models, a member whose update writes the model (EmaOptions::switch_model).
+  EMAKIT_FUNC explicit GroupCore(std::vector<EmaCore::Member> members);
+  // Each member's update(info) as its own update() would, one after another, with each CPU source
+  // tensor read once for all of them (the members whose whole update is the fused CPU pass):
+  // bitwise the same averages, counters and results, to `out` (one per member). Refuses before
+  // anything changes what update() refuses (a destroyed model, a swap open, an update running, a
+  // step going back). After its first call it allocates nothing of its own (a member's kernel
+  // does when it re-plans: a source given new memory).
+  EMAKIT_FUNC void update(const StepInfo& info, std::span<UpdateResult> out);
+  std::size_t size() const noexcept { return members_.size(); }
+
+ private:
+  std::vector<EmaCore::Member> members_;
+  std::vector<EmaCore::Prepared> prepared_;
+  std::vector<UpdateKernel::Work> work_;
+  UpdateKernel::TogetherScratch scratch_;
+};
+
 // update_together()'s way to an Ema's member record (Ema::together_member is private).
 struct TogetherAccess {
   template <class E>
@@ -373,11 +396,7 @@ class Ema {
   //
   // An Ema is not thread-safe, like a torch::nn::Module: use it from one thread at a time (or
   // behind a mutex). Two update() calls that overlap are detected and the second is refused.
-  UpdateResult update(StepInfo info = {}) {
-    const auto decide = [this](const ScheduleInput& in) { return schedule_.decide(in); };
-    const auto weight = [this](const DecayInput& in) { return update_weights(decay_, in); };
-    return core_.update(info, policy_names(), decide, weight);
-  }
+  UpdateResult update(StepInfo info = {}) { return core_.update(info, policy_calls()); }
 
   // Call at the end of each training epoch (0-based `epoch`) when the options ask for epoch-end
   // updates (EmaOptions::update_at_epoch_ends, the Lightning preset's update_starting_at_epoch):
@@ -385,10 +404,7 @@ class Ema {
   // once per epoch, as one more applied update that is not an optimizer step (calls() and step()
   // do not move, so the schedule's steps are unchanged). Without the option, or before its epoch,
   // it does nothing and returns Action::skipped.
-  UpdateResult epoch_end(std::int64_t epoch) {
-    const auto weight = [this](const DecayInput& in) { return update_weights(decay_, in); };
-    return core_.epoch_end(epoch, policy_names(), weight);
-  }
+  UpdateResult epoch_end(std::int64_t epoch) { return core_.epoch_end(epoch, policy_calls()); }
 
   // The side-stream protocol (EmaOptions::side_stream): update() may return before the update has
   // run. Call wait_for_model_reads() before the next optimizer step writes the model; it is asynchronous for the
@@ -525,8 +541,10 @@ class Ema {
  private:
   friend struct detail::TogetherAccess;
   // This Ema as a member of emakit::update_together() (together.hpp).
-  detail::EmaCore::Member together_member() {
-    return {&core_, policy_names(), this,
+  detail::EmaCore::Member together_member() { return {&core_, policy_calls()}; }
+  // The calls into this Ema's policies, for every update path.
+  detail::PolicyCalls policy_calls() {
+    return {policy_names(), this,
             [](void* self, const ScheduleInput& in) { return static_cast<Ema*>(self)->schedule_.decide(in); },
             [](void* self, const DecayInput& in) { return update_weights(static_cast<Ema*>(self)->decay_, in); }};
   }

@@ -19,6 +19,15 @@
 // result. Refused, before anything changes: an Ema given twice, members bound to different
 // models, a member with EmaOptions::switch_model (it writes the model the others read), and what
 // update() refuses for any member (a swap open, an update running, a step going back).
+//
+// A trainer that updates the same EMAs every step keeps them in an EmaGroup: it checks its members
+// once, keeps what a call needs from call to call, and then allocates nothing per update:
+//
+//   emakit::EmaGroup group(fast, slow);                  // or (std::span(emas)) for a std::vector of EMAs
+//   group.update();                                      // each step; group.update({.vetoed = true})
+//
+// The members must outlive the group and stay where they are (a std::vector of EMAs is not resized
+// while a group holds its elements); a member moved from is refused by name at the next update.
 #pragma once
 
 #include <emakit/detail/config.hpp>
@@ -38,13 +47,46 @@ concept TogetherMember = requires(E& e) {
 };
 }  // namespace detail
 
-// update_together(info, a, b, ...): each EMA's update(info), in one pass.
+// K EMAs of one model, updated together at every step (see the top of this file).
+class EmaGroup {
+ public:
+  template <detail::TogetherMember... E>
+    requires(sizeof...(E) >= 1)
+  explicit EmaGroup(E&... emas)
+      : core_(std::vector<detail::EmaCore::Member>{detail::TogetherAccess::member(emas)...}), results_(sizeof...(E)) {}
+  // The EMAs of a range of one type (a std::vector<Ema<...>>); an empty range updates nothing.
+  template <detail::TogetherMember E>
+  explicit EmaGroup(std::span<E> emas) : core_(members_of(emas)), results_(emas.size()) {}
+
+  // Each member's update(info), in one pass: one UpdateResult per member, in the order given
+  // (valid until the next update()).
+  std::span<const UpdateResult> update(const StepInfo& info = {}) {
+    core_.update(info, results_);
+    return results_;
+  }
+  std::size_t size() const noexcept { return results_.size(); }
+
+ private:
+  template <class E>
+  static std::vector<detail::EmaCore::Member> members_of(std::span<E> emas) {
+    std::vector<detail::EmaCore::Member> members;
+    members.reserve(emas.size());
+    for (E& e : emas) members.push_back(detail::TogetherAccess::member(e));
+    return members;
+  }
+
+  detail::GroupCore core_;
+  std::vector<UpdateResult> results_;
+};
+
+// update_together(info, a, b, ...): each EMA's update(info), in one pass (an EmaGroup for this
+// call; keep an EmaGroup to update the same EMAs every step without allocating).
 template <detail::TogetherMember... E>
   requires(sizeof...(E) >= 1)
 std::array<UpdateResult, sizeof...(E)> update_together(const StepInfo& info, E&... emas) {
-  const std::array<detail::EmaCore::Member, sizeof...(E)> members{detail::TogetherAccess::member(emas)...};
+  detail::GroupCore group(std::vector<detail::EmaCore::Member>{detail::TogetherAccess::member(emas)...});
   std::array<UpdateResult, sizeof...(E)> out;
-  detail::EmaCore::update_together(members, info, out);
+  group.update(info, out);
   return out;
 }
 
@@ -57,12 +99,9 @@ std::array<UpdateResult, sizeof...(E)> update_together(E&... emas) { return upda
 // empty range updates nothing and returns an empty vector.
 template <detail::TogetherMember E>
 std::vector<UpdateResult> update_together(std::span<E> emas, const StepInfo& info = {}) {
-  std::vector<detail::EmaCore::Member> members;
-  members.reserve(emas.size());
-  for (E& e : emas) members.push_back(detail::TogetherAccess::member(e));
-  std::vector<UpdateResult> out(members.size());
-  detail::EmaCore::update_together(members, info, out);
-  return out;
+  EmaGroup group(emas);
+  const auto results = group.update(info);
+  return std::vector<UpdateResult>(results.begin(), results.end());
 }
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

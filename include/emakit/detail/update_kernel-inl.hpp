@@ -214,9 +214,9 @@ EMAKIT_FUNC void UpdateKernel::run_cpu(const Job& job) {
   }
 }
 
-EMAKIT_FUNC void UpdateKernel::run_together(std::span<const Work> work) {
+EMAKIT_FUNC void UpdateKernel::run_together(std::span<const Work> work, TogetherScratch& scratch) {
   c10::NoGradGuard no_grad;
-  thread_local std::vector<GroupPass::Input> passes;  // keeps its capacity from call to call
+  std::vector<GroupPass::Input>& passes = scratch.passes;  // keeps its capacity from call to call
   passes.clear();
   for (const Work& w : work) {
     UpdateKernel& k = *w.kernel;
@@ -232,7 +232,7 @@ EMAKIT_FUNC void UpdateKernel::run_together(std::span<const Work> work) {
   if (passes.size() == 1) {
     passes.front().pass->run(passes.front().weights, pass_grain, passes.front().drift);
   } else if (passes.size() > 1) {
-    thread_local GroupPass group;  // keeps its buffers' capacity from call to call
+    GroupPass& group = scratch.group;  // keeps its grouping while the passes are the same
     group.build(passes);
     group.run(pass_grain);
     sync_counts().fused_calls += 1;

@@ -166,7 +166,13 @@ class UpdateKernel {
   // Each kernel's average() or copy(), as if run one after another: the kernels whose whole
   // update is the fused CPU pass run as one GroupPass (each input read once for all of them);
   // the others (foreach lists on CUDA, staged or generic CPU slots, offload) run their own.
-  static void run_together(std::span<const Work> work);
+  // What run_together keeps from call to call (its owner, a GroupCore, keeps it): the fused
+  // passes of a call and their grouping, reused while no member's plan changed.
+  struct TogetherScratch {
+    std::vector<GroupPass::Input> passes;
+    GroupPass group;
+  };
+  static void run_together(std::span<const Work> work, TogetherScratch& scratch);
   // Whether this kernel's whole update is its fused CPU pass.
   bool cpu_pass_only() const noexcept {
     return plan_.lists.empty() && plan_.staged.empty() && plan_.generic.empty() && plan_.generic_copies.empty() &&

@@ -13,8 +13,9 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 EMAKIT_FUNC PostHocUpdate PostHocEma::update(StepInfo info) {
   if (!folder_checked_) check_folder();
-  // Every profile in one pass over the model (update_together: bitwise each one's update()).
-  const UpdateResult first = update_together(std::span<Tracked>(emas_), info).front();
+  // Every profile in one pass over the model (an EmaGroup: bitwise each one's update()).
+  if (!group_) group_.emplace(std::span<Tracked>(emas_));
+  const UpdateResult first = group_->update(info).front();
   PostHocUpdate out{first.action, first.step, false};
   const auto every = options_.snapshot_every();
   if (every > 0 && first.step > 0 && first.step % every == 0 && emas_.front().num_updates() > 0 &&

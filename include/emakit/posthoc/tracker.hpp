@@ -39,6 +39,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -129,6 +130,7 @@ class PostHocEma {
 
   PostHocOptions options_;
   std::vector<Tracked> emas_;
+  std::optional<EmaGroup> group_;  // the profiles, updated in one pass (made at the first update)
   std::int64_t last_snapshot_step_ = -1;
   std::int64_t previous_snapshot_step_ = -1;  // the step before last_snapshot_step_ in the chain (-1: unknown)
   RunId run_ = RunId::random();
