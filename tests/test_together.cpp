@@ -21,10 +21,6 @@
 
 #include <catch2/catch.hpp>
 
-#if defined(__SANITIZE_ADDRESS__)
-#include <sanitizer/allocator_interface.h>
-#endif
-
 #include <atomic>
 #include <memory>
 #include <new>
@@ -50,6 +46,10 @@ inline void note() noexcept {
 }  // namespace test_together_allocations
 
 #if defined(__SANITIZE_ADDRESS__)
+// Declared here: the sanitizer runtime (GCC's libasan, LLVM's compiler-rt) exports it, but only
+// LLVM ships the header that declares it (sanitizer/allocator_interface.h; GCC 12 has none).
+extern "C" int __sanitizer_install_malloc_and_free_hooks(void (*malloc_hook)(const volatile void*, std::size_t),
+                                                         void (*free_hook)(const volatile void*));
 namespace {
 void count_malloc(const volatile void*, std::size_t) { test_together_allocations::note(); }
 void ignore_free(const volatile void*) {}
