@@ -428,8 +428,8 @@ TEST_CASE("An Ema, moved or not, averages by its arithmetic on every path, befor
         slots.push_back(std::move(slot));
       }
       emakit::detail::UpdateKernel reference(std::move(slots), emakit::detail::CpuPath::fused,
-                                             emakit::detail::SideStream::off,
-                                             emakit::detail::UpdateKernel::default_staging_bytes, arithmetic);
+                                             emakit::detail::SideStream::off, emakit::EmaOptions::default_staging_bytes,
+                                             arithmetic);
       emakit::detail::UpdateKernel lerp(std::move(lerp_slots));
       emakit::FixedEma original(sources, emakit::Fixed(0.9), {}, options);
       emakit::FixedEma source(sources, emakit::Fixed(0.9), {}, options);

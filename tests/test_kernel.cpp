@@ -138,10 +138,12 @@ TEST_CASE("Every Arithmetic computes its peer's formula, bitwise, on the fused p
         std::vector<emakit::detail::Slot> copies = slots, grouped = slots;
         for (auto& s : copies) s.average = s.average.clone();
         for (auto& s : grouped) s.average = s.average.clone();
-        UpdateKernel plain(std::move(slots), CpuPath::fused, SideStream::off, UpdateKernel::default_staging_bytes, f);
-        UpdateKernel measured(std::move(copies), CpuPath::fused, SideStream::off, UpdateKernel::default_staging_bytes,
-                              f);
-        UpdateKernel lerped(std::move(grouped), CpuPath::fused, SideStream::off, UpdateKernel::default_staging_bytes,
+        UpdateKernel plain(std::move(slots), CpuPath::fused, SideStream::off, emakit::EmaOptions::default_staging_bytes,
+                           f);
+        UpdateKernel measured(std::move(copies), CpuPath::fused, SideStream::off,
+                              emakit::EmaOptions::default_staging_bytes, f);
+        UpdateKernel lerped(std::move(grouped), CpuPath::fused, SideStream::off,
+                            emakit::EmaOptions::default_staging_bytes,
                             f == Arithmetic::lerp ? Arithmetic::subtract : Arithmetic::lerp);
         REQUIRE(plain.cpu_pass_only());
         REQUIRE(plain.arithmetic() == f);
@@ -207,8 +209,8 @@ TEST_CASE("The foreach path computes each Arithmetic with the peer's ATen ops", 
                                           want.back().to(torch::kDouble).abs()));
         }
         const auto sources = std::vector<torch::Tensor>{slots[0].source.clone(), slots[1].source.clone()};
-        UpdateKernel kernel(std::move(slots), CpuPath::foreach, SideStream::off, UpdateKernel::default_staging_bytes,
-                            f);
+        UpdateKernel kernel(std::move(slots), CpuPath::foreach, SideStream::off,
+                            emakit::EmaOptions::default_staging_bytes, f);
         REQUIRE(kernel.census().staged + kernel.census().lerp > 0);
         CHECK(kernel.census().staged == (staged ? 1u : 0u));
         kernel.average(k);

@@ -11,6 +11,8 @@
 
 #include <emakit/interop.hpp>
 
+#include <emakit/detail/module_tensors.hpp>
+
 #include <fmt/format.h>
 
 #include <c10/util/Exception.h>
@@ -288,27 +290,6 @@ EMAKIT_FUNC DiffusersConfig diffusers_config(const EmaPolicies& policies, const 
        what);
 }
 
-// For each tensor, the index of the first one it is (a tied weight: one average under two names,
-// head.weight IS emb.weight), or its own index. model.parameters() lists a tied Parameter once, so
-// EMAModel's shadow_params hold it once: the list matches the distinct tensors.
-EMAKIT_FUNC std::vector<std::size_t> first_of_each(const std::vector<at::Tensor>& tensors) {
-  std::vector<std::size_t> first(tensors.size());
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    first[i] = i;
-    const at::Tensor& t = tensors[i];
-    for (std::size_t j = 0; j < i; ++j) {
-      const at::Tensor& u = tensors[j];
-      if (first[j] == j &&
-          (t.is_same(u) || (t.numel() > 0 && t.data_ptr() == u.data_ptr() && t.sizes().equals(u.sizes()) &&
-                            t.strides().equals(u.strides()) && t.scalar_type() == u.scalar_type()))) {
-        first[i] = j;
-        break;
-      }
-    }
-  }
-  return first;
-}
-
 EMAKIT_FUNC c10::impl::GenericDict diffusers_dict(const StateDict& averages, const DiffusersConfig& config,
                                                   std::int64_t step) {
   // Values of type Any: doubles, ints and a bool pickle as Python float, int and bool. The list
@@ -325,9 +306,11 @@ EMAKIT_FUNC c10::impl::GenericDict diffusers_dict(const StateDict& averages, con
   c10::impl::GenericList shadow(c10::AnyType::get());
   std::vector<at::Tensor> tensors;
   for (const auto& item : averages) tensors.push_back(item.value());
-  const std::vector<std::size_t> first = first_of_each(tensors);
+  // A tied weight (one average under two names, head.weight IS emb.weight) once: model.parameters()
+  // lists a tied Parameter once, so EMAModel's shadow_params hold the distinct tensors.
+  const std::vector<std::size_t> first = first_same_view(tensors);
   for (std::size_t i = 0; i < tensors.size(); ++i)
-    if (first[i] == i) shadow.push_back(tensors[i].detach().cpu().contiguous());  // a tied tensor once
+    if (first[i] == i) shadow.push_back(tensors[i].detach().cpu().contiguous());
   dict.insert("shadow_params", shadow);
   return dict;
 }
@@ -409,7 +392,7 @@ EMAKIT_FUNC PeerFile read_diffusers_file(const c10::impl::GenericDict& dict, con
     all_keys.push_back(item.key());
     held.push_back(item.value());
   }
-  const std::vector<std::size_t> first = first_of_each(held);
+  const std::vector<std::size_t> first = first_same_view(held);
   std::vector<std::pair<std::string, std::size_t>> aliases;  // tied key, position in shadow_params
   std::vector<std::size_t> position(all_keys.size());
   for (std::size_t i = 0; i < all_keys.size(); ++i) {

@@ -123,6 +123,7 @@ class EmaOptions {
   // memory of such an EMA is its average plus at most this (or the largest row of a strided
   // source, if larger), never a second full copy. A smaller pool means more, smaller chunks
   // (two foreach launches each). Default 64 MiB.
+  static constexpr std::int64_t default_staging_bytes = std::int64_t{64} << 20;
   std::int64_t staging_bytes() const noexcept { return staging_bytes_; }
   EmaOptions& staging_bytes(std::int64_t value) {
     if (value < 1) detail::fail("EmaOptions::staging_bytes must be at least 1, got {}", value);
@@ -303,7 +304,7 @@ class EmaOptions {
   TensorMode buffers_ = TensorMode::average;
   TensorMode frozen_ = TensorMode::average;
   bool side_stream_ = false;
-  std::int64_t staging_bytes_ = std::int64_t{64} << 20;
+  std::int64_t staging_bytes_ = default_staging_bytes;
   bool skip_non_finite_ = false;
   TensorMode non_floating_ = TensorMode::copy;
   bool ignored_follow_copies_ = false;

@@ -25,6 +25,7 @@
 #include <emakit/detail/device_sync.hpp>
 #include <emakit/detail/non_finite.hpp>
 #include <emakit/detail/update_plan.hpp>
+#include <emakit/options.hpp>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/GradMode.h>
@@ -63,8 +64,6 @@ class UpdateKernel {
   static constexpr std::int64_t chunk_elements = std::int64_t{1} << 15;
   // The same grain in the CPU pass's cost units (bytes moved).
   static constexpr std::int64_t pass_grain = chunk_elements * 12;
-  // The default bound of a staging pool (EmaOptions::staging_bytes).
-  static constexpr std::int64_t default_staging_bytes = std::int64_t{64} << 20;
   // Staging pieces start on multiples of this many elements (see UpdatePlan).
   static constexpr std::int64_t staging_align = UpdatePlan::staging_align;
   static constexpr std::size_t npos = static_cast<std::size_t>(-1);
@@ -76,7 +75,8 @@ class UpdateKernel {
   // side_stream: run the work of each CUDA device on a side stream (see the top of this file).
   // staging_bytes: the bound of each staging pool. arithmetic: how an average is computed.
   explicit UpdateKernel(std::vector<Slot> slots, CpuPath cpu_path = CpuPath::fused,
-                        SideStream side_stream = SideStream::off, std::int64_t staging_bytes = default_staging_bytes,
+                        SideStream side_stream = SideStream::off,
+                        std::int64_t staging_bytes = EmaOptions::default_staging_bytes,
                         Arithmetic arithmetic = Arithmetic::lerp)
       : slots_(std::move(slots)),
         cpu_path_(cpu_path),
@@ -242,7 +242,7 @@ class UpdateKernel {
   bool sources_checked_ = false;
   CpuPath cpu_path_ = CpuPath::fused;
   SideStream side_stream_ = SideStream::off;
-  std::int64_t staging_bytes_ = default_staging_bytes;
+  std::int64_t staging_bytes_ = EmaOptions::default_staging_bytes;
   Arithmetic arithmetic_ = Arithmetic::lerp;
   UpdatePlan plan_;
   mutable std::vector<Lane> lanes_;         // one per CUDA device of the plan (plan_.lanes), in its order

@@ -42,12 +42,12 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 namespace archive_scan {
 
-// Throws std::invalid_argument "emakit: <prefix><message>" (bad input, as every loader's error).
+// Fails with "emakit: <prefix><message>" (detail::fail: bad input, as every loader's error).
 struct Refuse {
   std::string prefix;
   template <class... A>
   [[noreturn]] void operator()(fmt::format_string<A...> format, A&&... args) const {
-    throw std::invalid_argument("emakit: " + prefix + fmt::format(format, std::forward<A>(args)...));
+    fail("{}{}", prefix, fmt::format(format, std::forward<A>(args)...));
   }
 };
 
