@@ -11,12 +11,10 @@
 //   emakit::Ema<HalfLife> ema(*model);
 #pragma once
 
+// Standard headers only (LibTorch's types are declared, not included: the concepts name them, and
+// an Ema's header, which checks them, has them whole), so that fwd.hpp stays light
+// (house.fwd_without_libtorch compiles it with no LibTorch on the include path).
 #include <emakit/detail/config.hpp>
-
-#include <ATen/core/Tensor.h>
-#include <c10/core/Device.h>
-#include <c10/core/ScalarType.h>
-#include <torch/ordered_dict.h>
 
 #include <concepts>
 #include <cstdint>
@@ -27,11 +25,22 @@
 #include <string_view>
 #include <vector>
 
+namespace at {
+class Tensor;
+}
+namespace torch {
+template <typename Key, typename Value>
+class OrderedDict;
+}
 namespace torch::nn {
 class Module;
 }
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE {
+
+// name -> tensor: the layout of Ema::state_dict() and of the averages (state.hpp has the rest of
+// the state's vocabulary).
+using StateDict = torch::OrderedDict<std::string, at::Tensor>;
 
 // What an update did. `skipped`: nothing changed; `copied`: the average was overwritten with
 // the model; `averaged`: ema = d * ema + (1 - d) * model for every averaged tensor.
@@ -83,16 +92,7 @@ concept SchedulePolicy = std::copy_constructible<P> && requires(const P& p, cons
 
 // ---- storage ----------------------------------------------------------------------------
 
-// One tensor the storage must hold a copy of.
-struct TensorSpec {
-  std::string name;       // state-dict name, e.g. "encoder.0.weight"
-  at::Tensor source;      // the model's tensor
-  c10::ScalarType dtype;  // the dtype the EMA keeps it in
-  c10::Device device;     // the device the EMA keeps it on
-  // Other names of the same tensor in the model (a tied weight): the storage holds one tensor
-  // for all of them; a module-backed storage makes its module's tensors of these names that one.
-  std::vector<std::string> aliases = {};
-};
+struct TensorSpec;  // one tensor the storage must hold a copy of (state.hpp)
 
 // A storage policy creates the EMA's own tensors, one per spec and in the same order, each
 // initialised with a copy of its source. `model` is null when the EMA was bound to a flat list
@@ -124,7 +124,7 @@ enum class LoadMode : std::uint8_t;  // strict or lenient (state.hpp)
 
 template <class S, class E>
 concept GatheringStorage = requires(const S& s, const E& ema, int to) {
-  { s.gather(ema, to) } -> std::same_as<torch::OrderedDict<std::string, at::Tensor>>;
+  { s.gather(ema, to) } -> std::same_as<StateDict>;
 };
 
 template <class S, class E>

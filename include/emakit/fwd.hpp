@@ -24,18 +24,27 @@
 //   Trainer hooks (hooks.hpp): EmaHook, called at setup, after each optimizer step, around
 //     validation and test, at train end and at checkpoints, for one or several models by key
 //
-//   State (state.hpp): StateDict, LoadMode, LoadReport, SourceTensor; what state_dict(),
-//     load_state_dict() and the checkpoints exchange
+//   State (state.hpp): StateDict, LoadMode, LoadReport, SourceTensor, TensorSpec; what
+//     state_dict(), load_state_dict(), the storage policies and the checkpoints exchange
+//
+// This header reaches no LibTorch header (house.fwd_without_libtorch): a header of your own can
+// declare functions over emakit's classes and state types, and check policies of its own against
+// the concepts, without LibTorch. Naming a specialization (Ema<>, Recipe<Fixed>) checks its
+// policies against the concepts, so it needs the policies' headers (decay.hpp, schedule.hpp,
+// storage.hpp), which include LibTorch.
 //
 //   Aliases (aliases.hpp): FixedEma, WarmupEma, RampEma, PowerEma, SwaAverage, RationalRampEma,
 //     CosineEma, ModuleEma<M>, ...
 #pragma once
 
 #include <emakit/detail/config.hpp>
-#include <emakit/concepts.hpp>
-#include <emakit/state.hpp>  // StateDict, LoadMode, LoadReport, SourceTensor
+#include <emakit/concepts.hpp>  // the policy concepts, StateDict; LoadMode and TensorSpec declared
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE {
+
+// State (state.hpp).
+struct LoadReport;
+struct SourceTensor;
 
 // Decay policies.
 class Fixed;

@@ -1,17 +1,22 @@
-// emakit's vocabulary for state: the types that an Ema, its checkpoints, the trainer hooks and the
-// post-hoc tools exchange. A leaf header (LibTorch's tensor and ordered dict, nothing of emakit
-// but its configuration), so that every layer, detail/ included, can name them without including
-// the Ema.
+// emakit's vocabulary for state: the types that an Ema, its storage, its checkpoints, the trainer
+// hooks and the post-hoc tools exchange. A leaf header (LibTorch's tensor and ordered dict,
+// nothing of emakit but its configuration and the concepts), so that every layer, detail/
+// included, can name them without including the Ema.
 //
-//   StateDict     name -> tensor, the layout of Ema::state_dict() and of the averages
+//   StateDict     name -> tensor, the layout of Ema::state_dict() and of the averages (declared
+//                 in concepts.hpp, which names it without LibTorch's headers)
 //   LoadMode      strict (any mismatch is an error, nothing loads) or lenient (reported, kept)
 //   LoadReport    what a load found besides the tensors it loaded
 //   SourceTensor  a tensor to average, for an Ema bound to tensors rather than a module
+//   TensorSpec    one tensor a storage policy makes the EMA's copy of
 #pragma once
 
 #include <emakit/detail/config.hpp>
+#include <emakit/concepts.hpp>  // StateDict
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
 #include <torch/ordered_dict.h>
 
 #include <cstdint>
@@ -19,8 +24,6 @@
 #include <vector>
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE {
-
-using StateDict = torch::OrderedDict<std::string, at::Tensor>;
 
 enum class LoadMode : std::uint8_t {
   strict,   // any missing, unexpected or mismatched tensor is an error and nothing is loaded
@@ -41,6 +44,17 @@ struct SourceTensor {
   std::string name;
   at::Tensor tensor;
   bool is_buffer = false;
+};
+
+// One tensor a storage policy must hold a copy of (StoragePolicy, concepts.hpp).
+struct TensorSpec {
+  std::string name;       // state-dict name, e.g. "encoder.0.weight"
+  at::Tensor source;      // the model's tensor
+  c10::ScalarType dtype;  // the dtype the EMA keeps it in
+  c10::Device device;     // the device the EMA keeps it on
+  // Other names of the same tensor in the model (a tied weight): the storage holds one tensor
+  // for all of them; a module-backed storage makes its module's tensors of these names that one.
+  std::vector<std::string> aliases = {};
 };
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

@@ -22,6 +22,7 @@
 
 #include <emakit/detail/config.hpp>
 #include <emakit/concepts.hpp>
+#include <emakit/state.hpp>
 #include <emakit/detail/check.hpp>
 
 #include <torch/nn/cloneable.h>

@@ -30,6 +30,7 @@
 
 #include <emakit/detail/config.hpp>
 #include <emakit/concepts.hpp>
+#include <emakit/state.hpp>
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/collectives.hpp>
 #include <emakit/storage.hpp>
