@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 #include <torch/version.h>
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -215,6 +216,13 @@ struct TempDir {
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;
 };
+
+// The largest resident size this process has had, in KiB (getrusage's ru_maxrss).
+inline long peak_resident_kib() {
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_maxrss;
+}
 
 inline std::string read_bytes(const std::filesystem::path& file) {
   std::ifstream in(file, std::ios::binary);

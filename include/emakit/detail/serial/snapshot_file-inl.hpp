@@ -250,8 +250,14 @@ class SnapshotReader {
     info_.format_version = version;
     if (header_size > snapshot_max_header)
       fail_runtime("snapshot '{}' is corrupt: its header claims {} bytes", p.string(), header_size);
+    // Against the file's size before anything is allocated: a short file claiming a large header
+    // costs nothing.
+    const std::size_t head_size = 16 + std::size_t{header_size} + 4;
+    if (actual_size < head_size)
+      fail_runtime("snapshot '{}' is truncated: {} bytes, shorter than its {}-byte header", p.string(), actual_size,
+                   head_size);
 
-    std::string head(16 + std::size_t{header_size} + 4, '\0');
+    std::string head(head_size, '\0');
     if (read_at(fd_.get(), 0, head.data(), head.size(), p) != head.size())
       fail_runtime("snapshot '{}' is truncated: {} bytes, shorter than its {}-byte header", p.string(), actual_size,
                    head.size());
