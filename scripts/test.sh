@@ -4,7 +4,8 @@
 # Each build/<name> is the CMake preset <name> (CMakePresets.json: `cmake --preset NAME`,
 # `cmake --build --preset NAME`, `ctest --preset NAME`):
 #   format           clang-format 14 over the C++ files (scripts/format.sh --check), a few seconds
-#   build/torch1.13  Debian's libtorch-dev (LibTorch 1.13), header-only (emakit::emakit), every label
+#   build/torch1.13  Debian's libtorch-dev (LibTorch 1.13), every label; the tests header-only
+#                    (emakit::emakit), the examples and docs samples against emakit::compiled
 #   build/torch2     the LibTorch inside the PyPI torch wheel in the Python venv, with everything
 #                    linked against the compiled mode (emakit::compiled); the docs samples, package
 #                    and compile-fail tests run in torch1.13 only (EMAKIT_USER_BUILD_TESTS)
