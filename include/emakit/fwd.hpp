@@ -27,14 +27,14 @@
 //   State (state.hpp): StateDict, LoadMode, LoadReport, SourceTensor, TensorSpec; what
 //     state_dict(), load_state_dict(), the storage policies and the checkpoints exchange
 //
+//   Aliases (aliases.hpp): FixedEma, WarmupEma, RampEma, PowerEma, SwaAverage, RationalRampEma,
+//     CosineEma, ModuleEma<M>, ...
+//
 // This header reaches no LibTorch header (house.fwd_without_libtorch): a header of your own can
 // declare functions over emakit's classes and state types, and check policies of its own against
 // the concepts, without LibTorch. Naming a specialization (Ema<>, Recipe<Fixed>) checks its
 // policies against the concepts, so it needs the policies' headers (decay.hpp, schedule.hpp,
 // storage.hpp), which include LibTorch.
-//
-//   Aliases (aliases.hpp): FixedEma, WarmupEma, RampEma, PowerEma, SwaAverage, RationalRampEma,
-//     CosineEma, ModuleEma<M>, ...
 #pragma once
 
 #include <emakit/detail/config.hpp>
