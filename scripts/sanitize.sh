@@ -52,8 +52,7 @@ emakit_apt_ensure "${EMAKIT_BUILD_DEB_PACKAGES[@]}"
 
 # The preset holds the sanitizer flags (-fsanitize=address,undefined -fno-sanitize-recover=undefined
 # -fno-omit-frame-pointer, compile and link) and the runtime options, which its build and test
-# presets inherit: catch_discover_tests runs the instrumented emakit_tests after linking it (to
-# list the test cases), under the same checks.
+# presets inherit.
 #  - halt_on_error / -fno-sanitize-recover: the first report fails the test.
 #  - detect_leaks: LeakSanitizer at exit.
 #  - check_initialization_order/strict_init_order: static-initialization-order bugs.

@@ -45,7 +45,7 @@ if [[ "${stems[*]}" == roundtrip ]]; then
   # The generators' data (their fixtures, unpacked), then the round trips with the real packages.
   ctest --test-dir "$build" -R '^conformance\.generate\.' --output-on-failure
   EMAKIT_SEED_PYTHON="$python" EMAKIT_RECORD_ROUNDTRIP="$record" \
-    ctest --test-dir "$build" -R 'round trip' -L conformance --output-on-failure
+    ctest --test-dir "$build" -R '^conformance\.test_interop$' --output-on-failure
   {
     printf '# Recorded seed round trips (test_interop.cpp), replayed by ctest without the seed venv.\n'
     printf '# Regenerate: ./scripts/seed_fixtures.sh roundtrip (python %s)\n' \

@@ -10,13 +10,13 @@
 #include <c10/util/Exception.h>
 #include <torch/version.h>
 
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -217,11 +217,23 @@ struct TempDir {
   TempDir& operator=(const TempDir&) = delete;
 };
 
-// The largest resident size this process has had, in KiB (getrusage's ru_maxrss).
+// The largest resident size of this process since the last reset_peak_resident() (since it
+// started, without one), in KiB: VmHWM in /proc/self/status; -1 when it cannot be read.
 inline long peak_resident_kib() {
-  rusage usage{};
-  ::getrusage(RUSAGE_SELF, &usage);
-  return usage.ru_maxrss;
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::atol(line.c_str() + 6);
+  return -1;
+}
+
+// Sets the peak resident size to the present one (writes 5 to /proc/self/clear_refs, Linux 4.0
+// on), so that a test measures its own peak whatever the test cases before it in this process
+// allocated; false when the kernel refuses it.
+inline bool reset_peak_resident() {
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";
+  clear.flush();
+  return clear.good();
 }
 
 inline std::string read_bytes(const std::filesystem::path& file) {

@@ -1,36 +1,59 @@
 // The one way a test says it cannot run on this machine: EMAKIT_SKIP("why").
 //
-// Under ctest (which runs one Catch2 test case per process and sets EMAKIT_SKIP_EXIT=77 for
-// every test it registers, tests/CMakeLists.txt), EMAKIT_SKIP prints "SKIPPED: why" and ends the
-// process with exit status 77. SKIP_RETURN_CODE 77 makes ctest report the test as skipped, never
-// as passed, and scripts/test.sh names each skipped test in its summary and fails on any skip
-// that this machine does not explain (EMAKIT_EXPECTED_SKIPS).
-//
-// Run outside ctest (the whole binary at once, as scripts/mutate.sh does), ending the process
-// would hide every later test case, so there EMAKIT_SKIP reports a Catch2 WARN and returns from
-// the test case. Either way nothing after it runs, so put it before the checks it guards.
+// EMAKIT_SKIP records the skip (the test case's name and why), reports a Catch2 warning
+// "SKIPPED: why" and returns from the test case; the later test cases of the run still run. At the
+// end, the test executable's main (exit_status below) lists every skipped test case and, when
+// nothing failed, exits with EMAKIT_SKIP_EXIT: ctest runs each test file's cases as one test
+// (tests/CMakeLists.txt, emakit_add_file_tests) with EMAKIT_SKIP_EXIT=77, and SKIP_RETURN_CODE 77
+// makes it report that test as skipped, never as passed; scripts/test.sh names each skipped test
+// in its summary and fails on any skip that this machine does not explain (EMAKIT_EXPECTED_SKIPS).
+// Without EMAKIT_SKIP_EXIT (the binary run by hand, or by scripts/mutate.sh) a run with skips
+// exits 0. A failure anywhere in the run exits 1, skips or not. Nothing after EMAKIT_SKIP runs in
+// its test case, so put it before the checks it guards.
 #pragma once
 
 #include <catch2/catch.hpp>
 
 #include <cstdio>
 #include <cstdlib>
-#include <iostream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace emakit_test {
 
-// True when the caller should return (outside ctest); does not return under ctest.
+struct Skipped {
+  std::string test;
+  std::string why;
+};
+
+// The test cases skipped in this process so far.
+inline std::vector<Skipped>& skipped() {
+  static std::vector<Skipped> list;
+  return list;
+}
+
+// Records the skip of the running test case; returns true (the caller returns).
 inline bool skip_test(const std::string& why) {
-  const char* code = std::getenv("EMAKIT_SKIP_EXIT");
-  if (code != nullptr && *code != '\0') {
-    std::cout << "SKIPPED: " << why << std::endl;
-    std::fflush(nullptr);
-    std::_Exit(std::atoi(code));
-  }
+  skipped().push_back({Catch::getResultCapture().getCurrentTestName(), why});
   WARN("SKIPPED: " << why);
   return true;
+}
+
+// The exit status of a test executable whose Catch2 session returned `failures` (the number of
+// failed assertions, which Catch2 returns and which could be 77): 1 when anything failed; else,
+// when a test case was skipped, EMAKIT_SKIP_EXIT (0 without it), after naming each skipped case;
+// else 0.
+inline int exit_status(int failures) {
+  const auto& list = skipped();
+  if (!list.empty()) {
+    std::printf("%zu test case(s) skipped, not run on this machine:\n", list.size());
+    for (const auto& s : list) std::printf("  SKIPPED: %s: %s\n", s.test.c_str(), s.why.c_str());
+    std::fflush(stdout);
+  }
+  if (failures != 0) return 1;
+  const char* code = std::getenv("EMAKIT_SKIP_EXIT");
+  return !list.empty() && code != nullptr && *code != '\0' ? std::atoi(code) : 0;
 }
 
 }  // namespace emakit_test
