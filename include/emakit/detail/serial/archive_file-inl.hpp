@@ -22,7 +22,7 @@
 #include <torch/serialize/output-archive.h>
 
 #include <algorithm>
-#include <cstdint>
+#include <cstddef>
 #include <cstring>
 #include <exception>
 #include <filesystem>
