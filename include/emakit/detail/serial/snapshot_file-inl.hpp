@@ -253,14 +253,14 @@ class SnapshotReader {
     // Against the file's size before anything is allocated: a short file claiming a large header
     // costs nothing.
     const std::size_t head_size = 16 + std::size_t{header_size} + 4;
-    if (actual_size < head_size)
+    const auto truncated = [&] {
       fail_runtime("snapshot '{}' is truncated: {} bytes, shorter than its {}-byte header", p.string(), actual_size,
                    head_size);
+    };
+    if (actual_size < head_size) truncated();
 
     std::string head(head_size, '\0');
-    if (read_at(fd_.get(), 0, head.data(), head.size(), p) != head.size())
-      fail_runtime("snapshot '{}' is truncated: {} bytes, shorter than its {}-byte header", p.string(), actual_size,
-                   head.size());
+    if (read_at(fd_.get(), 0, head.data(), head.size(), p) != head.size()) truncated();  // cut after the fstat
     std::uint32_t stored_crc;
     std::memcpy(&stored_crc, head.data() + head.size() - 4, 4);
     if (crc32(head.data(), head.size() - 4) != stored_crc)
