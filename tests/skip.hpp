@@ -33,18 +33,22 @@ inline std::vector<Skipped>& skipped() {
   return list;
 }
 
-// Records the skip of the running test case; returns true (the caller returns).
-inline bool skip_test(const std::string& why) {
+// Records the skip of the running test case (the caller then returns from it).
+inline void skip_test(const std::string& why) {
   skipped().push_back({Catch::getResultCapture().getCurrentTestName(), why});
   WARN("SKIPPED: " << why);
-  return true;
+}
+
+// EMAKIT_SKIP_EXIT as a number; 0 when it is not set.
+inline int skip_exit_from_environment() {
+  const char* code = std::getenv("EMAKIT_SKIP_EXIT");
+  return code != nullptr && *code != '\0' ? std::atoi(code) : 0;
 }
 
 // The exit status of a test executable whose Catch2 session returned `failures` (the number of
 // failed assertions, which Catch2 returns and which could be 77): 1 when anything failed; else,
-// when a test case was skipped, EMAKIT_SKIP_EXIT (0 without it), after naming each skipped case;
-// else 0.
-inline int exit_status(int failures) {
+// when a test case was skipped, `skip_code`, after naming each skipped case; else 0.
+inline int exit_status(int failures, int skip_code = skip_exit_from_environment()) {
   const auto& list = skipped();
   if (!list.empty()) {
     std::printf("%zu test case(s) skipped, not run on this machine:\n", list.size());
@@ -52,16 +56,16 @@ inline int exit_status(int failures) {
     std::fflush(stdout);
   }
   if (failures != 0) return 1;
-  const char* code = std::getenv("EMAKIT_SKIP_EXIT");
-  return !list.empty() && code != nullptr && *code != '\0' ? std::atoi(code) : 0;
+  return list.empty() ? 0 : skip_code;
 }
 
 }  // namespace emakit_test
 
 // EMAKIT_SKIP(stream expression): e.g. EMAKIT_SKIP("no AVX2 on " << cpu). Returns from the caller.
-#define EMAKIT_SKIP(why)                                             \
-  do {                                                               \
-    std::ostringstream emakit_skip_reason_;                          \
-    emakit_skip_reason_ << why;                                      \
-    if (::emakit_test::skip_test(emakit_skip_reason_.str())) return; \
+#define EMAKIT_SKIP(why)                                 \
+  do {                                                   \
+    std::ostringstream emakit_skip_reason_;              \
+    emakit_skip_reason_ << why;                          \
+    ::emakit_test::skip_test(emakit_skip_reason_.str()); \
+    return;                                              \
   } while (false)
