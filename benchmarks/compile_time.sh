@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# How much compile time EMAs add to a trainer TU, in both of emakit's modes, in one run:
+# How much compile time EMAs add to a trainer TU, in each of emakit's three modes, in one run:
 # builds benchmarks/compile_time/ (a standalone project that takes emakit in by add_subdirectory),
 # runs each binary once, then times the exact compile command of each trainer TU (from
 # compile_commands.json), interleaved round by round, and prints a Markdown table of the times,
@@ -7,18 +7,25 @@
 # text column of `size`):
 #   base     trainer.cpp with LibTorch only (the reference): a Cloneable module with BatchNorm,
 #            AdamW, four steps, torch::save/load
-#   ema      + one WarmupEma (a shipped alias) through <emakit/emakit.hpp>; header-only and compiled
-#   narrow   the same through aliases/checkpoint/format.hpp only; both modes
+#   ema      + one WarmupEma (a shipped alias) through <emakit/emakit.hpp>; each mode: default
+#            (emakit::emakit), compiled (emakit::compiled), header-only (emakit::header_only)
+#   narrow   the same through aliases/checkpoint/format.hpp only; each mode
 #   own x1   + one of the user's own aliases, Ema<LinearRamp, StepSchedule, ModuleStorage<NetImpl>>
-#            (LinearRamp: a decay policy written in the TU), same work as the WarmupEma; both modes
-#   own x2   + a second own alias (decay HalfLife), same work again; both modes
-#   own x3   + a third (decay CosineRamp); both modes. x2 - x1 and x3 - x2: the cost of each extra alias
-# The emakit::compiled library's own build (a one-off cost) is timed once, before the rounds.
+#            (LinearRamp: a decay policy written in the TU), same work as the WarmupEma; each mode
+#   own x2   + a second own alias (decay HalfLife), same work again; each mode
+#   own x3   + a third (decay CosineRamp); each mode. x2 - x1 and x3 - x2: the cost of each extra alias
+# A TU's time is what an edit of the trainer costs to rebuild (the implementation file of the
+# default mode is not compiled again). A second table, in the same rounds: the clean build of a
+# one-TU trainer, `cmake --build --target T -j2` after deleting T's objects, wall and CPU seconds,
+# without emakit and in the default mode (where the trainer and emakit's implementation file
+# compile in parallel). The emakit::compiled library's own build (a one-off cost) is timed once,
+# before the rounds.
 #
 #   ./benchmarks/compile_time.sh                       Debian LibTorch 1.13, 3 rounds
 #   ./benchmarks/compile_time.sh --runs 5 --out build/compile_time.md
 #   ./benchmarks/compile_time.sh --torch wheel         the LibTorch in the PyPI wheel ($EMAKIT_VENV)
 #   ./benchmarks/compile_time.sh --no-narrow --no-own  base and the WarmupEma TUs only
+#   ./benchmarks/compile_time.sh --no-narrow --own1    base, the WarmupEma and the first own alias
 #
 # Knobs (the options win): EMAKIT_CT_RUNS (3), EMAKIT_CT_TORCH (debian|wheel), EMAKIT_CT_OUT (a
 # file for the table), EMAKIT_CT_BUILD (build dir; default build/compile_time-<torch>),
@@ -50,6 +57,7 @@ out_file="${EMAKIT_CT_OUT:-}"
 build="${EMAKIT_CT_BUILD:-}"
 narrow="${EMAKIT_CT_NARROW:-1}"
 own="${EMAKIT_CT_OWN:-1}"
+own1_only=0
 while (($# > 0)); do
   case "$1" in
     --runs) (($# >= 2)) || emakit_die "--runs needs a number"; runs="$2"; shift 2 ;;
@@ -59,8 +67,9 @@ while (($# > 0)); do
     --build-dir) (($# >= 2)) || emakit_die "--build-dir needs a directory"; build="$2"; shift 2 ;;
     --no-narrow) narrow=0; shift ;;
     --no-own) own=0; shift ;;
+    --own1) own1_only=1; shift ;;
     -h | --help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    *) emakit_die "unknown argument '$1' (known: --runs N, --torch debian|wheel, --wheel, --out FILE, --build-dir DIR, --no-narrow, --no-own)" ;;
+    *) emakit_die "unknown argument '$1' (known: --runs N, --torch debian|wheel, --wheel, --out FILE, --build-dir DIR, --no-narrow, --no-own, --own1)" ;;
   esac
 done
 [[ "$runs" =~ ^[1-9][0-9]*$ ]] || emakit_die "the number of runs must be a positive integer, not '$runs'"
@@ -106,22 +115,25 @@ library_file="$(find "$build" -name 'libemakit.a' -print -quit)"
 emakit_say "emakit::compiled took $library_s s ($(du -h "$library_file" | cut -f1) $library_file)"
 
 # name | TU | mode | target
-tus=("base|trainer without emakit|-|trainer_base"
-     "ema-h|trainer + a shipped alias (\`WarmupEma\`), \`<emakit/emakit.hpp>\`|header-only|trainer_ema_header_only"
-     "ema-c|trainer + a shipped alias (\`WarmupEma\`), \`<emakit/emakit.hpp>\`|compiled|trainer_ema_compiled")
-if [[ "$narrow" == 1 ]]; then
-  tus+=("narrow-h|trainer + a shipped alias, three headers|header-only|trainer_narrow_header_only"
-        "narrow-c|trainer + a shipped alias, three headers|compiled|trainer_narrow_compiled")
-fi
+tus=("base|trainer without emakit|-|trainer_base")
+# add_modes NAME "TU label": the TU in each mode
+add_modes() {
+  tus+=("$1-d|$2|default|trainer_${1%%-*}_default" "$1-c|$2|compiled|trainer_${1%%-*}_compiled"
+        "$1-h|$2|header-only|trainer_${1%%-*}_header_only")
+}
+add_modes ema "trainer + a shipped alias (\`WarmupEma\`), \`<emakit/emakit.hpp>\`"
+if [[ "$narrow" == 1 ]]; then add_modes narrow "trainer + a shipped alias, three headers"; fi
 if [[ "$own" == 1 ]]; then
-  own_tu="trainer + the own alias \`Ema<LinearRamp, StepSchedule, ModuleStorage<NetImpl>>\`"
-  tus+=("own1-h|$own_tu|header-only|trainer_own1_header_only"
-        "own1-c|$own_tu|compiled|trainer_own1_compiled"
-        "own2-h|trainer + own alias x2 (+ \`HalfLife\`)|header-only|trainer_own2_header_only"
-        "own2-c|trainer + own alias x2 (+ \`HalfLife\`)|compiled|trainer_own2_compiled"
-        "own3-h|trainer + own alias x3 (+ \`CosineRamp\`)|header-only|trainer_own3_header_only"
-        "own3-c|trainer + own alias x3 (+ \`CosineRamp\`)|compiled|trainer_own3_compiled")
+  add_modes own1 "trainer + the own alias \`Ema<LinearRamp, StepSchedule, ModuleStorage<NetImpl>>\`"
+  if [[ "$own1_only" == 0 ]]; then
+    add_modes own2 "trainer + own alias x2 (+ \`HalfLife\`)"
+    add_modes own3 "trainer + own alias x3 (+ \`CosineRamp\`)"
+  fi
 fi
+# The clean builds: name | label | target
+clean=("base|trainer without emakit|trainer_base"
+       "ema-d|+ a shipped alias (\`WarmupEma\`), default mode|trainer_ema_default")
+if [[ "$own" == 1 ]]; then clean+=("own1-d|+ the own alias, default mode|trainer_own1_default"); fi
 targets=()
 for entry in "${tus[@]}"; do targets+=("$(cut -d'|' -f4 <<<"$entry")"); done
 
@@ -161,6 +173,7 @@ opt_level="$(grep -oE '(^| )-O[0-9sgz]?( |$)' <<<"${cmd[base]}" | tr -d ' ' | pa
 
 load_before="$(uptime | sed 's/.*load average: //')"
 emakit_say "load average before the rounds: $load_before"
+declare -A clean_wall=() clean_cpu=()
 for ((round = 1; round <= runs; ++round)); do
   line=""
   for name in "${names[@]}"; do
@@ -170,6 +183,18 @@ for ((round = 1; round <= runs; ++round)); do
     s="$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.2f", b - a }')"
     times[$name]+="$s "
     line+=" $name $s s,"
+  done
+  for entry in "${clean[@]}"; do
+    IFS='|' read -r name _ target <<<"$entry"
+    find "$build/CMakeFiles/$target.dir" -name '*.o' -delete
+    rm -f "$build/$target"
+    TIMEFORMAT='%R %U %S'
+    { time cmake --build "$build" --target "$target" -j 2 >"$log_dir/clean-$name.log" 2>&1; } 2>"$log_dir/clean-$name.time" \
+      || emakit_die "the clean build of $target failed (see $log_dir/clean-$name.log)"
+    read -r wall user sys <"$log_dir/clean-$name.time"
+    clean_wall[$name]+="$wall "
+    clean_cpu[$name]+="$(awk -v u="$user" -v s="$sys" 'BEGIN { printf "%.2f", u + s }') "
+    line+=" clean $name ${wall} s,"
   done
   emakit_say "round $round of $runs:${line%,}"
 done
@@ -202,13 +227,27 @@ table="$(
       "${obj_bytes[$name]}" "${text_bytes[$name]}"
   done
   printf '\n'
-  if [[ "$own" == 1 ]]; then
-    for mode in h c; do
+  # shellcheck disable=SC2016  # the backquotes are Markdown
+  printf '| clean build of a one-TU trainer, `cmake --build -j2` | wall s (median) | ratio to base (wall) | CPU s (median) | ratio to base (CPU) |\n'
+  printf '|---|---:|---:|---:|---:|\n'
+  read -r _ clean_base_wall <<<"$(stats "${clean_wall[base]}")"
+  read -r _ clean_base_cpu <<<"$(stats "${clean_cpu[base]}")"
+  for entry in "${clean[@]}"; do
+    IFS='|' read -r name what _ <<<"$entry"
+    read -r _ w <<<"$(stats "${clean_wall[$name]}")"
+    read -r _ c <<<"$(stats "${clean_cpu[$name]}")"
+    printf '| %s | %.2f | %s | %.2f | %s |\n' "$what" "$w" \
+      "$(awk -v a="$w" -v b="$clean_base_wall" 'BEGIN { printf "%.2fx", a / b }')" "$c" \
+      "$(awk -v a="$c" -v b="$clean_base_cpu" 'BEGIN { printf "%.2fx", a / b }')"
+  done
+  printf '\n'
+  if [[ "$own" == 1 && "$own1_only" == 0 ]]; then
+    for mode in d c h; do
       r1="$(read -r _ md <<<"$(stats "${times[own1-$mode]}")"; echo "$md")"
       r2="$(read -r _ md <<<"$(stats "${times[own2-$mode]}")"; echo "$md")"
       r3="$(read -r _ md <<<"$(stats "${times[own3-$mode]}")"; echo "$md")"
       printf -- '- each extra own alias, %s (median ratios): x2 - x1 = %s, x3 - x2 = %s; objects +%s and +%s bytes\n' \
-        "$([[ $mode == h ]] && echo header-only || echo compiled)" \
+        "$(case $mode in d) echo default ;; c) echo compiled ;; *) echo header-only ;; esac)" \
         "$(awk -v a="$r2" -v b="$r1" -v r="$base_med" 'BEGIN { printf "%+.2fx", (a - b) / r }')" \
         "$(awk -v a="$r3" -v b="$r2" -v r="$base_med" 'BEGIN { printf "%+.2fx", (a - b) / r }')" \
         "$((obj_bytes[own2-$mode] - obj_bytes[own1-$mode]))" "$((obj_bytes[own3-$mode] - obj_bytes[own2-$mode]))"

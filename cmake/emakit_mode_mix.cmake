@@ -1,12 +1,14 @@
 # ctest driver for the mode-mixing tests (tests/CMakeLists.txt, tests/mode_mix/), run with cmake -P.
 #
 #   -DBUILD_DIR=<build tree> -DOBJECTS=<object target>,<object target> -DTARGET=<executable target>
-#   -DEXPECT=link_error|run [-DEXECUTABLE=<path>] [-DCONFIG=<config>]
+#   -DEXPECT=link_error|missing_implementation|run [-DEXECUTABLE=<path>] [-DCONFIG=<config>]
 #
 # Builds the object targets first: they must compile, so that a compile error never passes for
 # the expected link error. Then builds TARGET: with EXPECT=link_error it must fail, and the
 # linker's output must name both emakit::compiled and emakit::header_only in an undefined
-# reference; with EXPECT=run it must link, and EXECUTABLE must run and exit 0.
+# reference; with EXPECT=missing_implementation it must fail, and an undefined reference must name
+# the symbol that says what to do (detail/config.hpp's link_check); with EXPECT=run it must link,
+# and EXECUTABLE must run and exit 0.
 foreach(_var BUILD_DIR OBJECTS TARGET EXPECT)
   if(NOT DEFINED ${_var})
     message(FATAL_ERROR "emakit_mode_mix.cmake: -D${_var}=... is required")
@@ -54,6 +56,17 @@ if(EXPECT STREQUAL "link_error")
                         "not the expected mode-mixing link error.\n${_output}")
   endif()
   message(STATUS "${TARGET}: the link fails and names emakit::compiled and emakit::header_only")
+elseif(EXPECT STREQUAL "missing_implementation")
+  if(_result EQUAL 0)
+    message(FATAL_ERROR "${TARGET} linked without emakit's implementation file and must not: "
+                        "detail/config.hpp's link_check reference is not doing its job.\n${_output}")
+  endif()
+  set(_symbol "link_check::define_EMAKIT_IMPLEMENTATION_in_one_source_file_or_link_emakit_emakit")
+  if(NOT _output MATCHES "(undefined reference to|undefined symbol)[^\n]*${_symbol}")
+    message(FATAL_ERROR "${TARGET} failed to build, but no undefined reference names ${_symbol}: "
+                        "not the message that tells a user what to do.\n${_output}")
+  endif()
+  message(STATUS "${TARGET}: the link fails and names ${_symbol}")
 elseif(EXPECT STREQUAL "run")
   if(NOT _result EQUAL 0)
     message(FATAL_ERROR "${TARGET} (both translation units in one mode) did not build: the "
@@ -65,5 +78,5 @@ elseif(EXPECT STREQUAL "run")
   endif()
   message(STATUS "${TARGET}: links and runs: ${_output}")
 else()
-  message(FATAL_ERROR "emakit_mode_mix.cmake: EXPECT='${EXPECT}', expected link_error or run")
+  message(FATAL_ERROR "emakit_mode_mix.cmake: EXPECT='${EXPECT}', expected link_error, missing_implementation or run")
 endif()

@@ -4,8 +4,8 @@
 # Each build/<name> is the CMake preset <name> (CMakePresets.json: `cmake --preset NAME`,
 # `cmake --build --preset NAME`, `ctest --preset NAME`):
 #   format           clang-format 14 over the C++ files (scripts/format.sh --check), a few seconds
-#   build/torch1.13  Debian's libtorch-dev (LibTorch 1.13), every label; the tests header-only
-#                    (emakit::emakit), the examples and docs samples against emakit::compiled
+#   build/torch1.13  Debian's libtorch-dev (LibTorch 1.13), every label; the tests all-inline
+#                    (emakit::header_only), the examples and docs samples against emakit::compiled
 #   build/torch2     the LibTorch inside the PyPI torch wheel in the Python venv, with everything
 #                    linked against the compiled mode (emakit::compiled); the docs samples, package
 #                    and compile-fail tests run in torch1.13 only (EMAKIT_USER_BUILD_TESTS)
@@ -201,7 +201,7 @@ for variant in "${variants[@]}"; do
       torch_version="$("$EMAKIT_VENV/bin/python" -c 'import torch; print(torch.__version__)')"
       ran+=("$variant")
       # This variant builds everything against the compiled mode (emakit::compiled; the preset
-      # says so); torch1.13 keeps the header-only default, so both modes pass the unit,
+      # says so); torch1.13 keeps the all-inline tests, so both pass the unit,
       # conformance, distributed and example tests. The preset leaves the docs samples, package
       # and compile-fail tests to torch1.13 (EMAKIT_USER_BUILD_TESTS=OFF).
       run_variant torch2 "PyPI torch $torch_version, compiled mode; docs, package, compile_fail: in torch1.13" \

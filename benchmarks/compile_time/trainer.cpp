@@ -7,7 +7,8 @@
 //                    header: Ema<decay, StepSchedule, ModuleStorage<NetImpl>> with a decay policy
 //                    written here (emakit ships none of them), each doing the same work as the
 //                    WarmupEma of variant 1
-// Variants 1 to 3 are built against emakit::emakit (header-only) and emakit::compiled.
+// Variants 1 to 3 are built in each of emakit's modes: emakit::emakit (the default: this file plus
+// the implementation file), emakit::compiled and emakit::header_only (all inline).
 #if EMAKIT_CT_EMA == 1 || EMAKIT_CT_EMA == 3
 #include <emakit/emakit.hpp>
 #elif EMAKIT_CT_EMA == 2

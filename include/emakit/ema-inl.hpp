@@ -1,12 +1,12 @@
 // The definitions of ema.hpp's non-template code: emakit::EmaCore, the part of every
 // Ema that does not depend on its policies' types, and the helpers it uses. Included at the end
-// of ema.hpp in header-only mode (inline); compiled once into the library in compiled mode
+// of ema.hpp in the all-inline mode (EMAKIT_HEADER_ONLY), else compiled once per program by detail/implementation.hpp
 // (detail/config.hpp).
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
 #error \
-    "emakit/ema-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/ema.hpp> instead"
+    "emakit/ema-inl.hpp holds definitions that emakit compiles once per program, in the file that defines EMAKIT_IMPLEMENTATION (emakit/detail/implementation.hpp): include <emakit/ema.hpp> instead"
 #endif
 
 #include <emakit/ema.hpp>

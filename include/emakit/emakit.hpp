@@ -22,3 +22,9 @@
 #include <emakit/posthoc.hpp>
 #include <emakit/update_bn.hpp>
 #include <emakit/format.hpp>
+
+// The one file of a program that defines EMAKIT_IMPLEMENTATION compiles emakit's non-template
+// code (detail/config.hpp).
+#if defined(EMAKIT_IMPLEMENTATION)
+#include <emakit/detail/implementation.hpp>
+#endif

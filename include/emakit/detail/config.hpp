@@ -1,40 +1,61 @@
-// Header-only or compiled: where emakit's non-template code is compiled, and the one macro that
-// picks it, EMAKIT_COMPILED.
+// Where emakit's non-template code is compiled, and the macros that pick it.
 //
-// emakit is header-only by default (the `emakit::emakit` CMake target): every translation unit
-// that includes it compiles what it uses. The `emakit::compiled` target links a small static
-// library (src/) instead and defines EMAKIT_COMPILED for its users (without CMake: link
-// libemakit.a and define EMAKIT_COMPILED yourself). This is the "separate compilation" of
-// spdlog and Boost.Asio (a library .cpp that includes the definition files once):
+// emakit is used from its headers alone, with nothing to build or install first, but its
+// non-template code (the update kernel's ISA copies, the CPU pass, serialization, interop, the
+// post-hoc solver) is compiled once per program, in one translation unit, instead of in every
+// translation unit that includes it (the stb/doctest pattern):
 //
-// | part                                                   | header-only  | compiled mode       |
-// |--------------------------------------------------------|--------------|---------------------|
-// | archive check, checkpoint and snapshot I/O, CRC,       | inline, in   | declared here,      |
-// | CPU update pass and plan, post-hoc solver, interop     | every TU     | defined once in lib |
-// | Ema<...> of the aliases that need no user type          | instantiated | extern template,    |
-// | (FixedEma, WarmupEma, RampEma, PowerEma, SwaAverage...) | per TU       | instantiated in lib |
-// | the core under every Ema<...> (detail::EmaCore),        | inline, once | defined once in lib |
-// | ModuleStorage's and save/load/describe's untyped parts  | per TU       |                     |
-// | Ema<...> with your own policies or ModuleStorage<M>:    | instantiated per TU, in both modes |
-// | its thin layer (the calls into the policies)            |                                    |
-// | sharded/*, gloo.hpp, jit.hpp                           | inline, per TU, in both modes      |
+// | mode                       | how                                          | the non-template code        |
+// |----------------------------|----------------------------------------------|------------------------------|
+// | default                    | CMake: link `emakit::emakit`. Without CMake: | one file of your program:    |
+// |                            | in ONE .cpp, `#define EMAKIT_IMPLEMENTATION` | emakit::emakit adds it to    |
+// |                            | before `#include <emakit/emakit.hpp>`        | your target, optimized (-O2) |
+// |                            |                                              | whatever your build type     |
+// | compiled library           | link `emakit::compiled` (libemakit.a)        | the library, with the flat   |
+// |                            | (macro: EMAKIT_COMPILED)                     | aliases' Ema instantiated    |
+// | all inline (the old mode)  | `emakit::header_only`, or define             | inline, in every TU that     |
+// |                            | EMAKIT_HEADER_ONLY in every TU               | includes emakit              |
 //
-// The library compiles the umbrella header <emakit/emakit.hpp> and interop.hpp. The sharded EMA,
-// gloo.hpp and jit.hpp stay inline in both modes: they need c10d, Gloo and TorchScript, which the
-// library would otherwise impose on every user.
+// In all three, Ema<...> with your own policies or ModuleStorage<M> (its thin layer) is
+// instantiated in your translation units, and sharded/*, gloo.hpp and jit.hpp stay inline: they
+// need c10d, Gloo and TorchScript, which the implementation would otherwise impose on every user.
 //
-// A header <name>.hpp with code that moves to the library declares its entry points with
-// EMAKIT_FUNC and keeps the definitions (and the includes only they need) in <name>-inl.hpp,
-// which the header includes at its end in header-only mode; in compiled mode src/emakit.cpp
-// includes every -inl.hpp (a configure-time check in CMakeLists.txt keeps its list complete) and
-// a user's translation unit that includes one is refused with an #error.
+// A header <name>.hpp with code that is compiled once declares its entry points with EMAKIT_FUNC
+// and keeps the definitions (and the includes only they need) in <name>-inl.hpp, which the header
+// includes at its end in the all-inline mode; otherwise detail/implementation.hpp includes every
+// -inl.hpp (a configure-time check in CMakeLists.txt keeps its list complete) and a translation
+// unit that includes one elsewhere is refused with an #error.
 //
 // Mixing the modes in one program is a link error, not undefined behaviour: every emakit name
-// lives in the inline namespace emakit::EMAKIT_ABI_NAMESPACE, `compiled` or `header_only`
-// (written `emakit::X` as ever), so a function that takes an emakit type, defined in a
-// translation unit of one mode and called from one of the other, does not link, and the
-// linker's message names both ("undefined reference to `f(emakit::header_only::Ema<...>&)'").
+// lives in the inline namespace emakit::EMAKIT_ABI_NAMESPACE, `compiled` (the default and the
+// library) or `header_only` (all inline), written `emakit::X` as ever, so a function that takes
+// an emakit type, defined in a translation unit of one mode and called from one of the other,
+// does not link, and the linker's message names both ("undefined reference to
+// `f(emakit::header_only::Ema<...>&)'"). A program in the default mode whose implementation is
+// missing fails to link on a symbol that says what to do
+// (link_check::define_EMAKIT_IMPLEMENTATION_in_one_source_file_or_link_emakit_emakit).
 #pragma once
+
+#if defined(EMAKIT_HEADER_ONLY) && (defined(EMAKIT_COMPILED) || defined(EMAKIT_IMPLEMENTATION))
+#error \
+    "emakit: EMAKIT_HEADER_ONLY (everything inline, emakit::header_only) cannot be combined with EMAKIT_COMPILED (emakit::compiled) or EMAKIT_IMPLEMENTATION (the one file that compiles emakit's code): pick one mode for the whole program"
+#endif
+
+// The aliases' Ema instantiations are declared `extern template` when the program links the
+// compiled library (EMAKIT_COMPILED given by emakit::compiled or by the user), except in the
+// library's own instantiation unit (src/aliases.cpp), which defines them. The default mode
+// (EMAKIT_COMPILED implied below) instantiates them where they are used.
+#if defined(EMAKIT_COMPILED) && !defined(EMAKIT_INSTANTIATING)
+#define EMAKIT_EXTERN_ALIASES 1
+#else
+#define EMAKIT_EXTERN_ALIASES 0
+#endif
+
+// The default mode compiles like the library's users: the non-template code is declared here and
+// defined in one place (detail/implementation.hpp), with the same mangled names as libemakit.a's.
+#if !defined(EMAKIT_HEADER_ONLY) && !defined(EMAKIT_COMPILED)
+#define EMAKIT_COMPILED 1
+#endif
 
 // Every header opens `namespace emakit::inline EMAKIT_ABI_NAMESPACE {` (scripts/abi_namespace.sed
 // rewrites a plain `namespace emakit {`).
@@ -44,20 +65,22 @@
 #define EMAKIT_ABI_NAMESPACE header_only
 #endif
 
-// The library's own translation units define their macros themselves: src/emakit.cpp
-// EMAKIT_BUILDING_LIBRARY (it compiles the -inl.hpp files), src/aliases.cpp EMAKIT_INSTANTIATING.
-
-// Functions defined in an -inl.hpp: external linkage in the library, inline in header-only mode.
+// Functions defined in an -inl.hpp: external linkage where compiled once, inline in the all-inline
+// mode.
 #if defined(EMAKIT_COMPILED)
 #define EMAKIT_FUNC
 #else
 #define EMAKIT_FUNC inline
 #endif
 
-// The aliases' Ema instantiations are declared `extern template` in compiled mode, except in
-// the library's own instantiation unit (src/aliases.cpp), which defines them.
-#if defined(EMAKIT_COMPILED) && !defined(EMAKIT_INSTANTIATING)
-#define EMAKIT_EXTERN_ALIASES 1
-#else
-#define EMAKIT_EXTERN_ALIASES 0
+#if defined(EMAKIT_COMPILED)
+// Every translation unit of the default and the library modes refers to this variable, which only
+// the implementation defines (detail/implementation.hpp): a program that lacks the implementation
+// fails to link with its name as the message, instead of on the first of emakit's functions it
+// calls.
+namespace emakit::inline EMAKIT_ABI_NAMESPACE::link_check {
+extern const int define_EMAKIT_IMPLEMENTATION_in_one_source_file_or_link_emakit_emakit;
+[[gnu::used]] inline const int* const implementation_reference =
+    &define_EMAKIT_IMPLEMENTATION_in_one_source_file_or_link_emakit_emakit;
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::link_check
 #endif

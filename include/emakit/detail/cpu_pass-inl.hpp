@@ -1,10 +1,10 @@
-// The non-template definitions of cpu_pass.hpp: included at the end of cpu_pass.hpp in header-only mode,
-// compiled once into the emakit library (src/emakit.cpp) in compiled mode (detail/config.hpp).
+// The non-template definitions of cpu_pass.hpp: included at the end of cpu_pass.hpp in the all-inline mode
+// (EMAKIT_HEADER_ONLY), else compiled once per program by detail/implementation.hpp (detail/config.hpp).
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
 #error \
-    "emakit/detail/cpu_pass-inl.hpp holds definitions that the emakit library compiles in compiled mode (EMAKIT_COMPILED): include <emakit/detail/cpu_pass.hpp> instead"
+    "emakit/detail/cpu_pass-inl.hpp holds definitions that emakit compiles once per program, in the file that defines EMAKIT_IMPLEMENTATION (emakit/detail/implementation.hpp): include <emakit/detail/cpu_pass.hpp> instead"
 #endif
 
 #include <emakit/detail/cpu_pass.hpp>

@@ -1,7 +1,10 @@
-// Packaging test: a consumer declares an EMA in one line through an alias and updates it.
+// Packaging test: a consumer declares an EMA in one line through an alias and updates it, in two
+// translation units (second.cpp), as a trainer split into files would.
 #include <emakit/emakit.hpp>
 #include <torch/nn/modules/linear.h>
 #include <fmt/core.h>
+
+emakit::UpdateResult update_elsewhere(emakit::WarmupEma& ema);  // second.cpp
 
 int main() {
   torch::nn::Linear model(4, 2);
@@ -9,6 +12,8 @@ int main() {
   torch::NoGradGuard no_grad;
   model->weight.add_(1.0);
   [[maybe_unused]] emakit::UpdateResult r = ema.update();
+  model->weight.add_(1.0);
+  update_elsewhere(ema);
   fmt::print("{}\n", ema);  // an fmt formatter exists for every Ema
-  return ema.num_updates() == 1 ? 0 : 1;
+  return ema.num_updates() == 2 ? 0 : 1;
 }

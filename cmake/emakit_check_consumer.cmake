@@ -1,0 +1,80 @@
+# ctest package.* (run with cmake -P after a consumer's build): the default mode compiles emakit's
+# implementation once per program, optimized although the consumer has no build type.
+#
+#   -DBUILD_DIR=<the consumer's build tree> -DNM=<nm> [-DTARGET=emakit_consumer]
+#
+# Checks, on the consumer's objects (two translation units that include emakit and update an EMA,
+# plus the implementation file that emakit::emakit adds):
+# 1. exactly one object defines the update kernel's entry (detail::UpdateKernel::run): the
+#    implementation's, not one per file that includes emakit;
+# 2. compile_commands.json compiles the implementation with -O2 and the consumer's own files
+#    without it (no build type: no -O flag at all).
+foreach(_var BUILD_DIR NM)
+  if(NOT DEFINED ${_var} OR "${${_var}}" STREQUAL "")
+    message(FATAL_ERROR "emakit_check_consumer.cmake: -D${_var}=... is required")
+  endif()
+endforeach()
+if(NOT TARGET)
+  set(TARGET emakit_consumer)
+endif()
+
+file(GLOB_RECURSE _objects "${BUILD_DIR}/CMakeFiles/${TARGET}.dir/*.o")
+list(LENGTH _objects _count)
+if(_count LESS 3)
+  message(FATAL_ERROR "${TARGET}: expected at least 3 objects (main.cpp, second.cpp, emakit.cpp), "
+                      "found ${_count}: ${_objects}")
+endif()
+set(_defining "")
+foreach(_object IN LISTS _objects)
+  execute_process(COMMAND "${NM}" -C --defined-only "${_object}"
+    RESULT_VARIABLE _rc OUTPUT_VARIABLE _symbols ERROR_VARIABLE _err)
+  if(NOT _rc EQUAL 0)
+    message(FATAL_ERROR "${NM} failed on ${_object}: ${_err}")
+  endif()
+  if(_symbols MATCHES "[ \n][TtWw] emakit::[a-z_]+::detail::UpdateKernel::run\\(")
+    list(APPEND _defining "${_object}")
+  endif()
+endforeach()
+list(LENGTH _defining _defined)
+if(NOT _defined EQUAL 1)
+  message(FATAL_ERROR "${TARGET}: ${_defined} of its ${_count} objects define "
+                      "emakit::detail::UpdateKernel::run, expected exactly 1 (the implementation "
+                      "file's): ${_defining}")
+endif()
+if(NOT _defining MATCHES "emakit\\.cpp\\.o$")
+  message(FATAL_ERROR "${TARGET}: the update kernel is defined in ${_defining}, not in the "
+                      "implementation file's object")
+endif()
+
+file(READ "${BUILD_DIR}/compile_commands.json" _json)
+string(JSON _entries LENGTH "${_json}")
+math(EXPR _last "${_entries} - 1")
+set(_seen 0)
+foreach(_i RANGE ${_last})
+  string(JSON _file GET "${_json}" ${_i} file)
+  string(JSON _command GET "${_json}" ${_i} command)
+  if(NOT _command MATCHES "${TARGET}\\.dir")
+    continue()
+  endif()
+  math(EXPR _seen "${_seen} + 1")
+  if(_file MATCHES "emakit\\.cpp$")
+    set(_want_o2 ON)
+  else()
+    set(_want_o2 OFF)
+  endif()
+  if(_command MATCHES " -O2( |$)")
+    set(_has_o2 ON)
+  else()
+    set(_has_o2 OFF)
+  endif()
+  if(NOT _want_o2 STREQUAL _has_o2)
+    message(FATAL_ERROR "${TARGET}: ${_file} is compiled with -O2: ${_has_o2}, expected ${_want_o2} "
+                        "(the implementation optimized, the consumer's files as its build type says)"
+                        ":\n${_command}")
+  endif()
+endforeach()
+if(NOT _seen EQUAL _count)
+  message(FATAL_ERROR "${TARGET}: compile_commands.json has ${_seen} commands for its ${_count} objects")
+endif()
+message(STATUS "${TARGET}: ${_count} objects, the update kernel defined once (${_defining}); "
+               "the implementation compiled with -O2, the rest without")
