@@ -1,5 +1,5 @@
-// The compiled mode's instantiations of the aliases that need no user type (aliases.hpp): their
-// users see these declared `extern template` (aliases.hpp, checkpoint.hpp, format.hpp) and
+// emakit::compiled's (EMAKIT_COMPILED) instantiations of the aliases that need no user type
+// (aliases.hpp): their users see these declared `extern template` (aliases.hpp, checkpoint.hpp, format.hpp) and
 // compile none of it. This unit defines its own macros (detail/config.hpp): EMAKIT_INSTANTIATING
 // turns the `extern template` declarations off here.
 #define EMAKIT_INSTANTIATING 1

@@ -1,10 +1,10 @@
 // The non-template definitions of checkpoint.hpp: included at the end of checkpoint.hpp in the all-inline mode
-// (EMAKIT_HEADER_ONLY), else compiled once per program by detail/implementation.hpp (detail/config.hpp).
+// (EMAKIT_HEADER_ONLY), else compiled once per program by implementation.hpp (detail/config.hpp).
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
 #error \
-    "emakit/checkpoint-inl.hpp holds definitions that emakit compiles once per program, in the file that defines EMAKIT_IMPLEMENTATION (emakit/detail/implementation.hpp): include <emakit/checkpoint.hpp> instead"
+    "emakit/checkpoint-inl.hpp holds definitions that emakit compiles once per program, in the file that defines EMAKIT_IMPLEMENTATION (emakit/implementation.hpp): include <emakit/checkpoint.hpp> instead"
 #endif
 
 #include <emakit/checkpoint.hpp>

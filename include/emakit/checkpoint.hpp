@@ -62,7 +62,8 @@ LoadReport load(Ema<D, S, St>& ema, const std::filesystem::path& path, LoadMode 
   }
 }
 
-// Compiled mode (detail/config.hpp): save and load of the flat aliases come from the library.
+// EMAKIT_COMPILED (emakit::compiled, detail/config.hpp): save and load of the flat aliases come from
+// libemakit.a.
 #if EMAKIT_EXTERN_ALIASES
 #define EMAKIT_EXTERN_CHECKPOINT(Decay)                                                                  \
   extern template void save(const Ema<Decay, StepSchedule, FlatStorage>&, const std::filesystem::path&); \

@@ -1,12 +1,12 @@
 // The definitions of ema.hpp's non-template code: emakit::EmaCore, the part of every
 // Ema that does not depend on its policies' types, and the helpers it uses. Included at the end
-// of ema.hpp in the all-inline mode (EMAKIT_HEADER_ONLY), else compiled once per program by detail/implementation.hpp
+// of ema.hpp in the all-inline mode (EMAKIT_HEADER_ONLY), else compiled once per program by implementation.hpp
 // (detail/config.hpp).
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
 #error \
-    "emakit/ema-inl.hpp holds definitions that emakit compiles once per program, in the file that defines EMAKIT_IMPLEMENTATION (emakit/detail/implementation.hpp): include <emakit/ema.hpp> instead"
+    "emakit/ema-inl.hpp holds definitions that emakit compiles once per program, in the file that defines EMAKIT_IMPLEMENTATION (emakit/implementation.hpp): include <emakit/ema.hpp> instead"
 #endif
 
 #include <emakit/ema.hpp>
@@ -192,7 +192,7 @@ EMAKIT_FUNC std::string EmaCore::shared_tensor(const EmaCore& other) const {
 
 // The busy flags of update_together's members, taken in order and given back by the destructor
 // (those taken, if one was refused): a BusyScope per member, without allocating one. (No anonymous
-// namespace: GroupCore::update is inline in header-only mode.)
+// namespace: GroupCore::update is inline with EMAKIT_HEADER_ONLY.)
 class BusyAll {
  public:
   explicit BusyAll(std::span<const EmaCore::Member> members, BusyFlag EmaCore::*flag, const char* what)

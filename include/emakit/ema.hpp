@@ -121,8 +121,8 @@ namespace detail {
 // Ema<Decay, Schedule, Storage> is a thin template over detail::EmaCore, the way std::function or
 // LLVM's SmallVectorImpl keep a type-erased core under a typed face: binding and the model's
 // identity, the update given the schedule's decision and the decay's weight, the reads, the swap,
-// the state's encoding and checks. The core is compiled once (in the library in compiled mode,
-// once per translation unit in header-only mode, however many Ema types it has); an Ema type adds
+// the state's encoding and checks. The core is compiled once (once per program in the implementation file,
+// once per translation unit with EMAKIT_HEADER_ONLY, however many Ema types it has); an Ema type adds
 // only the calls into its policies (the schedule's decision, the decay's value, the storage's
 // create()) and their names and fields for messages and checkpoints.
 namespace detail {

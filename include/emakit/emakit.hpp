@@ -26,5 +26,5 @@
 // The one file of a program that defines EMAKIT_IMPLEMENTATION compiles emakit's non-template
 // code (detail/config.hpp).
 #if defined(EMAKIT_IMPLEMENTATION)
-#include <emakit/detail/implementation.hpp>
+#include <emakit/implementation.hpp>
 #endif

@@ -88,7 +88,8 @@ std::string describe(const Ema<D, S, St>& ema) {
                                ema.decay(), ema.last_drift()});
 }
 
-// Compiled mode (detail/config.hpp): the flat aliases' descriptions come from the library.
+// EMAKIT_COMPILED (emakit::compiled, detail/config.hpp): the flat aliases' descriptions come from
+// libemakit.a.
 #if EMAKIT_EXTERN_ALIASES
 #define EMAKIT_EXTERN_DESCRIBE(Decay) \
   extern template std::string describe(const Ema<Decay, StepSchedule, FlatStorage>&);

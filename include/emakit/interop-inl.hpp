@@ -1,12 +1,12 @@
 // The non-template definitions of interop.hpp: included at the end of interop.hpp in the all-inline mode
-// (EMAKIT_HEADER_ONLY), else compiled once per program by detail/implementation.hpp (detail/config.hpp).
+// (EMAKIT_HEADER_ONLY), else compiled once per program by implementation.hpp (detail/config.hpp).
 // The helpers every peer uses, then one section per peer (its config, its file both ways), then the
 // codec table (one codec per peer, in Peer's order) and the core of export_state and import_state.
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
 #error \
-    "emakit/interop-inl.hpp holds definitions that emakit compiles once per program, in the file that defines EMAKIT_IMPLEMENTATION (emakit/detail/implementation.hpp): include <emakit/interop.hpp> instead"
+    "emakit/interop-inl.hpp holds definitions that emakit compiles once per program, in the file that defines EMAKIT_IMPLEMENTATION (emakit/implementation.hpp): include <emakit/interop.hpp> instead"
 #endif
 
 #include <emakit/interop.hpp>
@@ -27,7 +27,7 @@
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail::interop {
 
-// No anonymous namespace: the helpers below are EMAKIT_FUNC (external linkage in compiled mode).
+// No anonymous namespace: the helpers below are EMAKIT_FUNC (external linkage unless EMAKIT_HEADER_ONLY).
 
 // ---- what every peer uses -----------------------------------------------------------------
 

@@ -152,7 +152,7 @@ namespace detail::interop {
 
 // export_state and import_state are thin templates: they gather what depends on the Ema type into
 // the plain values below and call the non-template core (export_peer, import_peer), compiled once
-// in compiled mode, which looks up the peer's codec and does the rest.
+// per program unless EMAKIT_HEADER_ONLY, which looks up the peer's codec and does the rest.
 
 // The EMA's policies a peer's config is read from (diffusers' EMAModel and nvalchemi's EMAHook
 // write theirs): each pointer is set when the EMA's policy is of that type, else null.

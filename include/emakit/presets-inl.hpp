@@ -1,11 +1,11 @@
 // The definitions of presets.hpp that do not depend on a storage type: included at the end of
-// presets.hpp in the all-inline mode (EMAKIT_HEADER_ONLY), else compiled once per program by detail/implementation.hpp
+// presets.hpp in the all-inline mode (EMAKIT_HEADER_ONLY), else compiled once per program by implementation.hpp
 // (detail/config.hpp).
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
 #error \
-    "emakit/presets-inl.hpp holds definitions that emakit compiles once per program, in the file that defines EMAKIT_IMPLEMENTATION (emakit/detail/implementation.hpp): include <emakit/presets.hpp> instead"
+    "emakit/presets-inl.hpp holds definitions that emakit compiles once per program, in the file that defines EMAKIT_IMPLEMENTATION (emakit/implementation.hpp): include <emakit/presets.hpp> instead"
 #endif
 
 #include <emakit/presets.hpp>

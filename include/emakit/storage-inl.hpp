@@ -1,11 +1,11 @@
 // The non-template definitions of storage.hpp (ModuleStorage's work that does not depend on its
 // module type): included at the end of storage.hpp in the all-inline mode (EMAKIT_HEADER_ONLY), else compiled once per
-// program by detail/implementation.hpp (detail/config.hpp).
+// program by implementation.hpp (detail/config.hpp).
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
 #error \
-    "emakit/storage-inl.hpp holds definitions that emakit compiles once per program, in the file that defines EMAKIT_IMPLEMENTATION (emakit/detail/implementation.hpp): include <emakit/storage.hpp> instead"
+    "emakit/storage-inl.hpp holds definitions that emakit compiles once per program, in the file that defines EMAKIT_IMPLEMENTATION (emakit/implementation.hpp): include <emakit/storage.hpp> instead"
 #endif
 
 #include <emakit/storage.hpp>

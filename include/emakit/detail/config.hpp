@@ -22,7 +22,7 @@
 //
 // A header <name>.hpp with code that is compiled once declares its entry points with EMAKIT_FUNC
 // and keeps the definitions (and the includes only they need) in <name>-inl.hpp, which the header
-// includes at its end in the all-inline mode; otherwise detail/implementation.hpp includes every
+// includes at its end in the all-inline mode; otherwise implementation.hpp includes every
 // -inl.hpp (a configure-time check in CMakeLists.txt keeps its list complete) and a translation
 // unit that includes one elsewhere is refused with an #error.
 //
@@ -52,7 +52,7 @@
 #endif
 
 // The default mode compiles like the library's users: the non-template code is declared here and
-// defined in one place (detail/implementation.hpp), with the same mangled names as libemakit.a's.
+// defined in one place (implementation.hpp), with the same mangled names as libemakit.a's.
 #if !defined(EMAKIT_HEADER_ONLY) && !defined(EMAKIT_COMPILED)
 #define EMAKIT_COMPILED 1
 #endif
@@ -75,7 +75,7 @@
 
 #if defined(EMAKIT_COMPILED)
 // Every translation unit of the default and the library modes refers to this variable, which only
-// the implementation defines (detail/implementation.hpp): a program that lacks the implementation
+// the implementation defines (implementation.hpp): a program that lacks the implementation
 // fails to link with its name as the message, instead of on the first of emakit's functions it
 // calls.
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::link_check {

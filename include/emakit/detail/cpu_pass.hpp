@@ -172,8 +172,9 @@ class CpuPass {
 
   // Runs every segment, split over at::parallel_for's threads; below `grain` cost units it runs
   // on the calling thread (a parallel region costs a few microseconds).
-  // (Compiled with the library's OpenMP flags in compiled mode: at::parallel_for's
-  // `#pragma omp parallel` is expanded where this is compiled.)
+  // (Compiled with emakit::base's OpenMP flags wherever it is compiled, the implementation file or,
+  // with EMAKIT_HEADER_ONLY, every translation unit: at::parallel_for's `#pragma omp parallel` is
+  // expanded where this is compiled.)
   // `drift` (null: not measured): two sums per drift chunk (average_drift_range), those of segment
   // s from drift[2 * s.chunk]; fold_drift_chunks() adds up a segment's. Each chunk is written by
   // the one thread whose share holds it, so the sums do not depend on the threads.

@@ -1,10 +1,10 @@
 // The non-template definitions of update_plan.hpp: included at the end of update_plan.hpp in the all-inline mode
-// (EMAKIT_HEADER_ONLY), else compiled once per program by detail/implementation.hpp (detail/config.hpp).
+// (EMAKIT_HEADER_ONLY), else compiled once per program by implementation.hpp (detail/config.hpp).
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
 #error \
-    "emakit/detail/update_plan-inl.hpp holds definitions that emakit compiles once per program, in the file that defines EMAKIT_IMPLEMENTATION (emakit/detail/implementation.hpp): include <emakit/detail/update_plan.hpp> instead"
+    "emakit/detail/update_plan-inl.hpp holds definitions that emakit compiles once per program, in the file that defines EMAKIT_IMPLEMENTATION (emakit/implementation.hpp): include <emakit/detail/update_plan.hpp> instead"
 #endif
 
 #include <emakit/detail/update_plan.hpp>

@@ -1,10 +1,10 @@
 // The non-template definitions of snapshot_folder.hpp: included at the end of snapshot_folder.hpp in the all-inline
-// mode (EMAKIT_HEADER_ONLY), else compiled once per program by detail/implementation.hpp (detail/config.hpp).
+// mode (EMAKIT_HEADER_ONLY), else compiled once per program by implementation.hpp (detail/config.hpp).
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
 #error \
-    "emakit/posthoc/snapshot_folder-inl.hpp holds definitions that emakit compiles once per program, in the file that defines EMAKIT_IMPLEMENTATION (emakit/detail/implementation.hpp): include <emakit/posthoc/snapshot_folder.hpp> instead"
+    "emakit/posthoc/snapshot_folder-inl.hpp holds definitions that emakit compiles once per program, in the file that defines EMAKIT_IMPLEMENTATION (emakit/implementation.hpp): include <emakit/posthoc/snapshot_folder.hpp> instead"
 #endif
 
 #include <emakit/posthoc/snapshot_folder.hpp>

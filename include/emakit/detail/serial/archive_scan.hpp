@@ -140,8 +140,8 @@ EMAKIT_FUNC AfterScan& after_scan() noexcept;
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 
-// The check itself: compiled in every translation unit in header-only mode, once in the library
-// in compiled mode (detail/config.hpp).
+// The check itself: compiled once per program, in the implementation file, or in every translation
+// unit in the all-inline mode, EMAKIT_HEADER_ONLY (detail/config.hpp).
 
 #if !defined(EMAKIT_COMPILED)
 #include <emakit/detail/serial/archive_scan-inl.hpp>

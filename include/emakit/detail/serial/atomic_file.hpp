@@ -41,7 +41,7 @@ EMAKIT_FUNC void check_writable_folder(const std::filesystem::path& folder, cons
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 
 // FileDescriptor and AtomicFile, used by the definitions of the file formats only (compiled once
-// in compiled mode: detail/config.hpp).
+// per program, in the implementation file, unless EMAKIT_HEADER_ONLY: detail/config.hpp).
 
 #if !defined(EMAKIT_COMPILED)
 #include <emakit/detail/serial/atomic_file-inl.hpp>

@@ -139,8 +139,8 @@ inline constexpr std::array<c10::ScalarType, 13> snapshot_dtypes = {
 }  // namespace detail
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
 
-// The reader and writer: used by the post-hoc functions' definitions only (compiled once in
-// compiled mode: detail/config.hpp).
+// The reader and writer: used by the post-hoc functions' definitions only (compiled once per
+// program, in the implementation file, unless EMAKIT_HEADER_ONLY: detail/config.hpp).
 
 #if !defined(EMAKIT_COMPILED)
 #include <emakit/detail/serial/snapshot_file-inl.hpp>

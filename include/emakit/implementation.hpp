@@ -11,7 +11,7 @@
 
 #if !defined(EMAKIT_IMPLEMENTATION)
 #error \
-    "emakit/detail/implementation.hpp is emakit's compiled code: include it only through <emakit/emakit.hpp> in the one file that defines EMAKIT_IMPLEMENTATION"
+    "emakit/implementation.hpp is emakit's compiled code: include it only through <emakit/emakit.hpp> in the one file that defines EMAKIT_IMPLEMENTATION"
 #endif
 #if defined(EMAKIT_HEADER_ONLY)
 #error "emakit: EMAKIT_IMPLEMENTATION with EMAKIT_HEADER_ONLY: the all-inline mode has no implementation file"
