@@ -7,8 +7,9 @@
 # plus the implementation file that emakit::emakit adds):
 # 1. exactly one object defines the update kernel's entry (detail::UpdateKernel::run): the
 #    implementation's, not one per file that includes emakit;
-# 2. compile_commands.json compiles the implementation with -O2 and the consumer's own files
-#    without it (no build type: no -O flag at all).
+# 2. compile_commands.json compiles the implementation optimized (GCC: -O1 with
+#    EMAKIT_OPTIMIZE_KERNELS, the update's segment functions at -O2; clang: -O2) and the
+#    consumer's own files with neither (no build type: no -O flag at all).
 foreach(_var BUILD_DIR NM)
   if(NOT DEFINED ${_var} OR "${${_var}}" STREQUAL "")
     message(FATAL_ERROR "emakit_check_consumer.cmake: -D${_var}=... is required")
@@ -58,23 +59,28 @@ foreach(_i RANGE ${_last})
   endif()
   math(EXPR _seen "${_seen} + 1")
   if(_file MATCHES "emakit\\.cpp$")
-    set(_want_o2 ON)
+    set(_want_optimized ON)
   else()
-    set(_want_o2 OFF)
+    set(_want_optimized OFF)
   endif()
-  if(_command MATCHES " -O2( |$)")
-    set(_has_o2 ON)
+  if(_command MATCHES " -O1( |$)" AND _command MATCHES " -DEMAKIT_OPTIMIZE_KERNELS=1( |$)")
+    set(_has_optimized ON)
+  elseif(_command MATCHES " -O2( |$)" AND NOT _command MATCHES "EMAKIT_OPTIMIZE_KERNELS")
+    set(_has_optimized ON)
+  elseif(_command MATCHES " -O[0-9s]( |$)|EMAKIT_OPTIMIZE_KERNELS")
+    message(FATAL_ERROR "${TARGET}: ${_file} has an -O flag or EMAKIT_OPTIMIZE_KERNELS, but neither "
+                        "-O1 with -DEMAKIT_OPTIMIZE_KERNELS=1 (GCC) nor -O2 alone (clang):\n${_command}")
   else()
-    set(_has_o2 OFF)
+    set(_has_optimized OFF)
   endif()
-  if(NOT _want_o2 STREQUAL _has_o2)
-    message(FATAL_ERROR "${TARGET}: ${_file} is compiled with -O2: ${_has_o2}, expected ${_want_o2} "
-                        "(the implementation optimized, the consumer's files as its build type says)"
-                        ":\n${_command}")
+  if(NOT _want_optimized STREQUAL _has_optimized)
+    message(FATAL_ERROR "${TARGET}: ${_file} is compiled optimized (-O1 and EMAKIT_OPTIMIZE_KERNELS, or -O2): "
+                        "${_has_optimized}, expected ${_want_optimized} (the implementation optimized, the "
+                        "consumer's files as its build type says):\n${_command}")
   endif()
 endforeach()
 if(NOT _seen EQUAL _count)
   message(FATAL_ERROR "${TARGET}: compile_commands.json has ${_seen} commands for its ${_count} objects")
 endif()
 message(STATUS "${TARGET}: ${_count} objects, the update kernel defined once (${_defining}); "
-               "the implementation compiled with -O2, the rest without")
+               "the implementation compiled optimized, the rest without")

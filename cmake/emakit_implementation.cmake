@@ -12,9 +12,14 @@
 # directory, and the consumers' directories are not known here: the properties are set at the end
 # of the top-level directory's processing (cmake_language(DEFER)), in every directory of the
 # project. They are:
-#   COMPILE_OPTIONS           -O2 (GCC, Clang) in configurations that do not optimize (Debug,
-#                             none, any other than Release/RelWithDebInfo/MinSizeRel), after the
-#                             configuration's own flags
+#   COMPILE_OPTIONS           GCC: -O1 in every configuration but MinSizeRel, after the
+#                             configuration's own flags, and COMPILE_DEFINITIONS
+#                             EMAKIT_OPTIMIZE_KERNELS, with which the update's segment functions
+#                             ask for -O2 (detail/simd.hpp): the file's cold code (checkpoints,
+#                             interop, post-hoc) compiles a quarter faster at -O1 than at -O2 and
+#                             the update runs as fast (docs/performance.md). Clang, which has no
+#                             per-function level: -O2 in configurations that do not optimize
+#                             (Debug, none, any other than Release/RelWithDebInfo/MinSizeRel)
 #   SKIP_PRECOMPILE_HEADERS   a consumer's precompiled header would include emakit before the file
 #                             defines EMAKIT_IMPLEMENTATION
 #   SKIP_UNITY_BUILD_INCLUSION the same for a unity build's combined file
@@ -29,9 +34,11 @@ function(_emakit_implementation_properties source)
     get_property(_subdirs DIRECTORY "${_dir}" PROPERTY SUBDIRECTORIES)
     list(APPEND _pending ${_subdirs})
   endwhile()
-  set(_optimize "$<$<AND:$<CXX_COMPILER_ID:GNU,Clang,AppleClang>,$<NOT:$<CONFIG:Release,RelWithDebInfo,MinSizeRel>>>:-O2>")
+  set(_gcc "$<AND:$<CXX_COMPILER_ID:GNU>,$<NOT:$<CONFIG:MinSizeRel>>>")
+  set(_clang "$<AND:$<CXX_COMPILER_ID:Clang,AppleClang>,$<NOT:$<CONFIG:Release,RelWithDebInfo,MinSizeRel>>>")
   set_source_files_properties("${source}" DIRECTORY ${_dirs} PROPERTIES
-    COMPILE_OPTIONS "${_optimize}"
+    COMPILE_OPTIONS "$<${_gcc}:-O1>;$<${_clang}:-O2>"
+    COMPILE_DEFINITIONS "$<${_gcc}:EMAKIT_OPTIMIZE_KERNELS=1>"
     SKIP_PRECOMPILE_HEADERS ON
     SKIP_UNITY_BUILD_INCLUSION ON)
 endfunction()

@@ -9,7 +9,7 @@
 // |----------------------------|----------------------------------------------|------------------------------|
 // | default                    | CMake: link `emakit::emakit`. Without CMake: | one file of your program:    |
 // |                            | in ONE .cpp, `#define EMAKIT_IMPLEMENTATION` | emakit::emakit adds it to    |
-// |                            | before `#include <emakit/emakit.hpp>`        | your target, optimized (-O2) |
+// |                            | before `#include <emakit/emakit.hpp>`        | your target, optimized      |
 // |                            |                                              | whatever your build type     |
 // | compiled library           | link `emakit::compiled` (libemakit.a)        | the library, with the flat   |
 // |                            | (macro: EMAKIT_COMPILED)                     | aliases' Ema instantiated    |

@@ -77,8 +77,8 @@ using SegmentFn = void (*)(void*, const void*, std::int64_t, std::int64_t, Weigh
     }                                                                                                                  \
   }                                                                                                                    \
   template <class A, class S>                                                                                          \
-  target void copy_segment##suffix(void* a, const void* x, std::int64_t begin, std::int64_t end, Weights,              \
-                                   double*) noexcept {                                                                 \
+  target EMAKIT_OPTIMIZE_SEGMENT void copy_segment##suffix(void* a, const void* x, std::int64_t begin,                 \
+                                                           std::int64_t end, Weights, double*) noexcept {              \
     copy_range<A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin);                       \
   }                                                                                                                    \
   template <class A, class S>                                                                                          \

@@ -59,9 +59,18 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 // GCC contracts a*b + c into an FMA whenever the target has one (-ffp-contract=fast is its
 // default for C++ in every -std); this keeps each segment function's arithmetic as written, so
 // that all copies, and ATen's lerp, round alike. (clang: the pragma inside the loops.)
-#if defined(__GNUC__) && !defined(__clang__)
+// EMAKIT_OPTIMIZE_KERNELS (GCC): the implementation file is compiled at -O1, which generates its
+// cold code (checkpoints, interop, post-hoc) a quarter faster than -O2, and the segment functions
+// ask for -O2 themselves (EMAKIT_OPTIMIZE_SEGMENT): at -O1 their loops run at half speed on small
+// tensors (cmake/emakit_implementation.cmake sets both; docs/performance.md has the figures).
+#if defined(__GNUC__) && !defined(__clang__) && defined(EMAKIT_OPTIMIZE_KERNELS)
+#define EMAKIT_OPTIMIZE_SEGMENT __attribute__((optimize("O2")))
+#define EMAKIT_NO_CONTRACT __attribute__((optimize("O2", "fp-contract=off")))
+#elif defined(__GNUC__) && !defined(__clang__)
+#define EMAKIT_OPTIMIZE_SEGMENT
 #define EMAKIT_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
 #else
+#define EMAKIT_OPTIMIZE_SEGMENT
 #define EMAKIT_NO_CONTRACT
 #endif
 #if defined(__clang__)
