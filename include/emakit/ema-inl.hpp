@@ -11,14 +11,52 @@
 
 #include <emakit/ema.hpp>
 
+#include <ATen/core/Generator.h>
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <mutex>
 #include <unordered_set>
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
+
+// The state of every default random generator (the CPU's, and each CUDA device's where LibTorch
+// has CUDA), put back when this goes out of scope: Python's torch.random.fork_rng. Making the
+// EMA's storage draws from them where the user's code does not expect it (a Cloneable module's
+// clone() runs reset(), which initializes the copy's parameters before the model's are copied in;
+// a factory builds a fresh module), and a seeded run must be the same run with and without an
+// EMA. The Python peers deep-copy the model and draw nothing. Draws that other threads make from
+// the same generators meanwhile are undone with them.
+class GeneratorStates {
+ public:
+  GeneratorStates() {
+    at::Context& context = at::globalContext();
+    save(context.defaultGenerator(c10::Device(c10::kCPU)));
+    if (context.hasCUDA()) {
+      const int devices = at::detail::getCUDAHooks().getNumGPUs();
+      for (int i = 0; i < devices; ++i)
+        save(context.defaultGenerator(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i))));
+    }
+  }
+  GeneratorStates(const GeneratorStates&) = delete;
+  GeneratorStates& operator=(const GeneratorStates&) = delete;
+  ~GeneratorStates() {
+    for (auto& [generator, state] : saved_) {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(state);
+    }
+  }
+
+ private:
+  void save(at::Generator generator) {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    at::Tensor state = generator.get_state();
+    saved_.emplace_back(std::move(generator), std::move(state));
+  }
+  std::vector<std::pair<at::Generator, at::Tensor>> saved_;
+};
 
 [[noreturn]] EMAKIT_FUNC void fail_model_destroyed(const char* what) {
   fail("{}(): the model this Ema was bound to has been destroyed (a rebuilt model?), so the EMA would average, "
@@ -581,7 +619,11 @@ EMAKIT_FUNC void EmaCore::bind(const torch::nn::Module* model, std::vector<Sourc
     fail("every tensor of the model is ignored (EmaOptions ignore / ignore_prefixes / buffers); the EMA "
          "would hold nothing");
 
-  std::vector<at::Tensor> own = create(model, std::span<const TensorSpec>(specs));
+  std::vector<at::Tensor> own;
+  {
+    const GeneratorStates generators;  // the storage's clone or factory draws nothing the user sees
+    own = create(model, std::span<const TensorSpec>(specs));
+  }
   if (own.size() != specs.size())
     fail("storage {} made {} tensors for {} specs", storage_name, own.size(), specs.size());
   check_owned(tensors, specs, own, storage_name);

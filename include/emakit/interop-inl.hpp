@@ -787,7 +787,6 @@ inline constexpr Codec codecs[] = {
      .takes_step = true, .write = write_nvalchemi, .read = read_nvalchemi, .check = check_nvalchemi},
 };
 // clang-format on
-// clang-format on
 
 // codec() finds a codec by its position: each one sits at its Peer's value.
 constexpr bool codecs_in_peer_order() {

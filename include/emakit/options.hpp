@@ -4,8 +4,8 @@
 //   emakit::EmaOptions()
 //       .dtype(torch::kFloat32)              // the average's dtype (default: fp32 for bf16/fp16 models)
 //       .device(torch::kCPU)                 // the average's device (default: the model's): CPU offload
-//       .side_stream(true)                   // CUDA: update on a side stream (wait_for_model_reads() before the next
-//       step) .staging_bytes(std::int64_t{16} << 20) // GPU memory to convert a bf16 model's weights through
+//       .side_stream(true)                   // CUDA: update on a side stream (see wait_for_model_reads())
+//       .staging_bytes(std::int64_t{16} << 20)  // GPU memory to convert a bf16 model's weights through
 //       .copy_only({"pos_embedding"})        // copied at every update, never averaged
 //       .ignore({"head.weight"})             // left out of the EMA
 //       .ignore_prefixes({"teacher."})       // every name starting with one of these is left out

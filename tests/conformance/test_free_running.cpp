@@ -318,7 +318,7 @@ FreeNet step0() {
 
 // Python's synthetic model (sources.pt of `peer`) against free_run.hpp's, bitwise; returns the
 // number of tensors compared.
-int check_sources_and_replan(const std::string& peer) {
+int check_python_sources(const std::string& peer) {
   const auto file = peer_file(peer, "sources.pt");
   if (!file) return -1;
   const Dict sources = load_dict(*file);
@@ -355,13 +355,13 @@ int check_sources_and_replan(const std::string& peer) {
 // ---- the trajectory itself -------------------------------------------------------------------------
 
 TEST_CASE("free run: Python's synthetic trajectory is free_run.hpp's, bitwise (first venv)", "[conformance][free]") {
-  const int n = check_sources_and_replan("free_run_peer");
+  const int n = check_python_sources("free_run_peer");
   if (n < 0) return;
   REQUIRE(n == 3 * 7);  // steps 0, 1, 1011; FreeNet's 7 state_dict entries
 }
 
 TEST_CASE("free run: Python's synthetic trajectory is free_run.hpp's, bitwise (seed venv)", "[conformance][free]") {
-  const int n = check_sources_and_replan("free_run_seed_peer");
+  const int n = check_python_sources("free_run_seed_peer");
   if (n < 0) return;
   REQUIRE(n == 3 * 7);
 }

@@ -218,8 +218,9 @@ class GroupPass {
 
   // Groups the segments of `passes`, each run with its weight, in time linear in the segments
   // (a hash of the inputs); keeps its buffers' capacity. Given the same passes again, unchanged
-  // (their generations), it keeps the grouping and only takes the new weights: a thread_local
-  // GroupPass neither allocates nor hashes once it has seen the members.
+  // (their generations), it keeps the grouping and only takes the new weights: a GroupPass kept
+  // from call to call (UpdateKernel::TogetherScratch, owned by the group's GroupCore) neither
+  // allocates nor hashes once it has seen the members.
   // A pass's drift sums (CpuPass::run's `drift`; null: not measured) may change from call to call
   // like its weight.
   struct Input {

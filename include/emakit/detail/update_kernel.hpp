@@ -15,8 +15,11 @@
 // Waiting is always a named call: slots() hands out the slots as they are, wait_for_update() (or
 // settled_slots(), which is wait_for_update() then slots()) waits for the last update first. Every reader
 // of the averages, and every writer of them outside an update, calls one of the two once.
-// An update allocates nothing and looks up no names (a skip_non_finite check allocates a few
-// scalars: one flag per foreach list, reduced on the device, read with one host sync).
+// An update looks up no names. What it allocates: nothing in the fused CPU pass, nor in a foreach
+// list's lerp (or 1.13's mul_ + add_) and scaled_fused_add; a foreach list's weighted_sum and
+// subtract without scratch allocate a temporary list (detail/aten_compat.hpp); a skip_non_finite
+// check, a few scalars (one flag per foreach list, reduced on the device, read with one host sync);
+// a drift measurement outside the CPU pass, its norms.
 #pragma once
 
 #include <emakit/detail/config.hpp>
