@@ -229,17 +229,16 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
   {
     TinyNet model;
     const std::int64_t epoch = 0;
-    EMAKIT_ROW(code[11], auto ema = emakit::lightning_ema_weight_averaging(
-                             *model, {.decay = 0.999,
-                                      .update_every_n_steps = 2,
-                                      .update_starting_at_step = 100,
-                                      .update_starting_at_epoch = 1});
+    EMAKIT_ROW(code[11], auto ema = emakit::lightning_ema_weight_averaging(*model, {.decay = 0.999,
+                                                                                    .update_every_n_steps = 2,
+                                                                                    .update_starting_at_step = 100,
+                                                                                    .update_starting_at_epoch = 1});
                ema.update(); ema.epoch_end(epoch);)
     CHECK(ema.decay_policy() == emakit::Fixed(py(11, "decay")));
     CHECK(ema.schedule().update_every() == whole(py(11, "update_every_n_steps")));
     CHECK(ema.schedule().start_step() == whole(py(11, "update_starting_at_step")) + 1);  // 0-based index -> step
     CHECK(ema.options().epoch_end_updates_from() == whole(py(11, "update_starting_at_epoch")));
-    CHECK(ema.num_updates() == 0);  // epoch 0 is before update_starting_at_epoch
+    CHECK(ema.num_updates() == 0);                              // epoch 0 is before update_starting_at_epoch
     CHECK(ema.epoch_end(1).action != emakit::Action::skipped);  // from epoch 1 on (the first one copies)
     CHECK(ema.num_updates() == 1);
     CHECK(ema.options().arithmetic() == emakit::Arithmetic::weighted_sum);  // get_ema_avg_fn
