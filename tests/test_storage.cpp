@@ -23,6 +23,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace test_storage {  // this file's names (unity batches: tests/CMakeLists.txt)
@@ -90,11 +91,29 @@ TEST_CASE("ModuleStorage builds a non-Cloneable module with a factory and copies
   CHECK(ema.module()->fc->weight.data_ptr() != model->fc->weight.data_ptr());
 }
 
-TEST_CASE("ModuleStorage without a factory for a non-Cloneable module is an error that says what to do",
-          "[storage][errors]") {
+// Without a factory, a module that is not Cloneable fails to compile, naming the fix:
+// tests/compile_fail/module_storage_without_factory.cpp.
+TEST_CASE("module_ema makes a module EMA from a factory, with Ema's policies, options and defaults", "[storage]") {
+  torch::manual_seed(1);
   PlainNet model;
-  using PlainEma = emakit::Ema<emakit::Fixed, emakit::StepSchedule, emakit::ModuleStorage<PlainNetImpl>>;
-  CHECK_THROWS_WITH(PlainEma(*model), Contains("not Cloneable") && Contains("factory"));
+  int made = 0;
+  auto ema = emakit::module_ema(*model, [&] {
+    ++made;
+    return std::make_shared<PlainNetImpl>();
+  });
+  static_assert(std::is_same_v<decltype(ema), emakit::ModuleEma<PlainNetImpl>>);
+  CHECK(made == 1);
+  CHECK(ema.decay_policy() == emakit::Fixed());
+  CHECK(torch::equal(ema.module()->fc->weight, model->fc->weight));
+  CHECK(ema.module()->fc->weight.data_ptr() != model->fc->weight.data_ptr());
+
+  auto slow = emakit::module_ema(
+      *model, [] { return std::make_shared<PlainNetImpl>(); }, emakit::InversePowerWarmup(0.999),
+      emakit::StepSchedule().update_every(2), emakit::EmaOptions().dtype(torch::kFloat64));
+  static_assert(std::is_same_v<decltype(slow), emakit::ModuleWarmupEma<PlainNetImpl>>);
+  CHECK(slow.decay_policy() == emakit::InversePowerWarmup(0.999));
+  CHECK(slow.schedule().update_every() == 2);
+  CHECK(slow.module()->fc->weight.scalar_type() == torch::kFloat64);
 }
 
 namespace {

@@ -14,6 +14,7 @@
 //
 //   emakit::WarmupEma ema(*model, emakit::InversePowerWarmup(0.999).power(0.75));
 //   emakit::ModuleEma<NetImpl> teacher(*model);   teacher.module()->forward(x);
+//   auto plain = emakit::module_ema(*model, [] { return std::make_shared<PlainImpl>(); });  // not Cloneable
 #pragma once
 
 #include <emakit/decay.hpp>
@@ -21,6 +22,10 @@
 #include <emakit/ema.hpp>
 #include <emakit/schedule.hpp>
 #include <emakit/storage.hpp>
+
+#include <memory>
+#include <type_traits>
+#include <utility>
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
@@ -48,5 +53,25 @@ template <class ModuleType>
 using ModuleEma = Ema<Fixed, StepSchedule, ModuleStorage<ModuleType>>;
 template <class ModuleType>
 using ModuleWarmupEma = Ema<InversePowerWarmup, StepSchedule, ModuleStorage<ModuleType>>;
+
+// An Ema whose average is a module made by `factory` (a callable that returns a
+// std::shared_ptr<M> to a new M), for a model whose module type is not Cloneable; the EMA copies
+// the model's weights into it by name. M comes from the factory, and the policies and options
+// that follow are Ema's, with its defaults:
+//   auto ema = emakit::module_ema(*model, [] { return std::make_shared<PlainImpl>(); });  // a ModuleEma<PlainImpl>
+//   auto slow = emakit::module_ema(*model, factory, emakit::InversePowerWarmup(0.9999));   // a ModuleWarmupEma<PlainImpl>
+template <class Factory, DecayPolicy Decay = Fixed, SchedulePolicy Schedule = StepSchedule>
+  requires std::is_invocable_v<Factory&>
+auto module_ema(const torch::nn::Module& model, Factory factory, Decay decay = Decay(), Schedule schedule = Schedule(),
+                EmaOptions options = EmaOptions()) {
+  using Made = std::remove_cvref_t<std::invoke_result_t<Factory&>>;
+  static_assert(requires { typename Made::element_type; } &&
+                    std::is_same_v<Made, std::shared_ptr<typename Made::element_type>>,
+                "emakit::module_ema: the factory must return a std::shared_ptr<M> to a new module M, e.g. "
+                "[] { return std::make_shared<NetImpl>(); }");
+  using Module = typename Made::element_type;
+  return Ema<Decay, Schedule, ModuleStorage<Module>>(model, std::move(decay), std::move(schedule), std::move(options),
+                                                     ModuleStorage<Module>(std::move(factory)));
+}
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

@@ -92,8 +92,14 @@ class ModuleStorage {
   static constexpr std::string_view name = "ModuleStorage";
   using Factory = std::function<std::shared_ptr<ModuleType>()>;
 
-  // Clone the model. Without a factory the module type must be Cloneable.
-  ModuleStorage() = default;
+  // Clone the model: the module type must be Cloneable, which the compiler checks here (a module
+  // that is not needs a factory: the constructor below, or emakit::module_ema in aliases.hpp).
+  ModuleStorage() {
+    static_assert(CloneableModule<ModuleType>,
+                  "ModuleStorage<M> without a factory clones the model, and M is not Cloneable (derived from "
+                  "torch::nn::Cloneable<M>): give a factory that makes a new M, "
+                  "emakit::module_ema(model, [] { return std::make_shared<M>(); }) or ModuleStorage<M>(factory)");
+  }
   // Build the EMA module with `factory`; the EMA copies the model's weights into it by name.
   explicit ModuleStorage(Factory factory) : factory_(std::move(factory)) {
     if (!factory_) detail::fail("ModuleStorage: the factory is empty; pass a callable that returns a new module");
