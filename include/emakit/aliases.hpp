@@ -23,6 +23,7 @@
 #include <emakit/schedule.hpp>
 #include <emakit/storage.hpp>
 
+#include <concepts>
 #include <memory>
 #include <type_traits>
 #include <utility>
@@ -54,19 +55,27 @@ using ModuleEma = Ema<Fixed, StepSchedule, ModuleStorage<ModuleType>>;
 template <class ModuleType>
 using ModuleWarmupEma = Ema<InversePowerWarmup, StepSchedule, ModuleStorage<ModuleType>>;
 
+namespace detail {
+template <class T>
+concept SharedPointer = requires {
+  typename T::element_type;
+}
+&&std::same_as<T, std::shared_ptr<typename T::element_type>>;
+}  // namespace detail
+
 // An Ema whose average is a module made by `factory` (a callable that returns a
 // std::shared_ptr<M> to a new M), for a model whose module type is not Cloneable; the EMA copies
 // the model's weights into it by name. M comes from the factory, and the policies and options
-// that follow are Ema's, with its defaults:
-//   auto ema = emakit::module_ema(*model, [] { return std::make_shared<PlainImpl>(); });  // a ModuleEma<PlainImpl>
-//   auto slow = emakit::module_ema(*model, factory, emakit::InversePowerWarmup(0.9999));   // a ModuleWarmupEma<PlainImpl>
+// that follow are Ema's, with its defaults (a ModuleEma<M>; with an InversePowerWarmup, a
+// ModuleWarmupEma<M>):
+//   auto ema = emakit::module_ema(*model, [] { return std::make_shared<PlainImpl>(); });
+//   auto slow = emakit::module_ema(*model, factory, emakit::InversePowerWarmup(0.9999));
 template <class Factory, DecayPolicy Decay = Fixed, SchedulePolicy Schedule = StepSchedule>
   requires std::is_invocable_v<Factory&>
 auto module_ema(const torch::nn::Module& model, Factory factory, Decay decay = Decay(), Schedule schedule = Schedule(),
                 EmaOptions options = EmaOptions()) {
   using Made = std::remove_cvref_t<std::invoke_result_t<Factory&>>;
-  static_assert(requires { typename Made::element_type; } &&
-                    std::is_same_v<Made, std::shared_ptr<typename Made::element_type>>,
+  static_assert(detail::SharedPointer<Made>,
                 "emakit::module_ema: the factory must return a std::shared_ptr<M> to a new module M, e.g. "
                 "[] { return std::make_shared<NetImpl>(); }");
   using Module = typename Made::element_type;
