@@ -56,11 +56,9 @@ template <class ModuleType>
 using ModuleWarmupEma = Ema<InversePowerWarmup, StepSchedule, ModuleStorage<ModuleType>>;
 
 namespace detail {
+// A std::shared_ptr<M> for some M (false, not an error, for a type without element_type).
 template <class T>
-concept SharedPointer = requires {
-  typename T::element_type;
-}
-&&std::same_as<T, std::shared_ptr<typename T::element_type>>;
+concept SharedPointer = std::same_as<T, std::shared_ptr<typename T::element_type>>;
 }  // namespace detail
 
 // An Ema whose average is a module made by `factory` (a callable that returns a

@@ -61,8 +61,10 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 // that all copies, and ATen's lerp, round alike. (clang: the pragma inside the loops.)
 // EMAKIT_OPTIMIZE_KERNELS (GCC): the implementation file is compiled at -O1, which generates its
 // cold code (checkpoints, interop, post-hoc) a quarter faster than -O2, and the segment functions
-// ask for -O2 themselves (EMAKIT_OPTIMIZE_SEGMENT): at -O1 their loops run at half speed on small
-// tensors (cmake/emakit_implementation.cmake sets both; docs/performance.md has the figures).
+// ask for -O2 themselves: the copies through EMAKIT_OPTIMIZE_SEGMENT, the averages through
+// EMAKIT_NO_CONTRACT, which then carries both options in its one optimize attribute. At -O1 their
+// loops run at half speed on small tensors (cmake/emakit_implementation.cmake sets both;
+// docs/performance.md has the figures).
 #if defined(__GNUC__) && !defined(__clang__) && defined(EMAKIT_OPTIMIZE_KERNELS)
 #define EMAKIT_OPTIMIZE_SEGMENT __attribute__((optimize("O2")))
 #define EMAKIT_NO_CONTRACT __attribute__((optimize("O2", "fp-contract=off")))
