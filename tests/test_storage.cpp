@@ -4,6 +4,7 @@
 #include <emakit/hooks.hpp>
 #include <emakit/posthoc.hpp>
 #include <emakit/storage.hpp>
+#include <emakit/teacher.hpp>
 
 #include "helpers.hpp"
 
@@ -285,10 +286,26 @@ std::vector<std::pair<std::string, Attach>> ema_kinds() {
                       hook->load_checkpoint(file);
                     }};
   });
-  kinds.emplace_back("PostHocEma with snapshots", [](GenNet& model, const std::filesystem::path& dir) {
+  kinds.emplace_back("TeacherStudent owning a ModuleEma", [](GenNet& model, const std::filesystem::path&) {
+    // Routes the teacher's head into the student's head, which changes the student's outputs: the
+    // loop uses the wrapper for its EMA only (made, updated), as a trainer does between epochs.
+    auto wrapper = std::make_shared<emakit::TeacherStudent<GenEma>>(*model, GenEma(*model, emakit::Fixed(0.9)),
+                                                                    emakit::TeacherRoutes::paths({"head"}));
+    return Attached{[wrapper] { wrapper->update(); }, {}};
+  });
+  kinds.emplace_back("PostHocEma with snapshots, synthesized", [](GenNet& model, const std::filesystem::path& dir) {
     auto posthoc =
         std::make_shared<emakit::PostHocEma>(*model, emakit::PostHocOptions(dir / "snapshots").snapshot_every(2));
-    return Attached{[posthoc] { posthoc->update(); }, {}};
+    return Attached{[posthoc] { posthoc->update(); },
+                    [posthoc, &model] {
+                      // into a second model of the architecture, made without a trace in the
+                      // default generator (its draws are the test's, not emakit's)
+                      auto generator = at::detail::getDefaultCPUGenerator();  // a handle
+                      const auto state = generator.get_state();
+                      GenNet target(model->seed);
+                      generator.set_state(state);
+                      emakit::synthesize_into(posthoc->plan(emakit::SynthesisOptions::from_sigma_rel(0.07)), *target);
+                    }};
   });
   return kinds;
 }
@@ -320,7 +337,8 @@ TEST_CASE("A seeded training run is bitwise the same run with an EMA of any kind
       tensors += with_ema.model.size();
     }
   }
-  CHECK(runs == kModels * 5);
+  CHECK(runs == kModels * kinds.size());
+  CHECK(kinds.size() == 6);  // FlatStorage, a clone, a factory, a hook, a teacher, post-hoc
   CHECK(tensors >= runs * 2);
 }
 
