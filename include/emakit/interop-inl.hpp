@@ -93,7 +93,7 @@ EMAKIT_FUNC PeerFile read_named(const ReadContext& in, const c10::impl::GenericD
     if (ema_state::is_average_key(key)) {
       const at::Tensor* t = entry(dict, f.prefix + ema_state::average_name(key));
       if (t != nullptr) f.state.insert(key, *t);  // a missing one: peer_report names it
-    } else if (key.rfind("counters.", 0) != 0) {
+    } else if (!ema_state::is_counter_key(key)) {
       f.state.insert(key, item.value());
     }
   }
@@ -434,7 +434,7 @@ EMAKIT_FUNC PeerFile read_diffusers_file(const c10::impl::GenericDict& dict, con
   }
   for (const auto& item : state) {
     if (ema_state::is_average_key(item.key())) continue;
-    if (item.key().rfind("counters.", 0) != 0) f.state.insert(item.key(), item.value());
+    if (!ema_state::is_counter_key(item.key())) f.state.insert(item.key(), item.value());
   }
   for (std::size_t i = 0; i < keys.size(); ++i) f.state.insert(keys[i], shadow[i].toTensor());
   for (const auto& [key, i] : aliases) f.state.insert(key, shadow[i].toTensor());

@@ -16,8 +16,8 @@
 // settled_slots(), which is wait_for_update() then slots()) waits for the last update first. Every reader
 // of the averages, and every writer of them outside an update, calls one of the two once.
 // An update looks up no names. What it allocates: nothing in the fused CPU pass, nor in a foreach
-// list's lerp (or 1.13's mul_ + add_) and scaled_fused_add; a foreach list's weighted_sum and
-// subtract without scratch allocate a temporary list (detail/aten_compat.hpp); a skip_non_finite
+// list's lerp (or 1.13's mul_ + add_) and scaled_fused_add; a foreach list's weighted_sum,
+// subtract and fused_subtract without scratch allocate a temporary list (detail/aten_compat.hpp); a skip_non_finite
 // check, a few scalars (one flag per foreach list, reduced on the device, read with one host sync);
 // a drift measurement outside the CPU pass, its norms.
 #pragma once
@@ -27,6 +27,7 @@
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/device_sync.hpp>
 #include <emakit/detail/non_finite.hpp>
+#include <emakit/detail/sync_counts.hpp>
 #include <emakit/detail/update_plan.hpp>
 #include <emakit/options.hpp>
 
@@ -43,22 +44,6 @@
 #include <vector>
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
-
-// How often this thread went through the kernel's two doors, wait_for_update() and wait_for_model_reads(): tests
-// check with it that every accessor of the averages settles, and how often.
-// It also counts the update_together() calls that ran a GroupPass, and over how many kernels:
-// tests check with it that the members were fused.
-struct SyncCounts {
-  std::uint64_t settles = 0;
-  std::uint64_t waits = 0;
-  std::uint64_t fused_calls = 0;
-  std::uint64_t fused_kernels = 0;
-  std::uint64_t fused_groupings = 0;  // of those calls, the ones that grouped the segments anew
-};
-inline SyncCounts& sync_counts() noexcept {
-  thread_local SyncCounts counts;
-  return counts;
-}
 
 class UpdateKernel {
  public:

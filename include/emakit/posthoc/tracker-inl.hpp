@@ -88,7 +88,7 @@ EMAKIT_FUNC void PostHocEma::load_state_dict(const StateDict& state) {
   if (in.find("posthoc.format") == nullptr)
     detail::fail("PostHocEma::load_state_dict: the state has no 'posthoc.format': it is not a PostHocEma's "
                  "state_dict(){}",
-                 in.find("counters.calls") != nullptr ? " (it is an Ema's)" : "");
+                 in.find(std::string(detail::ema_state::calls_key)) != nullptr ? " (it is an Ema's)" : "");
   const std::int64_t format = in.counter("posthoc.format");
   detail::formats::check_version(detail::formats::posthoc_state, format, "PostHocEma::load_state_dict");
   const std::int64_t profiles = in.counter("posthoc.profiles");

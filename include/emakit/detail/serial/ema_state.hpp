@@ -109,7 +109,13 @@ struct CounterKey {
   std::string_view key;
   std::int64_t Counters::*member;
 };
-inline constexpr CounterKey integer_counters[] = {{"counters.calls", &Counters::calls},
+// Every counter's key starts with counters_prefix (is_counter_key()): what an import leaves out of
+// the state it builds from a peer's file, whose counters it writes through write_counters.
+inline constexpr std::string_view counters_prefix = "counters.";
+inline bool is_counter_key(std::string_view key) noexcept { return key.starts_with(counters_prefix); }
+// Present in every Ema's state (what tells one apart from another layout's).
+inline constexpr std::string_view calls_key = "counters.calls";
+inline constexpr CounterKey integer_counters[] = {{calls_key, &Counters::calls},
                                                   {"counters.step", &Counters::step},
                                                   {"counters.num_updates", &Counters::num_updates},
                                                   {"counters.last_update_step", &Counters::last_update_step},
