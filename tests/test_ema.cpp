@@ -263,8 +263,10 @@ TEST_CASE("Loading a state of another config is an error naming the field and bo
   CHECK(a.load_state_dict(before_arithmetic).clean());
   CHECK(f.load_state_dict(before_arithmetic).clean());
   CHECK(same_averages(f.averages(), snapshot(a.averages())));
-  CHECK_THROWS_WITH(emakit::EmaOptions().arithmetic(static_cast<emakit::Arithmetic>(9)),
-                    Contains("EmaOptions::arithmetic") && Contains("got 9"));
+  CHECK_THROWS_WITH(emakit::EmaOptions().arithmetic(static_cast<emakit::Arithmetic>(6)),  // one past the last
+                    Contains("EmaOptions::arithmetic") && Contains("fused_subtract") && Contains("got 6"));
+  CHECK(emakit::EmaOptions().arithmetic(emakit::Arithmetic::fused_subtract).arithmetic() ==
+        emakit::Arithmetic::fused_subtract);
 }
 
 TEST_CASE("decay() and UpdateResult::decay are the policy's d in every bit, whatever the arithmetic", "[ema][decay]") {

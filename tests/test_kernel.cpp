@@ -14,6 +14,7 @@
 #include "skip.hpp"
 
 #include <fmt/ranges.h>  // formats shapes
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <c10/core/Allocator.h>
@@ -81,6 +82,7 @@ A reference_element(emakit::Arithmetic f, T a, T x, T w, T d) {
     case Arithmetic::weighted_sum: return static_cast<A>(through<A>(d * a) + through<A>(w * x));
     case Arithmetic::scaled_fused_add: return static_cast<A>(std::fma(x, w, through<A>(d * a)));
     case Arithmetic::subtract: return static_cast<A>(a - through<A>(w * through<A>(a - x)));
+    case Arithmetic::fused_subtract: return static_cast<A>(std::fma(-w, through<A>(a - x), a));
   }
   return A(0);
 }
@@ -101,6 +103,27 @@ torch::Tensor reference_average(emakit::Arithmetic f, const torch::Tensor& a, co
   });
   return out;
 }
+
+// Whether this LibTorch's CPU add with alpha, a + alpha * b (the op of scaled_fused_add and
+// fused_subtract on the foreach path), rounds once here: fma(b, alpha, a) at every element of a
+// vector body and a scalar tail (4099 elements), as ATen computes it on a CPU capability with FMA
+// (AVX2, AVX-512); its baseline capability rounds the product first. From a generator of its own.
+bool aten_add_alpha_fuses() {
+  auto generator = at::detail::createCPUGenerator(5);
+  const auto a = torch::randn({4099}, generator), b = torch::randn({4099}, generator);
+  const float alpha = 0.1f;
+  const auto got = a.add(b, alpha);
+  const auto av = a.accessor<float, 1>(), bv = b.accessor<float, 1>(), gv = got.accessor<float, 1>();
+  std::int64_t fused = 0, products_rounded = 0;
+  for (std::int64_t i = 0; i < a.numel(); ++i) {
+    volatile float product = bv[i] * alpha;
+    fused += gv[i] == std::fma(bv[i], alpha, av[i]) ? 1 : 0;
+    products_rounded += gv[i] == av[i] + product ? 1 : 0;
+  }
+  REQUIRE(std::max(fused, products_rounded) == a.numel());  // one of the two, everywhere
+  REQUIRE(std::min(fused, products_rounded) < a.numel());   // and the data tells them apart
+  return fused == a.numel();
+}
 }  // namespace
 
 TEST_CASE("Every Arithmetic computes its peer's formula, bitwise, on the fused pass, with drift and together",
@@ -112,8 +135,7 @@ TEST_CASE("Every Arithmetic computes its peer's formula, bitwise, on the fused p
       {torch::kFloat, torch::kFloat},   {torch::kFloat, torch::kBFloat16}, {torch::kFloat, torch::kHalf},
       {torch::kDouble, torch::kDouble}, {torch::kDouble, torch::kFloat},   {torch::kBFloat16, torch::kBFloat16},
       {torch::kHalf, torch::kHalf}};
-  const Arithmetic arithmetics[] = {Arithmetic::lerp, Arithmetic::fused_lerp, Arithmetic::weighted_sum,
-                                    Arithmetic::scaled_fused_add, Arithmetic::subtract};
+  const auto& arithmetics = emakit::all_arithmetics;
   // d as a decay policy gives it and w = 1 - d in double (1 - w is not d in every bit: 0.1, 0.9999),
   // both forms of the lerps (w < 0.5 and not) and w = 1.
   const double decays[] = {0.999, 0.9999, 0.1, 0.3, 0.7, 0.0};
@@ -184,15 +206,16 @@ TEST_CASE("The foreach path computes each Arithmetic with the peer's ATen ops", 
   using emakit::detail::UpdateKernel;
   torch::manual_seed(12);
   // weighted_sum and subtract are ATen ops that each round once (mul by a scalar, add, sub): the
-  // reference bitwise. The others are ATen's lerp and add with alpha, which fuse on a CPU
-  // capability with FMA and not on the baseline one: scaled_fused_add within one rounding of the
+  // reference bitwise. The others are ATen's lerp and add or sub with alpha, which fuse on a CPU
+  // capability with FMA and not on the baseline one: scaled_fused_add and fused_subtract bitwise
+  // where ATen's add with alpha fuses (aten_add_alpha_fuses), else within one rounding of the
   // product (1/2 ulp at the operands' magnitude, max(|a|, |x|, |result|)) and one of the result
   // (1/2 ulp): 1 ulp. The lerps: LibTorch 1.13 has no _foreach_lerp_ and computes
   // (1 - w) a + w x with 1 - w rounded (aten_compat.hpp): 1/2 ulp more for that weight, 1/2 for
   // the second product: 2 ulps.
-  std::size_t compared = 0;
-  for (const Arithmetic f : {Arithmetic::lerp, Arithmetic::fused_lerp, Arithmetic::weighted_sum,
-                             Arithmetic::scaled_fused_add, Arithmetic::subtract}) {
+  const bool add_alpha_fuses = aten_add_alpha_fuses();
+  std::size_t compared = 0, bitwise = 0;
+  for (const Arithmetic f : emakit::all_arithmetics) {
     for (const double d : {0.999, 0.1, 0.7}) {
       for (const bool staged : {false, true}) {  // in place, or through the staging pool (bf16 -> fp32)
         INFO(emakit::arithmetic_name(f) << ", d " << d << (staged ? ", staged" : ", in place"));
@@ -217,10 +240,12 @@ TEST_CASE("The foreach path computes each Arithmetic with the peer's ATen ops", 
         for (std::size_t i = 0; i < want.size(); ++i) {
           const auto& got = kernel.settled_slots()[i].average;
           CHECK(torch::equal(kernel.slots()[i].source, sources[i]));  // the model is only read
-          if (f == Arithmetic::weighted_sum || f == Arithmetic::subtract) {
+          const bool fused_add = f == Arithmetic::scaled_fused_add || f == Arithmetic::fused_subtract;
+          if (f == Arithmetic::weighted_sum || f == Arithmetic::subtract || (fused_add && add_alpha_fuses)) {
             CHECK(emakit::detail::bitwise_equal(got, want[i]));
+            ++bitwise;
           } else {
-            const double bound = f == Arithmetic::scaled_fused_add ? 1.0 : 2.0;
+            const double bound = fused_add ? 1.0 : 2.0;
             CHECK(emakit_test::max_ulps_at(got, want[i], magnitude[i], torch::kFloat) <= bound);
           }
           ++compared;
@@ -228,7 +253,11 @@ TEST_CASE("The foreach path computes each Arithmetic with the peer's ATen ops", 
       }
     }
   }
-  CHECK(compared == 5 * 3 * 2 * 2);
+  CHECK(compared == std::size(emakit::all_arithmetics) * 3 * 2 * 2);
+  CHECK(bitwise == (add_alpha_fuses ? 4u : 2u) * 3 * 2 * 2);
+  if (!add_alpha_fuses)
+    WARN("this CPU's ATen rounds the product of add with alpha: scaled_fused_add and fused_subtract "
+         "checked within 1 ulp, not bitwise");
 }
 
 TEST_CASE("The fused pass equals ATen's lerp for every supported dtype pair", "[kernel]") {
@@ -636,8 +665,7 @@ TEST_CASE("Every instruction set's copy of the segment loops rounds exactly like
     best = "AVX-512";
   }
 #endif
-  const Arithmetic arithmetics[] = {Arithmetic::lerp, Arithmetic::fused_lerp, Arithmetic::weighted_sum,
-                                    Arithmetic::scaled_fused_add, Arithmetic::subtract};
+  const auto& arithmetics = emakit::all_arithmetics;
   // The plan takes the best copy this CPU runs, and the arithmetic's loop.
   for (const Arithmetic f : arithmetics) {
     INFO("best: " << best << ", " << emakit::arithmetic_name(f));

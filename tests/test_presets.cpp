@@ -225,6 +225,12 @@ TEST_CASE("The migration table of docs/coming-from-python.md compiles and makes 
     CHECK(ema.options().frozen_parameters() == emakit::TensorMode::copy);
     CHECK(ema.options().arithmetic() == emakit::Arithmetic::subtract);  // s.sub_((1 - d) * (s - p))
     CHECK(ema.step() == 1);
+    // EMAModel(..., foreach=True): _foreach_sub_(s, s - p, alpha=1 - d), with either decay
+    CHECK(emakit::diffusers_ema_model(*model, {.foreach = true}).options().arithmetic() ==
+          emakit::Arithmetic::fused_subtract);
+    CHECK(
+        emakit::diffusers_ema_model_warmup(*model, {.use_ema_warmup = true, .foreach = true}).options().arithmetic() ==
+        emakit::Arithmetic::fused_subtract);
   }
   {
     TinyNet model;

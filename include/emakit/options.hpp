@@ -70,8 +70,24 @@ enum class Role : std::uint8_t {
 //   scaled_fused_add  fma(x, W, D a) after D a is rounded: lightly's update_momentum
 //                     (`_foreach_mul_(ema, m)` then `_foreach_add_(ema, x, alpha=1 - m)`).
 //   subtract          a - W(a - x), three roundings: diffusers EMAModel (`s.sub_((1 - d) * (s - x))`).
+//   fused_subtract    fma(-W, a - x, a) after a - x is rounded, two roundings: diffusers
+//                     EMAModel(foreach=True) (`_foreach_sub_(s, _foreach_sub(s, x), alpha=1 - d)`,
+//                     ATen's sub with alpha: one FMA on CPUs with FMA and on CUDA). fused_lerp's
+//                     bits while W < 0.5, as subtract is lerp's.
 // A checkpoint records it by name and loads only into an EMA with the same one.
-enum class Arithmetic : std::uint8_t { lerp = 0, fused_lerp = 1, weighted_sum = 2, scaled_fused_add = 3, subtract = 4 };
+enum class Arithmetic : std::uint8_t {
+  lerp = 0,
+  fused_lerp = 1,
+  weighted_sum = 2,
+  scaled_fused_add = 3,
+  subtract = 4,
+  fused_subtract = 5,
+};
+
+// Every Arithmetic, in the order of their values.
+inline constexpr Arithmetic all_arithmetics[] = {Arithmetic::lerp,         Arithmetic::fused_lerp,
+                                                 Arithmetic::weighted_sum, Arithmetic::scaled_fused_add,
+                                                 Arithmetic::subtract,     Arithmetic::fused_subtract};
 
 // The name of an Arithmetic, as checkpoints and messages spell it ("lerp", "fused_lerp", ...).
 inline const char* arithmetic_name(Arithmetic a) noexcept {
@@ -81,6 +97,7 @@ inline const char* arithmetic_name(Arithmetic a) noexcept {
     case Arithmetic::weighted_sum: return "weighted_sum";
     case Arithmetic::scaled_fused_add: return "scaled_fused_add";
     case Arithmetic::subtract: return "subtract";
+    case Arithmetic::fused_subtract: return "fused_subtract";
   }
   return "unknown";
 }
@@ -163,10 +180,10 @@ class EmaOptions {
   // set their peer's.
   Arithmetic arithmetic() const noexcept { return arithmetic_; }
   EmaOptions& arithmetic(Arithmetic value) {
-    if (static_cast<int>(value) > 4)
-      detail::fail(
-          "EmaOptions::arithmetic must be lerp, fused_lerp, weighted_sum, scaled_fused_add or subtract, got {}",
-          static_cast<int>(value));
+    if (static_cast<int>(value) > static_cast<int>(Arithmetic::fused_subtract))
+      detail::fail("EmaOptions::arithmetic must be lerp, fused_lerp, weighted_sum, scaled_fused_add, subtract or "
+                   "fused_subtract, got {}",
+                   static_cast<int>(value));
     arithmetic_ = value;
     return *this;
   }

@@ -23,9 +23,9 @@
 // (an fp32 average of a bf16/fp16 model) differs on purpose. Set `.dtype` to get it back.
 // Every preset also computes each element as its peer does (EmaOptions::arithmetic): torch's
 // fused lerp for ema-pytorch, timm, AveragedModel's EMA and nvalchemi; d*ema + (1-d)*x for
-// Lightning; lightly's scaled fused add; diffusers' subtraction. Over a whole run the average is
-// then the peer's bit for bit on CPU, where a plain lerp would drift from the weighted sums by up
-// to (D + W - 1) / W relative (1.3e-5 at d = 0.999 in float32).
+// Lightning; lightly's scaled fused add; diffusers' subtraction (fused with foreach=True). Over a
+// whole run the average is then the peer's bit for bit on CPU, where a plain lerp would drift from
+// the weighted sums by up to (D + W - 1) / W relative (1.3e-5 at d = 0.999 in float32).
 #pragma once
 
 #include <emakit/detail/config.hpp>
@@ -295,7 +295,8 @@ inline Recipe<ExponentialRamp> luxonis_ema_callback_recipe(const LuxonisEmaCallb
 // (optimization_step += 1) computes d from the TensorFlow ramp (RationalRamp) or, with
 // use_ema_warmup, the inverse-power warmup, both clamped to [min_decay, decay]; parameters that
 // require grad are averaged, the others copied. Buffers are not held (diffusers takes
-// parameters()). Each step is diffusers' s - (1 - d)(s - p) (Arithmetic::subtract). The
+// parameters()). Each step is diffusers' s - (1 - d)(s - p) (Arithmetic::subtract), or with
+// foreach=True its _foreach_sub_(s, s - p, alpha=1 - d) (Arithmetic::fused_subtract). The
 // difference: diffusers decides frozen or not at every step, emakit once, when the EMA is made
 // (Ema::frozen_parameters() names them).
 struct DiffusersEmaModelOptions {
@@ -305,6 +306,7 @@ struct DiffusersEmaModelOptions {
   bool use_ema_warmup = false;  // true: use diffusers_ema_model_warmup()
   double inv_gamma = 1.0;
   double power = 2.0 / 3.0;
+  bool foreach = false;  // diffusers' foreach=True: its fused subtraction (Arithmetic::fused_subtract)
 };
 
 namespace detail {
@@ -312,10 +314,10 @@ namespace detail {
 // is the TensorFlow ramp's), and diffusers' own ranges, each named.
 EMAKIT_FUNC void check_diffusers_options(const DiffusersEmaModelOptions& o, bool warmup);
 }  // namespace detail
-inline EmaOptions diffusers_options() {
+inline EmaOptions diffusers_options(bool foreach = false) {
   return EmaOptions()
       .keep_model_dtype(true)
-      .arithmetic(Arithmetic::subtract)
+      .arithmetic(foreach ? Arithmetic::fused_subtract : Arithmetic::subtract)
       .buffers(TensorMode::ignore)
       .frozen_parameters(TensorMode::copy);
 }
@@ -337,12 +339,12 @@ template <StoragePolicy Storage = FlatStorage>
 Ema<RationalRamp, StepSchedule, Storage> diffusers_ema_model(const torch::nn::Module& model,
                                                              const DiffusersEmaModelOptions& o = {},
                                                              Storage storage = {}) {
-  return Ema<RationalRamp, StepSchedule, Storage>(model, diffusers_decay(o), StepSchedule(), diffusers_options(),
-                                                  std::move(storage));
+  return Ema<RationalRamp, StepSchedule, Storage>(model, diffusers_decay(o), StepSchedule(),
+                                                  diffusers_options(o.foreach), std::move(storage));
 }
 inline Ema<RationalRamp> diffusers_ema_model(std::vector<SourceTensor> tensors,
                                              const DiffusersEmaModelOptions& o = {}) {
-  return Ema<RationalRamp>(std::move(tensors), diffusers_decay(o), StepSchedule(), diffusers_options());
+  return Ema<RationalRamp>(std::move(tensors), diffusers_decay(o), StepSchedule(), diffusers_options(o.foreach));
 }
 // use_ema_warmup=True: d from the inverse-power warmup (inv_gamma, power).
 template <StoragePolicy Storage = FlatStorage>
@@ -350,11 +352,12 @@ Ema<InversePowerWarmup, StepSchedule, Storage> diffusers_ema_model_warmup(const 
                                                                           const DiffusersEmaModelOptions& o = {},
                                                                           Storage storage = {}) {
   return Ema<InversePowerWarmup, StepSchedule, Storage>(model, diffusers_warmup_decay(o), StepSchedule(),
-                                                        diffusers_options(), std::move(storage));
+                                                        diffusers_options(o.foreach), std::move(storage));
 }
 inline Ema<InversePowerWarmup> diffusers_ema_model_warmup(std::vector<SourceTensor> tensors,
                                                           const DiffusersEmaModelOptions& o = {}) {
-  return Ema<InversePowerWarmup>(std::move(tensors), diffusers_warmup_decay(o), StepSchedule(), diffusers_options());
+  return Ema<InversePowerWarmup>(std::move(tensors), diffusers_warmup_decay(o), StepSchedule(),
+                                 diffusers_options(o.foreach));
 }
 
 // ---- Lightning EMAWeightAveraging ------------------------------------------------------------

@@ -18,8 +18,9 @@ the installed packages:
     neither (SWA) on CPU: get_swa_avg_fn, ema + (model - ema) / (n_averaged + 1). The first
     update_parameters copies. use_buffers=False copies the buffers at every update.
   diffusers 0.42.1 EMAModel.step (foreach=False, its default): s_param.sub_(one_minus_decay *
-    (s_param - param)), one_minus_decay = 1 - get_decay(optimization_step). (foreach=True computes
-    _foreach_sub_(s, _foreach_sub(s, p), alpha=1 - d), which rounds otherwise: not run here.)
+    (s_param - param)), one_minus_decay = 1 - get_decay(optimization_step); with foreach=True
+    torch._foreach_sub_(s_params, torch._foreach_sub(s_params, params), alpha=one_minus_decay):
+    ATen's sub with alpha, one FMA on a CPU capability with FMA (Arithmetic::fused_subtract).
   DINO (facebookresearch/dino main_dino.py): param_k.data.mul_(m).add_((1 - m) *
     param_q.detach().data) over parameters(), m = momentum_schedule[it] from utils.cosine_scheduler
     (numpy: final + 0.5 (base - final)(1 + cos(pi it / K)), K the array's length).
@@ -122,6 +123,7 @@ def diffusers(scenario, **options):
 diffusers("diffusers_ramp")                                  # the TF ramp, capped at 0.9999
 diffusers("diffusers_warmup", use_ema_warmup=True)           # inv_gamma 1, power 2/3
 diffusers("diffusers_fixed_9999", min_decay=0.9999)          # 0.9999 from step 2 (step 1: d = 0)
+diffusers("diffusers_foreach", foreach=True)                 # the TF ramp, its foreach path
 
 # ---- DINO's teacher ----------------------------------------------------------------------------
 

@@ -17,11 +17,14 @@
 //   - w >= 0.5: x + (w-1)*(-D) (w-1 exact), which is a + w*(x-a) only up to -D's rounding error:
 //     e0 (1 ulp) + the product's rounding (0.5 ulp: |(1-w) D| <= M) + e1 (0.5 ulp(w*D) <= 1 ulp
 //     at |w*D| <= 2M), plus the two last roundings (1 ulp): 3.5 ulps.
-//   kDiffusers = 3.5 ulps covers both. Copies (a frozen parameter, which diffusers copy_()s) and
-//   counters: bitwise / exact.
+//   kDiffusers = 3.5 ulps covers both. The foreach scenarios run the preset with foreach = true
+//   (Arithmetic::fused_subtract, diffusers' fused form: 0 on a CPU whose ATen fuses, which
+//   test_free_running.cpp requires over a whole run; the bound stays for one that does not). Copies (a frozen
+//   parameter, which diffusers copy_()s) and counters: bitwise / exact.
 #include "replay.hpp"
 
 #include <bit>
+#include <string_view>
 
 namespace test_diffusers {  // this file's names (unity batches: tests/CMakeLists.txt)
 
@@ -122,7 +125,7 @@ TEST_CASE("diffusers EMAModel: foreach, the ramp reaching decay, trainer steps w
   const auto dir = scenario_dir("diffusers_peer", "ramp_foreach_with_skips");
   if (!dir) return;
   auto sources = parameters_of(*dir);
-  auto ema = emakit::diffusers_ema_model(sources, {.decay = 0.9});
+  auto ema = emakit::diffusers_ema_model(sources, {.decay = 0.9, .foreach = true});
   require_counts(replay(*dir, sources, ema, false, diffusers_counters, kDiffusers), *dir, kParameters);
   REQUIRE(ema.step() == 100 - 4);  // 4 trainer steps did not call step()
   REQUIRE(ema.decay() == 0.9);     // the ramp reached decay at step 82
@@ -141,8 +144,13 @@ TEST_CASE("diffusers EMAModel: use_ema_warmup with inv_gamma and power, foreach 
     const auto dir = scenario_dir("diffusers_peer", scenario);
     if (!dir) return;
     auto sources = parameters_of(*dir);
-    auto ema = emakit::diffusers_ema_model_warmup(
-        sources, {.decay = 0.99, .update_after_step = 2, .use_ema_warmup = true, .inv_gamma = 2.0, .power = 0.75});
+    const bool foreach = std::string_view(scenario).ends_with("_foreach");
+    auto ema = emakit::diffusers_ema_model_warmup(sources, {.decay = 0.99,
+                                                            .update_after_step = 2,
+                                                            .use_ema_warmup = true,
+                                                            .inv_gamma = 2.0,
+                                                            .power = 0.75,
+                                                            .foreach = foreach});
     require_counts(replay(*dir, sources, ema, false, diffusers_counters, kDiffusers), *dir, kParameters);
   }
 }
@@ -153,7 +161,8 @@ TEST_CASE("diffusers EMAModel: a frozen parameter is copied, not averaged, forea
     const auto dir = scenario_dir("diffusers_peer", scenario);
     if (!dir) return;
     auto sources = parameters_of(*dir, {"lin.bias"});
-    auto ema = emakit::diffusers_ema_model(sources, {.decay = 0.9});
+    auto ema = emakit::diffusers_ema_model(sources,
+                                           {.decay = 0.9, .foreach = std::string_view(scenario).ends_with("_foreach")});
     const auto r = replay(*dir, sources, ema, false, diffusers_counters, kDiffusers);
     require_counts(r, *dir, kParameters);
     REQUIRE(ema.frozen_parameters() == std::vector<std::string>{"lin.bias"});  // decided at bind

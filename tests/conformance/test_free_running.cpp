@@ -19,7 +19,8 @@
 // with get_ema_multi_avg_fn, nvalchemi and luxonis-train; weighted_sum for Lightning and
 // AveragedModel with get_ema_avg_fn (built by hand: averaged_model_ema is the multi_avg_fn one)
 // and DINO (cosine_momentum_teacher with .arithmetic = weighted_sum and CosineEnd::after_last_step);
-// scaled_fused_add for lightly (cosine_momentum_teacher's default); subtract for diffusers. The
+// scaled_fused_add for lightly (cosine_momentum_teacher's default); subtract for diffusers,
+// fused_subtract for its foreach=True. The
 // timm peer without a step (ModelEmaV3.update(model)) is a FixedEma built by hand with fused_lerp,
 // coming-from-python.md's table row.
 //
@@ -27,10 +28,10 @@
 // DINO), emakit's decay() at each recorded averaging update must be that double, bitwise: a
 // difference in the decay shows there, before it shows in the averages.
 //
-// Negative controls, the test's teeth: the same policies and options with each of the four other
+// Negative controls, the test's teeth: the same policies and options with each of the five other
 // arithmetics run the same trajectory beside the preset, and each must differ from the peer at some
-// recorded step and end NOT bitwise equal to it (each peer's formula differs from the four others;
-// the one exception, emakit's lerp against diffusers' subtraction, is explained at kDiffusers);
+// recorded step and end NOT bitwise equal to it (each peer's formula differs from the five others;
+// the exceptions, a lerp and the subtraction with its roundings, are explained at twin());
 // the largest relative difference at the end, max |ours - peer| / max |peer| over each tensor,
 // is printed for each, emakit's default `lerp` first (how far a run with emakit's own arithmetic
 // ends from the peer: about 1e-5 for the weighted sums at 0.999 and 0.9999, 1e-7 for the lerps).
@@ -39,6 +40,7 @@
 
 #include <algorithm>
 #include <array>
+#include <optional>
 
 namespace test_free_running {  // this file's names (unity batches: tests/CMakeLists.txt)
 
@@ -47,9 +49,7 @@ using emakit_free_run::FreeNet;
 
 namespace {
 
-constexpr std::array kArithmetics{emakit::Arithmetic::lerp, emakit::Arithmetic::fused_lerp,
-                                  emakit::Arithmetic::weighted_sum, emakit::Arithmetic::scaled_fused_add,
-                                  emakit::Arithmetic::subtract};
+constexpr const auto& kArithmetics = emakit::all_arithmetics;
 
 // A scenario's recorded data (_free_run.py): the recorded steps, the peer's stacked averages.
 struct Recorded {
@@ -95,16 +95,30 @@ enum class Step { implicit, passed };  // passed: update({.step = k}), timm's up
 struct Expect {
   emakit::Arithmetic arithmetic;  // the peer's, which the preset (or the EMA built by hand) computes
   Step step = Step::implicit;
-  // Controls that may end bitwise equal to the peer: another formula that rounds alike where the
-  // run ends (diffusers, below); each must still differ at some recorded step, unless it is also
-  // in `equal_throughout` (it rounds alike at every step of this run). Every other control must
-  // end different.
-  std::vector<emakit::Arithmetic> may_end_equal = {};
-  std::vector<emakit::Arithmetic> equal_throughout = {};
 };
 
-bool listed(const std::vector<emakit::Arithmetic>& list, emakit::Arithmetic a) {
-  return std::find(list.begin(), list.end(), a) != list.end();
+// The arithmetic that rounds as `a` does while W = 1 - d < 0.5: a lerp's first form a + W(x - a)
+// is a subtraction's a - W(a - x) bit for bit (fl(x - a) = -fl(a - x), and rounding to nearest is
+// symmetric; the fused pair has the same exact product and one rounding). They can part only where
+// the lerp takes its second form, x + (W - 1)(x - a), for 0.5 <= W < 1 (at W = 1 both give x where
+// x - a is exact), and need not there: x - a is exact while a and x are close (Sterbenz), and the
+// fused pair then rounds one exact value.
+std::optional<emakit::Arithmetic> twin(emakit::Arithmetic a) {
+  using emakit::Arithmetic;
+  switch (a) {
+    case Arithmetic::lerp: return Arithmetic::subtract;
+    case Arithmetic::subtract: return Arithmetic::lerp;
+    case Arithmetic::fused_lerp: return Arithmetic::fused_subtract;
+    case Arithmetic::fused_subtract: return Arithmetic::fused_lerp;
+    default: return std::nullopt;
+  }
+}
+
+// Whether an averaging update with decay d has the lerps take their second form (W rounded to
+// float, the opmath type of FreeNet's float32 tensors, as detail/simd.hpp's op_weights does).
+bool second_form(double d) {
+  const float w = static_cast<float>(1.0 - d);
+  return w >= 0.5f && w < 1.0f;
 }
 
 struct Control {
@@ -121,6 +135,7 @@ struct Result {
   int held = 0, untouched = 0;                       // against emakit's average / the step-0 model
   int counters = 0;                                  // counter comparisons (check_counters)
   int decays = 0, decays_equal = 0;                  // the peer's decay against emakit's, at averaging steps
+  int second_form_steps = 0;                         // averaging updates with 0.5 <= W < 1 (twin())
   std::string first_difference, first_decay_difference;
   std::vector<Control> controls;
 };
@@ -148,7 +163,7 @@ Result free_run(const fs::path& dir, FreeNet& net, E& ema, const Expect& expect,
 
   using Twin = emakit::Ema<typename E::decay_type, typename E::schedule_type>;
   std::vector<Twin> twins;
-  twins.reserve(kArithmetics.size());
+  twins.reserve(std::size(kArithmetics));
   for (const auto a : kArithmetics) {
     if (a == expect.arithmetic) continue;
     auto options = ema.options();
@@ -171,11 +186,13 @@ Result free_run(const fs::path& dir, FreeNet& net, E& ema, const Expect& expect,
     emakit_free_run::write_step(*net, k);
     emakit::StepInfo info;
     if (expect.step == Step::passed) info.step = k;
-    const auto action = ema.update(info).action;
+    const auto result = ema.update(info);
+    const auto action = result.action;
     for (auto& twin : twins) twin.update(info);
     ++r.steps;
     r.averaged += action == emakit::Action::averaged;
     r.copied += action == emakit::Action::copied;
+    r.second_form_steps += action == emakit::Action::averaged && second_form(result.decay) ? 1 : 0;
     if (row >= rec.steps.size() || rec.steps[row] != k) continue;
     const auto index = static_cast<std::int64_t>(row);
     ++r.recorded;
@@ -252,7 +269,8 @@ Result free_run(const fs::path& dir, FreeNet& net, E& ema, const Expect& expect,
             << r.counters << " counters"
             << (decay == rec.trajectory.end() ? std::string()
                                               : fmt::format("; {} of {} decays bitwise", r.decays_equal, r.decays))
-            << (r.first_decay_difference.empty() ? "" : " (first difference " + r.first_decay_difference + ")")
+            << (r.first_decay_difference.empty() ? "" : " (first difference " + r.first_decay_difference + ")") << "; "
+            << r.second_form_steps << " updates with 0.5 <= W < 1"
             << "; controls (emakit's default lerp first): " << controls_text << "\n";
 
   // The counts the recorded data implies.
@@ -270,12 +288,29 @@ Result free_run(const fs::path& dir, FreeNet& net, E& ema, const Expect& expect,
   }
   INFO("first difference: " << r.first_difference);
   REQUIRE(r.equal == r.compared);  // bitwise, every tensor at every recorded step
+  // Every control differs from the peer at some recorded step and at the end, but the peer's twin:
+  // equal throughout where the run never took the lerps' second form; where it
+  // did, it may differ, and may end equal (a long run forgets its first steps: the diffusers cases
+  // require that it differed).
   for (const auto& c : r.controls) {
     INFO("control " << emakit::arithmetic_name(c.arithmetic));
-    if (!listed(expect.may_end_equal, c.arithmetic)) REQUIRE(c.differing > 0);  // another arithmetic: not the peer
-    if (!listed(expect.equal_throughout, c.arithmetic)) REQUIRE(c.first_step > 0);
+    if (twin(expect.arithmetic) == c.arithmetic) {
+      INFO(r.second_form_steps << " updates with 0.5 <= W < 1");
+      if (r.second_form_steps == 0) CHECK(c.first_step == 0);
+    } else {
+      REQUIRE(c.differing > 0);  // another arithmetic: not the peer
+      REQUIRE(c.first_step > 0);
+    }
   }
   return r;
+}
+
+// The control of arithmetic `a` in a run's result.
+const Control& control_of(const Result& r, emakit::Arithmetic a) {
+  const auto c =
+      std::find_if(r.controls.begin(), r.controls.end(), [a](const Control& x) { return x.arithmetic == a; });
+  REQUIRE(c != r.controls.end());
+  return *c;
 }
 
 std::int64_t at_row(const Dict& trajectory, const std::string& counter, std::int64_t row) {
@@ -580,11 +615,10 @@ TEST_CASE("free run: AveragedModel(avg_fn=get_ema_avg_fn(0.9999), use_buffers=Tr
 // ---- diffusers EMAModel -----------------------------------------------------------------------------
 
 // emakit's lerp, a + W(x - a) rounded twice, is diffusers' a - W(a - x) bit for bit while W < 0.5
-// (fl(a - x) = -fl(x - a), and rounding to nearest is symmetric): the two differ only where
-// W >= 0.5 (lerp then computes x + (W - 1)(x - a)), in the ramp's and the warmup's first steps (d <= 0.5),
-// which a long run forgets. So the lerp control may end equal, but must differ at those steps;
-// with min_decay = decay, W is 1 at the first step (both give x) and 1e-4 after: equal throughout.
-const Expect kDiffusers{.arithmetic = emakit::Arithmetic::subtract, .may_end_equal = {emakit::Arithmetic::lerp}};
+// (twin()): the two differ only in the ramp's and the warmup's first steps (d <= 0.5), which a long
+// run forgets, so the lerp control may end equal; with min_decay = decay, W is 1 at the first step
+// and 1e-4 after: equal throughout. foreach=True's fused subtraction is fused_lerp's twin alike.
+const Expect kDiffusers{.arithmetic = emakit::Arithmetic::subtract};
 
 TEST_CASE("free run: diffusers EMAModel, the TF ramp (its defaults): subtract", "[conformance][free][diffusers]") {
   const auto dir = scenario_dir("free_run_peer", "diffusers_ramp");
@@ -592,7 +626,8 @@ TEST_CASE("free run: diffusers EMAModel, the TF ramp (its defaults): subtract", 
   FreeNet net = step0();
   auto ema = emakit::diffusers_ema_model(*net);
   const auto r = free_run(*dir, net, ema, kDiffusers, step_counter("optimization_step"));
-  CHECK(r.untouched == 0);  // parameters only, on both sides
+  CHECK(r.untouched == 0);                                        // parameters only, on both sides
+  CHECK(control_of(r, emakit::Arithmetic::lerp).first_step > 0);  // the ramp's first steps
 }
 
 TEST_CASE("free run: diffusers EMAModel, use_ema_warmup: subtract", "[conformance][free][diffusers]") {
@@ -601,7 +636,8 @@ TEST_CASE("free run: diffusers EMAModel, use_ema_warmup: subtract", "[conformanc
   require_option(load_recorded(*dir), "use_ema_warmup", 1);
   FreeNet net = step0();
   auto ema = emakit::diffusers_ema_model_warmup(*net, {.use_ema_warmup = true});
-  free_run(*dir, net, ema, kDiffusers, step_counter("optimization_step"));
+  const auto r = free_run(*dir, net, ema, kDiffusers, step_counter("optimization_step"));
+  CHECK(control_of(r, emakit::Arithmetic::lerp).first_step > 0);  // the warmup's first steps
 }
 
 TEST_CASE("free run: diffusers EMAModel, min_decay = decay = 0.9999: subtract", "[conformance][free][diffusers]") {
@@ -610,10 +646,24 @@ TEST_CASE("free run: diffusers EMAModel, min_decay = decay = 0.9999: subtract", 
   require_option(load_recorded(*dir), "min_decay", 0.9999);
   FreeNet net = step0();
   auto ema = emakit::diffusers_ema_model(*net, {.min_decay = 0.9999});
-  Expect expect = kDiffusers;
-  expect.equal_throughout = {emakit::Arithmetic::lerp};
-  free_run(*dir, net, ema, expect, step_counter("optimization_step"));
+  const auto r = free_run(*dir, net, ema, kDiffusers, step_counter("optimization_step"));
+  CHECK(r.second_form_steps == 0);
   CHECK(ema.decay() == 0.9999);
+}
+
+// EMAModel(foreach=True): _foreach_sub_(s, s - p, alpha = 1 - d), fma(-W, fl(s - p), s), which is
+// fused_lerp's fma(W, fl(p - s), s) bit for bit while W < 0.5 (twin()): the fused_lerp control
+// may end equal, but must differ in the ramp's first steps.
+TEST_CASE("free run: diffusers EMAModel(foreach=True), the TF ramp: fused_subtract", "[conformance][free][diffusers]") {
+  const auto dir = scenario_dir("free_run_peer", "diffusers_foreach");
+  if (!dir) return;
+  require_option(load_recorded(*dir), "foreach", 1);
+  FreeNet net = step0();
+  auto ema = emakit::diffusers_ema_model(*net, {.foreach = true});
+  const auto r =
+      free_run(*dir, net, ema, {.arithmetic = emakit::Arithmetic::fused_subtract}, step_counter("optimization_step"));
+  CHECK(r.untouched == 0);
+  CHECK(control_of(r, emakit::Arithmetic::fused_lerp).first_step > 0);  // the ramp's first steps
 }
 
 // ---- DINO's teacher ---------------------------------------------------------------------------------

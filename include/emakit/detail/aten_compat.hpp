@@ -99,6 +99,14 @@ inline void foreach_average(Arithmetic f, const std::vector<at::Tensor>& a, cons
         at::_foreach_sub_(a, d);
       }
       return;
+    case Arithmetic::fused_subtract:  // _foreach_sub_(a, _foreach_sub(a, x), alpha = 1 - decay)
+      if (x_scratch) {                // a += (1 - decay) * (x - a) in one FMA, the same bits
+        at::_foreach_sub_(x, a);
+        at::_foreach_add_(a, x, w.weight);
+      } else {
+        at::_foreach_sub_(a, at::_foreach_sub(a, x), w.weight);
+      }
+      return;
   }
 }
 

@@ -89,6 +89,7 @@ using SegmentFn = void (*)(void*, const void*, std::int64_t, std::int64_t, Weigh
       case Arithmetic::weighted_sum: return &average_segment##suffix<Arithmetic::weighted_sum, A, S>;                  \
       case Arithmetic::scaled_fused_add: return &average_segment##suffix<Arithmetic::scaled_fused_add, A, S>;          \
       case Arithmetic::subtract: return &average_segment##suffix<Arithmetic::subtract, A, S>;                          \
+      case Arithmetic::fused_subtract: return &average_segment##suffix<Arithmetic::fused_subtract, A, S>;              \
     }                                                                                                                  \
     return nullptr;                                                                                                    \
   }

@@ -206,9 +206,11 @@ EMAKIT_ALWAYS_INLINE A combine(T a, T x, const OpWeights<T>& k) noexcept {
     return static_cast<A>(round_to<A>(k.d * a) + round_to<A>(w * x));
   } else if constexpr (F == Arithmetic::scaled_fused_add) {
     return static_cast<A>(std::fma(x, w, round_to<A>(k.d * a)));
-  } else {
-    static_assert(F == Arithmetic::subtract);
+  } else if constexpr (F == Arithmetic::subtract) {
     return static_cast<A>(a - round_to<A>(w * round_to<A>(a - x)));
+  } else {
+    static_assert(F == Arithmetic::fused_subtract);
+    return static_cast<A>(std::fma(-w, round_to<A>(a - x), a));
   }
 }
 
