@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 #include <fmt/core.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -52,29 +53,85 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 // "emakit: " (the part of a whole that failed). Call it in a catch block.
 [[noreturn]] EMAKIT_FUNC void rethrow_with_context(std::string_view suffix, std::string_view prefix = {});
 
+// The format string of an emakit message. In the all-inline mode it is fmt's own
+// (fmt::format_string: every replacement field checked against its argument's type at compile
+// time); the test suite builds every message that way (the torch1.13 variant is all-inline). In
+// the default and library modes, where a user's translation unit parses the same inline code, it
+// is only counted: the fields must number the arguments (a compile error at the call otherwise),
+// and fmt's per-call check templates, which cost a trainer's translation unit ~12 MB of the
+// compiler's memory for code it never calls, are not instantiated (docs/performance.md). The two
+// modes live in different namespaces (detail/config.hpp), so no function has two definitions.
+#if defined(EMAKIT_HEADER_ONLY)
+template <class... Args>
+using MessageFormat = fmt::format_string<Args...>;
+#else
+// Not constexpr: reaching it in CountedFormat's constructor makes the call's format string a
+// compile error that names the problem.
+void message_format_does_not_match_its_arguments();
+
+template <std::size_t N>
+class CountedFormat {
+ public:
+  template <std::size_t M>
+  consteval CountedFormat(const char (&format)[M]) : text_(format, M - 1) {
+    std::size_t automatic = 0;   // fields "{}" or "{:spec}": the next argument each
+    std::size_t positional = 0;  // fields "{k}" or "{k:spec}": argument k
+    for (std::size_t i = 0; i + 1 < M; ++i) {
+      const bool doubled = i + 2 < M && format[i + 1] == format[i];
+      if ((format[i] == '{' || format[i] == '}') && doubled) {
+        ++i;  // "{{" or "}}": a literal brace
+      } else if (format[i] == '{') {
+        ++i;
+        if (format[i] >= '0' && format[i] <= '9') {
+          std::size_t index = 0;
+          for (; format[i] >= '0' && format[i] <= '9'; ++i)
+            index = index * 10 + static_cast<std::size_t>(format[i] - '0');
+          if (index >= N) message_format_does_not_match_its_arguments();
+          ++positional;
+        } else {
+          ++automatic;
+        }
+        while (i + 1 < M && format[i] != '}') ++i;
+        if (format[i] != '}') message_format_does_not_match_its_arguments();
+      } else if (format[i] == '}') {
+        message_format_does_not_match_its_arguments();
+      }
+    }
+    // Every argument is used by the automatic fields, or positional fields only (fmt refuses a mix).
+    if (positional == 0 ? automatic != N : automatic != 0) message_format_does_not_match_its_arguments();
+  }
+  operator fmt::string_view() const noexcept { return {text_.data(), text_.size()}; }
+
+ private:
+  std::string_view text_;
+};
+template <class... Args>
+using MessageFormat = CountedFormat<sizeof...(Args)>;
+#endif
+
 // Throws SynthesisRefused with a formatted message, prefixed by "emakit: ".
 template <class... Args>
-[[noreturn]] void refuse_synthesis(fmt::format_string<Args...> format, Args&&... args) {
-  throw SynthesisRefused("emakit: " + fmt::format(format, std::forward<Args>(args)...));
+[[noreturn]] void refuse_synthesis(MessageFormat<Args...> format, Args&&... args) {
+  throw SynthesisRefused("emakit: " + fmt::vformat(format, fmt::make_format_args(args...)));
 }
 
 // Throws std::invalid_argument with a formatted message, prefixed by "emakit: ".
 template <class... Args>
-[[noreturn]] void fail(fmt::format_string<Args...> format, Args&&... args) {
-  throw std::invalid_argument("emakit: " + fmt::format(format, std::forward<Args>(args)...));
+[[noreturn]] void fail(MessageFormat<Args...> format, Args&&... args) {
+  throw std::invalid_argument("emakit: " + fmt::vformat(format, fmt::make_format_args(args...)));
 }
 
 // Throws FormatVersionError (the file holds version `found`) with a formatted message, prefixed
 // by "emakit: ".
 template <class... Args>
-[[noreturn]] void fail_format_version(std::int64_t found, fmt::format_string<Args...> format, Args&&... args) {
-  throw FormatVersionError("emakit: " + fmt::format(format, std::forward<Args>(args)...), found);
+[[noreturn]] void fail_format_version(std::int64_t found, MessageFormat<Args...> format, Args&&... args) {
+  throw FormatVersionError("emakit: " + fmt::vformat(format, fmt::make_format_args(args...)), found);
 }
 
 // Throws std::runtime_error with a formatted message, prefixed by "emakit: ".
 template <class... Args>
-[[noreturn]] void fail_runtime(fmt::format_string<Args...> format, Args&&... args) {
-  throw std::runtime_error("emakit: " + fmt::format(format, std::forward<Args>(args)...));
+[[noreturn]] void fail_runtime(MessageFormat<Args...> format, Args&&... args) {
+  throw std::runtime_error("emakit: " + fmt::vformat(format, fmt::make_format_args(args...)));
 }
 
 // The system's text for an errno value.

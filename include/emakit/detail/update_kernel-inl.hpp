@@ -9,7 +9,17 @@
 
 #include <emakit/detail/update_kernel.hpp>
 
+#include <future>
+
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
+
+struct HostPass {
+  std::future<void> done;
+};
+
+EMAKIT_FUNC void UpdateKernel::join_host() const {
+  if (host_ && host_->done.valid()) host_->done.get();  // rethrows an error of the host pass
+}
 
 EMAKIT_FUNC UpdateKernel& UpdateKernel::operator=(UpdateKernel&& other) noexcept {
   if (this == &other) return *this;
@@ -103,11 +113,11 @@ EMAKIT_FUNC void UpdateKernel::run(const Job& job) {
     run_cpu(job);
   } else if (side_stream_ == SideStream::on) {
     // The host waits for the device-to-host copies on a thread of its own, then runs the pass.
-    host_ = std::async(std::launch::async, [this, job] {
+    host_ = std::make_shared<HostPass>(HostPass{std::async(std::launch::async, [this, job] {
       c10::NoGradGuard no_grad_here;
       for (auto k : plan_.offload_lanes) lanes_[k].synchronize_host();
       run_cpu(job);
-    });
+    })});
   } else {
     for (auto k : plan_.offload_lanes) lanes_[k].synchronize_host();
     run_cpu(job);

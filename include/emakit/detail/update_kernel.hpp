@@ -37,13 +37,18 @@
 #include <algorithm>
 #include <cstdint>
 #include <exception>
-#include <future>
+#include <memory>
 #include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
+
+// The CPU pass of an offloaded side-stream update, on a thread of its own: defined with the
+// kernel's definitions (update_kernel-inl.hpp), so that a translation unit that includes this
+// header does not parse <future>.
+struct HostPass;
 
 class UpdateKernel {
  public:
@@ -212,9 +217,8 @@ class UpdateKernel {
 
   static void stage_copy(Slot& s);
 
-  void join_host() const {
-    if (host_.valid()) host_.get();  // rethrows an error of the host pass
-  }
+  // Waits for the host pass of an offloaded update, if one is running, and rethrows its error.
+  EMAKIT_FUNC void join_host() const;
   void wait_for_update_noexcept() const noexcept;
 
   // The plan's CPU passes hold data pointers: a run is preceded by check_sources_and_replan() (Ema's
@@ -234,7 +238,7 @@ class UpdateKernel {
   Arithmetic arithmetic_ = Arithmetic::lerp;
   UpdatePlan plan_;
   mutable std::vector<Lane> lanes_;         // one per CUDA device of the plan (plan_.lanes), in its order
-  mutable std::future<void> host_;          // the CPU pass of an offloaded side-stream update
+  mutable std::shared_ptr<HostPass> host_;  // the CPU pass of an offloaded side-stream update
   NonFiniteCheck finite_checks_[2];         // [0] for averaging updates, [1] for copies
   std::vector<double> drift_sums_;          // two per slot (drift_sums()); sized by plan()
   std::vector<double> drift_chunks_;        // two per drift chunk of the fused average pass (CpuPass::run)
