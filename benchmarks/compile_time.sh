@@ -26,6 +26,9 @@
 #   ./benchmarks/compile_time.sh --torch wheel         the LibTorch in the PyPI wheel ($EMAKIT_VENV)
 #   ./benchmarks/compile_time.sh --no-narrow --no-own  base and the WarmupEma TUs only
 #   ./benchmarks/compile_time.sh --no-narrow --own1    base, the WarmupEma and the first own alias
+#   ./benchmarks/compile_time.sh --by-header           also where the WarmupEma TU's extra goes: the
+#                                                      compiler's memory by phase and by umbrella
+#                                                      header (-ftime-report; repeats exactly; ~4 min)
 #
 # Knobs (the options win): EMAKIT_CT_RUNS (3), EMAKIT_CT_TORCH (debian|wheel), EMAKIT_CT_OUT (a
 # file for the table), EMAKIT_CT_BUILD (build dir; default build/compile_time-<torch>),
@@ -58,6 +61,7 @@ build="${EMAKIT_CT_BUILD:-}"
 narrow="${EMAKIT_CT_NARROW:-1}"
 own="${EMAKIT_CT_OWN:-1}"
 own1_only=0
+by_header=0
 while (($# > 0)); do
   case "$1" in
     --runs) (($# >= 2)) || emakit_die "--runs needs a number"; runs="$2"; shift 2 ;;
@@ -68,8 +72,9 @@ while (($# > 0)); do
     --no-narrow) narrow=0; shift ;;
     --no-own) own=0; shift ;;
     --own1) own1_only=1; shift ;;
+    --by-header) by_header=1; shift ;;
     -h | --help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    *) emakit_die "unknown argument '$1' (known: --runs N, --torch debian|wheel, --wheel, --out FILE, --build-dir DIR, --no-narrow, --no-own, --own1)" ;;
+    *) emakit_die "unknown argument '$1' (known: --runs N, --torch debian|wheel, --wheel, --out FILE, --build-dir DIR, --no-narrow, --no-own, --own1, --by-header)" ;;
   esac
 done
 [[ "$runs" =~ ^[1-9][0-9]*$ ]] || emakit_die "the number of runs must be a positive integer, not '$runs'"
@@ -201,6 +206,67 @@ done
 load_after="$(uptime | sed 's/.*load average: //')"
 emakit_say "load average after the rounds: $load_after"
 
+# --by-header: where the default-mode TU's extra goes, in the compiler's own memory accounting
+# (GGC megabytes of -ftime-report: the same for the same compiler, flags and headers on every run,
+# where the seconds above move by a tenth). First by phase, the base TU against the WarmupEma TU
+# (their exact commands); then by header: <torch/torch.h> and the umbrella's headers added one at
+# a time in its order, each step -fsyntax-only (parsing and the templates the headers themselves
+# instantiate; code generation is the phase table's).
+by_header_table=""
+if [[ "$by_header" == 1 ]]; then
+  # ggc COMMAND... -> "parsing deferred generate total" in MB, from -ftime-report's memory column
+  ggc() {
+    "$@" -ftime-report 2>&1 >/dev/null | awk '
+      function mb(s) { v = s + 0; if (s ~ /k$/) v /= 1024; if (s ~ /G$/) v *= 1024; return v }
+      /phase parsing/ { p = mb($(NF - 2)) } /phase lang. deferred/ { d = mb($(NF - 2)) }
+      /phase opt and generate/ { g = mb($(NF - 2)) } /^ TOTAL/ { t = mb($NF) }
+      END { if (t == 0) exit 1; printf "%.0f %.0f %.0f %.0f", p, d, g, t }'
+  }
+  emakit_say "by phase and by header (compiler memory, -ftime-report)"
+  read -r -a base_words <<<"${cmd[base]}"
+  read -r -a ema_words <<<"${cmd[ema-d]}"
+  base_phases="$(cd "${dir[base]}" && ggc "${base_words[@]}")" || emakit_die "-ftime-report gave no figures for the base TU"
+  ema_phases="$(cd "${dir[ema-d]}" && ggc "${ema_words[@]}")" || emakit_die "-ftime-report gave no figures for the WarmupEma TU"
+  # The WarmupEma TU's flags without its output and input: -fsyntax-only of a file of includes.
+  flags=()
+  skip=0
+  for w in "${ema_words[@]:1}"; do
+    if ((skip)); then skip=0; continue; fi
+    case "$w" in -o | -c) skip=1 ;; *) flags+=("$w") ;; esac
+  done
+  probe="$scratch/by_header.cpp"
+  # The umbrella's headers, not the implementation it includes for EMAKIT_IMPLEMENTATION.
+  mapfile -t umbrella < <(sed -n 's/^#include <\(emakit\/[^>]*\)>$/\1/p' include/emakit/emakit.hpp | grep -v '^emakit/implementation')
+  rows=""
+  includes="#include <torch/torch.h>"
+  previous=""
+  for header in "" "${umbrella[@]}"; do
+    [[ -z "$header" ]] || includes+=$'\n'"#include <$header>"
+    printf '%s\nint main() {}\n' "$includes" >"$probe"
+    read -r p d _ t <<<"$(ggc "$compiler_path" "${flags[@]}" -fsyntax-only "$probe")" \
+      || emakit_die "-fsyntax-only of <torch/torch.h> and the umbrella's headers up to ${header:-none} failed"
+    if [[ -z "$header" ]]; then
+      rows+="| \`<torch/torch.h>\` alone | $t | | $p | $d |"$'\n'
+    else
+      rows+="| + \`<$header>\` | $t | +$((t - previous)) | $p | $d |"$'\n'
+    fi
+    previous=$t
+  done
+  by_header_table="$(
+    read -r bp bd bg bt <<<"$base_phases"
+    read -r ep ed eg et <<<"$ema_phases"
+    printf '| compiler memory, MB (GGC, -ftime-report) | parsing | deferred (templates instantiated at the end of the TU) | optimisation and code generation | total |\n'
+    printf '|---|---:|---:|---:|---:|\n'
+    printf '| trainer without emakit | %s | %s | %s | %s |\n' "$bp" "$bd" "$bg" "$bt"
+    printf '| + a shipped alias (`WarmupEma`), default mode | %s | %s | %s | %s |\n' "$ep" "$ed" "$eg" "$et"
+    printf '| difference | %+d | %+d | %+d | %+d (%s) |\n' $((ep - bp)) $((ed - bd)) $((eg - bg)) $((et - bt)) \
+      "$(awk -v a="$et" -v b="$bt" 'BEGIN { printf "%.3fx", a / b }')"
+    printf '\n| `-fsyntax-only`, headers added in the umbrella'"'"'s order | total MB | added MB | parsing MB | deferred MB |\n'
+    printf '|---|---:|---:|---:|---:|\n'
+    printf '%s' "$rows"
+  )"
+fi
+
 # Each TU's object as the last round left it (the same command each round): its bytes, and the
 # text column of `size` (the machine code, without symbols, debug info or relocations).
 declare -A obj_bytes=() text_bytes=()
@@ -253,6 +319,7 @@ table="$(
         "$((obj_bytes[own2-$mode] - obj_bytes[own1-$mode]))" "$((obj_bytes[own3-$mode] - obj_bytes[own2-$mode]))"
     done
   fi
+  if [[ -n "$by_header_table" ]]; then printf '%s\n\n' "$by_header_table"; fi
   printf -- '- emakit::compiled library, built once (a one-off cost, -j1): %s s, %s\n' "$library_s" \
     "$(stat -c %s "$library_file" | awk '{ printf "%.0f KiB", $1 / 1024 }')"
   printf -- '- %s timed compiles per TU, interleaved by round, wall seconds, one at a time, no ccache\n' "$runs"
