@@ -1,12 +1,13 @@
-# emakit_implementation.cmake: compile emakit's implementation file (src/emakit.cpp, installed as
-# share/emakit/emakit.cpp) optimized in every target that emakit::emakit adds it to, whatever the
+# emakit_implementation.cmake: compile emakit's implementation files (src/emakit.cpp, and each
+# part's src/<part>.cpp; installed under share/emakit/) optimized in every target that
+# emakit::emakit or a part's target (emakit::posthoc, emakit::interop) adds them to, whatever the
 # build type: a Debug build, or one with no build type, then updates at full speed (without it,
 # -O0 makes the update 10-25x slower; docs/performance.md). Used by CMakeLists.txt and by the
 # installed emakitConfig.cmake.
 #
 #   emakit_optimize_implementation(<absolute path of the implementation file>)
 #
-# The file is an INTERFACE_SOURCES entry of emakit::emakit, compiled as part of each consuming
+# Each file is an INTERFACE_SOURCES entry of its target, compiled as part of each consuming
 # target (in parallel with its own files) and not as a library of its own, which the Makefile
 # generators would build before the target's first file. Source file properties are scoped to a
 # directory, and the consumers' directories are not known here: the properties are set at the end

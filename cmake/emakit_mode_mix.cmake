@@ -1,13 +1,15 @@
 # ctest driver for the mode-mixing tests (tests/CMakeLists.txt, tests/mode_mix/), run with cmake -P.
 #
 #   -DBUILD_DIR=<build tree> -DOBJECTS=<object target>,<object target> -DTARGET=<executable target>
-#   -DEXPECT=link_error|missing_implementation|run [-DEXECUTABLE=<path>] [-DCONFIG=<config>]
+#   -DEXPECT=link_error|missing_implementation|missing_part|run [-DEXECUTABLE=<path>] [-DCONFIG=<config>]
 #
 # Builds the object targets first: they must compile, so that a compile error never passes for
 # the expected link error. Then builds TARGET: with EXPECT=link_error it must fail, and the
 # linker's output must name both emakit::compiled and emakit::header_only in an undefined
 # reference; with EXPECT=missing_implementation it must fail, and an undefined reference must name
-# the symbol that says what to do (detail/config.hpp's link_check); with EXPECT=run it must link,
+# the symbol that says what to do (detail/config.hpp's link_check); with EXPECT=missing_part it
+# must fail on the post-hoc part's link check, and not on the core's (the core's file is linked);
+# with EXPECT=run it must link,
 # and EXECUTABLE must run and exit 0.
 foreach(_var BUILD_DIR OBJECTS TARGET EXPECT)
   if(NOT DEFINED ${_var})
@@ -67,6 +69,23 @@ elseif(EXPECT STREQUAL "missing_implementation")
                         "not the message that tells a user what to do.\n${_output}")
   endif()
   message(STATUS "${TARGET}: the link fails and names ${_symbol}")
+elseif(EXPECT STREQUAL "missing_part")
+  set(_symbol "link_check::define_EMAKIT_IMPLEMENTATION_in_one_source_file_or_link_emakit_posthoc")
+  set(_core "link_check::define_EMAKIT_IMPLEMENTATION_in_one_source_file_or_link_emakit_emakit")
+  if(_result EQUAL 0)
+    message(FATAL_ERROR "${TARGET} includes <emakit/posthoc.hpp> and linked without the post-hoc part's "
+                        "file (src/posthoc.cpp) and must not: the part's link check "
+                        "(emakit/posthoc/part.hpp) is not doing its job.\n${_output}")
+  endif()
+  if(NOT _output MATCHES "(undefined reference to|undefined symbol)[^\n]*${_symbol}")
+    message(FATAL_ERROR "${TARGET} failed to build, but no undefined reference names ${_symbol}: "
+                        "not the message that tells a user to link emakit::posthoc.\n${_output}")
+  endif()
+  if(_output MATCHES "${_core}")
+    message(FATAL_ERROR "${TARGET} links the core's implementation file, but the link names ${_core}: "
+                        "the core's own check failed, not only the part's.\n${_output}")
+  endif()
+  message(STATUS "${TARGET}: the link fails and names ${_symbol} (and not the core's check)")
 elseif(EXPECT STREQUAL "run")
   if(NOT _result EQUAL 0)
     message(FATAL_ERROR "${TARGET} (both translation units in one mode) did not build: the "
@@ -78,5 +97,5 @@ elseif(EXPECT STREQUAL "run")
   endif()
   message(STATUS "${TARGET}: links and runs: ${_output}")
 else()
-  message(FATAL_ERROR "emakit_mode_mix.cmake: EXPECT='${EXPECT}', expected link_error, missing_implementation or run")
+  message(FATAL_ERROR "emakit_mode_mix.cmake: EXPECT='${EXPECT}', expected link_error, missing_implementation, missing_part or run")
 endif()

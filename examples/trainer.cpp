@@ -11,6 +11,7 @@
 // resumed run cannot take one. The noise in the labels and the large learning rate
 // make the online weights jitter around the optimum; the EMA averages the jitter out.
 #include <emakit/emakit.hpp>
+#include <emakit/posthoc.hpp>
 
 #include <torch/nn/cloneable.h>
 #include <torch/nn/functional/loss.h>

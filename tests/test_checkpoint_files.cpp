@@ -3,6 +3,7 @@
 // foreign globals or tensors larger than their data (refused before LibTorch's loader runs).
 #include <emakit/emakit.hpp>
 #include <emakit/interop.hpp>
+#include <emakit/posthoc.hpp>
 
 #include "../examples/subprocess.hpp"
 #include "archive_records.hpp"

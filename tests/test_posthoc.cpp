@@ -1,6 +1,7 @@
 // Post-hoc EMA: the EDM2 solve, the tracked profile, snapshot files (format, atomicity under a
 // real kill, corruption), synthesis (exactness, reconstruction on a training trajectory, errors).
 #include <emakit/emakit.hpp>
+#include <emakit/posthoc.hpp>
 
 #include "../examples/subprocess.hpp"
 #include "helpers.hpp"

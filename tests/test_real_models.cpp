@@ -3,6 +3,7 @@
 // of order or over another EMA, threads, and a model changed after binding. Each case averages
 // correctly, or is refused with an error that names the tensor, before anything changes.
 #include <emakit/emakit.hpp>
+#include <emakit/posthoc.hpp>
 
 #include "helpers.hpp"
 

@@ -11,6 +11,7 @@
 // those of the averages as written, against a double reference, measuring them changes no
 // average, and the same update measures the same drift, bitwise, with any number of threads.
 #include <emakit/emakit.hpp>
+#include <emakit/posthoc.hpp>
 
 #include "helpers.hpp"
 

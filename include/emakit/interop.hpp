@@ -126,6 +126,11 @@
 #include <string_view>
 #include <type_traits>
 
+// interop is a part of emakit compiled in a file of its own (implementation/interop.hpp): a
+// program that includes this header and lacks the part fails to link on a name that says what to
+// do (link emakit::interop, or define EMAKIT_IMPLEMENTATION in one file; detail/config.hpp).
+EMAKIT_LINK_CHECK(define_EMAKIT_IMPLEMENTATION_in_one_source_file_or_link_emakit_interop)
+
 namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 // Each peer is one codec in interop-inl.hpp's table (detail::interop::codecs: its name, its file

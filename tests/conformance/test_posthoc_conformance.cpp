@@ -29,6 +29,7 @@
 #include "replay.hpp"
 
 #include <emakit/emakit.hpp>
+#include <emakit/posthoc.hpp>
 
 #include <torch/serialize.h>
 

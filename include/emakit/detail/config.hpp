@@ -16,15 +16,22 @@
 // | all inline (the old mode)  | `emakit::header_only`, or define             | inline, in every TU that     |
 // |                            | EMAKIT_HEADER_ONLY in every TU               | includes emakit              |
 //
+// In the default mode the implementation comes in parts (implementation/*.hpp): the core, which
+// emakit::emakit adds (src/emakit.cpp: everything <emakit/emakit.hpp> declares), and the parts
+// with headers of their own outside the umbrella, the post-hoc EMA (<emakit/posthoc.hpp>,
+// emakit::posthoc, src/posthoc.cpp) and interop (<emakit/interop.hpp>, emakit::interop,
+// src/interop.cpp), so that a trainer compiles only what it includes. The one-macro file and
+// libemakit.a compile every part (implementation.hpp, src/all.cpp).
+//
 // In all three, Ema<...> with your own policies or ModuleStorage<M> (its thin layer) is
 // instantiated in your translation units, and sharded/*, gloo.hpp and jit.hpp stay inline: they
 // need c10d, Gloo and TorchScript, which the implementation would otherwise impose on every user.
 //
 // A header <name>.hpp with code that is compiled once declares its entry points with EMAKIT_FUNC
 // and keeps the definitions (and the includes only they need) in <name>-inl.hpp, which the header
-// includes at its end in the all-inline mode; otherwise implementation.hpp includes every
-// -inl.hpp (a configure-time check in CMakeLists.txt keeps its list complete) and a translation
-// unit that includes one elsewhere is refused with an #error.
+// includes at its end in the all-inline mode; otherwise one part of the implementation includes it
+// (a configure-time check in CMakeLists.txt keeps the parts' lists complete, each -inl.hpp in one
+// part) and a translation unit that includes one elsewhere is refused with an #error.
 //
 // Mixing the modes in one program is a link error, not undefined behaviour: every emakit name
 // lives in the inline namespace emakit::EMAKIT_ABI_NAMESPACE, `compiled` (the default and the
@@ -33,7 +40,9 @@
 // does not link, and the linker's message names both ("undefined reference to
 // `f(emakit::header_only::Ema<...>&)'"). A program in the default mode whose implementation is
 // missing fails to link on a symbol that says what to do
-// (link_check::define_EMAKIT_IMPLEMENTATION_in_one_source_file_or_link_emakit_emakit).
+// (link_check::define_EMAKIT_IMPLEMENTATION_in_one_source_file_or_link_emakit_emakit), and one
+// that includes the post-hoc EMA or interop without its part on the part's own
+// (..._or_link_emakit_posthoc, ..._or_link_emakit_interop).
 #pragma once
 
 #if defined(EMAKIT_HEADER_ONLY) && (defined(EMAKIT_COMPILED) || defined(EMAKIT_IMPLEMENTATION))
@@ -73,14 +82,19 @@
 #define EMAKIT_FUNC inline
 #endif
 
+// The link checks. In the default and the library modes every translation unit refers to a
+// variable that only the implementation defines (implementation/core.hpp): a program that lacks
+// the implementation fails to link with the variable's name as the message, instead of on the
+// first of emakit's functions it calls. Each part compiled in a file of its own
+// (implementation/*.hpp: the post-hoc EMA, interop) is checked the same way by its own headers,
+// with its CMake target in the name, so that only a program that includes the part needs it.
 #if defined(EMAKIT_COMPILED)
-// Every translation unit of the default and the library modes refers to this variable, which only
-// the implementation defines (implementation.hpp): a program that lacks the implementation
-// fails to link with its name as the message, instead of on the first of emakit's functions it
-// calls.
-namespace emakit::inline EMAKIT_ABI_NAMESPACE::link_check {
-extern const int define_EMAKIT_IMPLEMENTATION_in_one_source_file_or_link_emakit_emakit;
-[[gnu::used]] inline const int* const implementation_reference =
-    &define_EMAKIT_IMPLEMENTATION_in_one_source_file_or_link_emakit_emakit;
-}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::link_check
+#define EMAKIT_LINK_CHECK(symbol)                                     \
+  namespace emakit::inline EMAKIT_ABI_NAMESPACE::link_check {         \
+  extern const int symbol;                                            \
+  [[gnu::used]] inline const int* const symbol##_reference = &symbol; \
+  }
+#else
+#define EMAKIT_LINK_CHECK(symbol)
 #endif
+EMAKIT_LINK_CHECK(define_EMAKIT_IMPLEMENTATION_in_one_source_file_or_link_emakit_emakit)

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <emakit/detail/config.hpp>
+#include <emakit/posthoc/part.hpp>
 #include <emakit/decay.hpp>
 #include <emakit/detail/check.hpp>
 #include <emakit/posthoc/profile_math.hpp>

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <emakit/detail/config.hpp>
+#include <emakit/posthoc/part.hpp>
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/dense_solve.hpp>
 

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <emakit/detail/config.hpp>
+#include <emakit/posthoc/part.hpp>
 #include <emakit/decay.hpp>
 #include <emakit/detail/serial/atomic_file.hpp>
 #include <emakit/detail/check.hpp>

@@ -8,6 +8,7 @@
 #endif
 
 #include <emakit/posthoc/tracker.hpp>
+#include <emakit/detail/serial/posix_file.hpp>
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <emakit/detail/config.hpp>
+#include <emakit/posthoc/part.hpp>
 #include <emakit/checkpoint.hpp>
 #include <emakit/concepts.hpp>
 #include <emakit/decay.hpp>

@@ -8,6 +8,7 @@
 #endif
 
 #include <emakit/detail/serial/snapshot_file.hpp>
+#include <emakit/detail/serial/posix_file.hpp>
 
 #include <random>
 

@@ -10,6 +10,7 @@
 #include <emakit/detail/serial/torch_pickle.hpp>
 
 #include <emakit/detail/serial/atomic_file.hpp>
+#include <emakit/detail/serial/posix_file.hpp>
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
