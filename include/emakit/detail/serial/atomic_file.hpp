@@ -40,8 +40,9 @@ EMAKIT_FUNC void check_writable_folder(const std::filesystem::path& folder, cons
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 
-// FileDescriptor and AtomicFile, used by the definitions of the file formats only (compiled once
-// per program, in the implementation file, unless EMAKIT_HEADER_ONLY: detail/config.hpp).
+// FileDescriptor and AtomicFile themselves are in posix_file.hpp, which only the definitions of the
+// file formats include (the implementation files, or every translation unit in the all-inline
+// mode: detail/config.hpp).
 
 #if !defined(EMAKIT_COMPILED)
 #include <emakit/detail/serial/atomic_file-inl.hpp>
