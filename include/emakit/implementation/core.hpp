@@ -10,17 +10,7 @@
 // stops the configure step.
 #pragma once
 
-#if !defined(EMAKIT_IMPLEMENTATION)
-#error \
-    "emakit/implementation/core.hpp is emakit's compiled code: compile src/emakit.cpp (emakit::emakit does), or define EMAKIT_IMPLEMENTATION in one file before including <emakit/emakit.hpp>"
-#endif
-#if defined(EMAKIT_HEADER_ONLY)
-#error "emakit: EMAKIT_IMPLEMENTATION with EMAKIT_HEADER_ONLY: the all-inline mode has no implementation file"
-#endif
-
-#if !defined(EMAKIT_BUILDING_LIBRARY)
-#define EMAKIT_BUILDING_LIBRARY 1
-#endif
+#include <emakit/detail/implementation_part.hpp>
 
 #include <emakit/emakit.hpp>
 
@@ -49,8 +39,5 @@
 // Not compiled in any part, inline in every mode: sharded.hpp and sharded/*, gloo.hpp, jit.hpp
 // (they need c10d, Gloo and TorchScript, which the implementation would impose on every user).
 
-namespace emakit::inline EMAKIT_ABI_NAMESPACE::link_check {
 // The one definition of what every translation unit of the program refers to (detail/config.hpp).
-extern const int define_EMAKIT_IMPLEMENTATION_in_one_source_file_or_link_emakit_emakit;
-const int define_EMAKIT_IMPLEMENTATION_in_one_source_file_or_link_emakit_emakit = 1;
-}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::link_check
+EMAKIT_DEFINE_LINK_CHECK(define_EMAKIT_IMPLEMENTATION_in_one_source_file_or_link_emakit_emakit)

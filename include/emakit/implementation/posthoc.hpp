@@ -6,17 +6,7 @@
 // src/all.cpp) and libemakit.a compile every part (implementation.hpp).
 #pragma once
 
-#if !defined(EMAKIT_IMPLEMENTATION)
-#error \
-    "emakit/implementation/posthoc.hpp is emakit's compiled code: compile src/posthoc.cpp (emakit::posthoc does), or define EMAKIT_IMPLEMENTATION in one file before including <emakit/emakit.hpp>"
-#endif
-#if defined(EMAKIT_HEADER_ONLY)
-#error "emakit: EMAKIT_IMPLEMENTATION with EMAKIT_HEADER_ONLY: the all-inline mode has no implementation file"
-#endif
-
-#if !defined(EMAKIT_BUILDING_LIBRARY)
-#define EMAKIT_BUILDING_LIBRARY 1
-#endif
+#include <emakit/detail/implementation_part.hpp>
 
 #include <emakit/posthoc.hpp>
 
@@ -27,8 +17,5 @@
 #include <emakit/posthoc/synthesis-inl.hpp>
 #include <emakit/posthoc/tracker-inl.hpp>
 
-namespace emakit::inline EMAKIT_ABI_NAMESPACE::link_check {
 // The one definition of what the part's headers refer to (detail/config.hpp's EMAKIT_LINK_CHECK).
-extern const int define_EMAKIT_IMPLEMENTATION_in_one_source_file_or_link_emakit_posthoc;
-const int define_EMAKIT_IMPLEMENTATION_in_one_source_file_or_link_emakit_posthoc = 1;
-}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::link_check
+EMAKIT_DEFINE_LINK_CHECK(define_EMAKIT_IMPLEMENTATION_in_one_source_file_or_link_emakit_posthoc)
