@@ -1,9 +1,13 @@
 // Post-hoc EMA from the command line: list a snapshot folder, synthesize the EMA for any
-// sigma_rel (or gamma) at any snapshot time into a checkpoint file.
+// sigma_rel (or gamma), or any EMA (a fixed decay, a warmup, a preset's), at any snapshot time into
+// a checkpoint file.
 //
 //   emakit_example_posthoc_tool list runs/a/phema
 //   emakit_example_posthoc_tool synthesize runs/a/phema --sigma-rel 0.07 -o ema-0.07.pt
 //   emakit_example_posthoc_tool synthesize runs/a/phema --gamma 5 --step 20000 --format emkit -o ema.emkit
+//   emakit_example_posthoc_tool synthesize runs/a/phema --fixed 0.999 -o ema-fixed.pt
+//   emakit_example_posthoc_tool synthesize runs/a/phema --warmup 0.9999 --power 0.75 --ema-start-step 1000
+//   emakit_example_posthoc_tool synthesize runs/a/phema --preset timm_model_ema_v3
 //
 // The .pt output is a dict name -> tensor: torch.load("ema-0.07.pt") in Python,
 // torch::pickle_load in C++, model.load_state_dict(...) with the model's names. It is written
@@ -12,8 +16,8 @@
 // Exit status: 0 written (or listed); 1 an error (a folder of two runs, a corrupt file, ...);
 // 2 bad arguments; 3 a synthesis refused because its result would not be the EMA asked for (a
 // snapshot set with gaps, a target far outside the tracked profiles, weights past the bound, an
-// ill-conditioned system): the message names the flag that accepts it (--allow-partial,
-// --max-extrapolation, --max-weight, --max-condition).
+// ill-conditioned system, an EMA the snapshots cannot represent): the message names the flag that
+// accepts it (--allow-partial, --max-extrapolation, --max-weight, --max-condition, --max-fit-error).
 #include <emakit/posthoc.hpp>
 
 #include <CLI/CLI.hpp>
@@ -27,6 +31,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -73,6 +78,13 @@ struct SynthesizeArgs {
   std::string folder;
   std::optional<double> sigma_rel;
   std::optional<double> gamma;
+  std::optional<double> fixed;   // an EMA target: Fixed(decay)
+  std::optional<double> warmup;  // or InversePowerWarmup(beta).power(power).inv_gamma(inv_gamma)
+  double power = 2.0 / 3.0;
+  double inv_gamma = 1.0;
+  std::string preset;  // or a preset's, with its peer's defaults
+  std::int64_t ema_start_step = 0;
+  std::int64_t ema_update_every = 1;
   std::optional<std::int64_t> step;
   std::string output;
   std::string format = "pt";
@@ -80,15 +92,28 @@ struct SynthesizeArgs {
   double max_condition = emakit::default_max_condition;
   double max_extrapolation = emakit::SynthesisOptions::default_max_extrapolation;
   double max_weight = emakit::SynthesisOptions::default_max_weight;
+  double max_fit_error = emakit::SynthesisOptions::default_max_fit_error;
   bool allow_partial = false;
   bool dry_run = false;
 };
 
+std::optional<emakit::EmaTarget> ema_target(const SynthesizeArgs& a) {
+  const auto schedule = emakit::StepSchedule().start_step(a.ema_start_step).update_every(a.ema_update_every);
+  if (a.fixed) return emakit::EmaTarget(emakit::Fixed(*a.fixed), schedule);
+  if (a.warmup)
+    return emakit::EmaTarget(emakit::InversePowerWarmup(*a.warmup).power(a.power).inv_gamma(a.inv_gamma), schedule);
+  if (!a.preset.empty()) return emakit::preset_target(a.preset);
+  return std::nullopt;
+}
+
 int synthesize(const SynthesizeArgs& args) {
-  auto options =
-      args.gamma ? emakit::SynthesisOptions(*args.gamma) : emakit::SynthesisOptions::from_sigma_rel(*args.sigma_rel);
+  const auto target = ema_target(args);
+  auto options = target       ? emakit::SynthesisOptions(*target)
+                 : args.gamma ? emakit::SynthesisOptions(*args.gamma)
+                              : emakit::SynthesisOptions::from_sigma_rel(*args.sigma_rel);
   if (args.step) options.step(*args.step);
   options.max_condition(args.max_condition).max_extrapolation(args.max_extrapolation).max_weight(args.max_weight);
+  options.max_fit_error(args.max_fit_error);
   options.allow_partial(args.allow_partial);
   static const std::map<std::string, c10::ScalarType> dtypes = {{"float32", c10::ScalarType::Float},
                                                                 {"float64", c10::ScalarType::Double},
@@ -97,8 +122,11 @@ int synthesize(const SynthesizeArgs& args) {
   if (!args.dtype.empty()) options.dtype(dtypes.at(args.dtype));
 
   const auto plan = emakit::plan_synthesis(args.folder, options);
-  fmt::print("target: sigma_rel {:.5f} (gamma {:.6f}) at t = {}\n", options.sigma_rel(), options.gamma(),
-             static_cast<std::int64_t>(plan.target.t));
+  if (target)
+    fmt::print("target: {} at t = {}\n", options.describe_target(), static_cast<std::int64_t>(plan.target.t));
+  else
+    fmt::print("target: sigma_rel {:.5f} (gamma {:.6f}) at t = {}\n", options.sigma_rel(), options.gamma(),
+               static_cast<std::int64_t>(plan.target.t));
   fmt::print("run {}, {} snapshots, tracked sigma_rel {:.4f} to {:.4f}\n", plan.run.short_hex(), plan.snapshots.size(),
              plan.tracked_min_sigma_rel, plan.tracked_max_sigma_rel);
   fmt::print("condition number {:.3g}, weights before normalisation sum to {:.9f}\n", plan.solution.condition,
@@ -106,6 +134,9 @@ int synthesize(const SynthesizeArgs& args) {
   fmt::print("largest |weight| {:.4g}, sum of |weight| {:.4g}, profile error {:.3g} (relative L2 distance to the "
              "target profile)\n",
              plan.solution.max_abs_weight, plan.solution.abs_sum, plan.solution.profile_error);
+  fmt::print("fit error {:.3g} (relative L2 distance of the weights on the past, over {} intervals), weight on the "
+             "model before the first update {:.3g}\n",
+             plan.solution.fit_error, plan.solution.intervals, plan.solution.initial_weight);
   for (const auto& m : plan.missing)
     fmt::print("missing (accepted with --allow-partial): profile {} at step {} ({})\n", m.profile, m.step, m.file_name);
   fmt::print("{:>12}  {:>9}  {:>16}  {}\n", "t", "sigma_rel", "weight", "file");
@@ -122,7 +153,7 @@ int synthesize(const SynthesizeArgs& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Post-hoc EMA: list a snapshot folder, synthesize an EMA for any sigma_rel"};
+  CLI::App app{"Post-hoc EMA: list a snapshot folder, synthesize an EMA for any sigma_rel, or any EMA"};
   app.require_subcommand(1);
 
   std::string list_folder;
@@ -134,8 +165,23 @@ int main(int argc, char** argv) {
   synth->add_option("folder", args.folder, "the snapshot folder")->required()->check(CLI::ExistingDirectory);
   auto* sigma = synth->add_option("--sigma-rel,-s", args.sigma_rel, "the EMA length, in (0, 0.2887)");
   auto* gamma = synth->add_option("--gamma,-g", args.gamma, "or the power-function exponent, > 0");
-  sigma->excludes(gamma);
-  gamma->excludes(sigma);
+  auto* fixed = synth->add_option("--fixed", args.fixed, "or an EMA of this fixed decay, in [0, 1]");
+  auto* warmup =
+      synth->add_option("--warmup", args.warmup, "or an inverse-power warmup EMA of this beta (--power, --inv-gamma)");
+  std::vector<std::string> presets;
+  for (const auto name : emakit::preset_target_names()) presets.emplace_back(name);
+  auto* preset = synth->add_option("--preset", args.preset, "or a preset's EMA with its peer's defaults")
+                     ->check(CLI::IsMember(presets));
+  const std::vector<CLI::Option*> targets{sigma, gamma, fixed, warmup, preset};
+  for (auto* a : targets)
+    for (auto* b : targets)
+      if (a != b) a->excludes(b);
+  synth->add_option("--power", args.power, "--warmup's power (default 2/3)");
+  synth->add_option("--inv-gamma", args.inv_gamma, "--warmup's inv_gamma (default 1)");
+  synth->add_option("--ema-start-step", args.ema_start_step, "--fixed/--warmup: the first step that averages")
+      ->check(CLI::NonNegativeNumber);
+  synth->add_option("--ema-update-every", args.ema_update_every, "--fixed/--warmup: update every this many steps")
+      ->check(CLI::PositiveNumber);
   synth->add_option("--step,-t", args.step, "the target time: a snapshot's t (default: the latest)");
   synth->add_option("--output,-o", args.output, "the output file (default: ema-<sigma_rel>-<t>.pt)");
   synth->add_option("--format,-f", args.format, "pt: a dict name -> tensor for torch.load; emkit: a snapshot file")
@@ -149,6 +195,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1.0, std::numeric_limits<double>::infinity()));
   synth->add_option("--max-weight", args.max_weight, "refuse weights larger than this in magnitude (default 10)")
       ->check(CLI::PositiveNumber);
+  synth
+      ->add_option("--max-fit-error", args.max_fit_error,
+                   "refuse an EMA whose fitted weighting of the past is farther than this (relative L2; default 0.5)")
+      ->check(CLI::PositiveNumber);
   synth->add_flag("--allow-partial", args.allow_partial,
                   "synthesize even when snapshots of the run are missing (they are listed)");
   synth->add_flag("--dry-run,-n", args.dry_run, "print the weights, write nothing");
@@ -156,14 +206,19 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     if (list_cmd->parsed()) return list(list_folder);
-    if (!args.sigma_rel && !args.gamma) {
-      fmt::print(stderr, "error: give --sigma-rel or --gamma\n");
+    if (!args.sigma_rel && !args.gamma && !args.fixed && !args.warmup && args.preset.empty()) {
+      fmt::print(stderr, "error: give --sigma-rel, --gamma, --fixed, --warmup or --preset\n");
       return 2;
     }
     if (args.output.empty()) {
-      const double s = args.sigma_rel ? *args.sigma_rel : emakit::gamma_to_sigma_rel(*args.gamma);
+      const std::string what =
+          args.fixed    ? fmt::format("fixed-{}", *args.fixed)
+          : args.warmup ? fmt::format("warmup-{}", *args.warmup)
+          : !args.preset.empty()
+              ? args.preset
+              : fmt::format("{:.4f}", args.sigma_rel ? *args.sigma_rel : emakit::gamma_to_sigma_rel(*args.gamma));
       args.output =
-          fmt::format("ema-{:.4f}{}.{}", s, args.step ? fmt::format("-{}", *args.step) : std::string(), args.format);
+          fmt::format("ema-{}{}.{}", what, args.step ? fmt::format("-{}", *args.step) : std::string(), args.format);
     }
     return synthesize(args);
   } catch (const emakit::SynthesisRefused& e) {

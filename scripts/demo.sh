@@ -6,7 +6,8 @@
 # build/data/fashion-mnist (once), builds examples/fashion_mnist.cpp against Debian's LibTorch
 # 1.13 in build/demo (the preset demo of CMakePresets.json) and runs it: a small MLP trained on
 # the CPU with noisy SGD, then the test accuracy and loss of the online weights, a fixed EMA, a
-# warmup EMA and post-hoc EMAs for a sweep of sigma_rel, as a table and as
+# warmup EMA and post-hoc EMAs for a sweep of sigma_rel (and the fixed and warmup EMAs themselves,
+# synthesized from the same snapshots), as a table and as
 # build/demo-out/{results.csv,curve.csv,results.png}.
 # The run takes about 1.5 minutes on 2 cores (87 s measured on 2026-12-02, 387 steps/s; the first
 # build adds about a minute).

@@ -1293,8 +1293,14 @@ TEST_CASE("A target the snapshots cannot reproduce is refused, and the plan repo
                     Contains("2.63x outside"));
   CHECK_NOTHROW(
       emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(0.25)));  // 2.5x: the bound itself
-  const auto far = emakit::plan_synthesis(folder, emakit::SynthesisOptions::from_sigma_rel(0.001).max_extrapolation(
-                                                      std::numeric_limits<double>::infinity()));
+  // Past max_extrapolation, the fit error refuses it too (0.87 over the updates, above 0.5).
+  const auto unbounded =
+      emakit::SynthesisOptions::from_sigma_rel(0.001).max_extrapolation(std::numeric_limits<double>::infinity());
+  CHECK_THROWS_WITH(emakit::plan_synthesis(folder, unbounded),
+                    Contains("cannot represent sigma_rel 0.001") && Contains("above max_fit_error 0.5"));
+  const auto far = emakit::plan_synthesis(
+      folder, emakit::SynthesisOptions(unbounded).max_fit_error(std::numeric_limits<double>::infinity()));
+  CHECK(far.solution.fit_error > 0.5);
   double largest = 0, sum = 0;
   for (double w : far.solution.weights) {
     largest = std::max(largest, std::abs(w));

@@ -360,6 +360,20 @@ struct TogetherAccess {
   }
 };
 
+// The weights of an update: d from the decay policy and w = 1 - d, or the policy's own w
+// (HasLerpWeight: exact 1/n) and d = 1 - w. What every Ema applies, and what a post-hoc synthesis
+// of an EMA target (posthoc/target.hpp) assumes it applied.
+template <class Decay>
+Weights update_weights(const Decay& decay, const DecayInput& in) {
+  if constexpr (HasLerpWeight<Decay>) {
+    const auto w = static_cast<double>(decay.weight(in));
+    return {w, 1.0 - w};
+  } else {
+    const auto d = static_cast<double>(decay.decay(in));
+    return {1.0 - d, d};
+  }
+}
+
 }  // namespace detail
 
 template <DecayPolicy Decay, SchedulePolicy Schedule, StoragePolicy Storage>
@@ -544,9 +558,10 @@ class Ema {
   detail::EmaCore::Member together_member() { return {&core_, policy_calls()}; }
   // The calls into this Ema's policies, for every update path.
   detail::PolicyCalls policy_calls() {
-    return {policy_names(), this,
-            [](void* self, const ScheduleInput& in) { return static_cast<Ema*>(self)->schedule_.decide(in); },
-            [](void* self, const DecayInput& in) { return update_weights(static_cast<Ema*>(self)->decay_, in); }};
+    return {
+        policy_names(), this,
+        [](void* self, const ScheduleInput& in) { return static_cast<Ema*>(self)->schedule_.decide(in); },
+        [](void* self, const DecayInput& in) { return detail::update_weights(static_cast<Ema*>(self)->decay_, in); }};
   }
 
   Ema(const torch::nn::Module* model, std::vector<SourceTensor> tensors, Decay decay, Schedule schedule,
@@ -560,17 +575,6 @@ class Ema {
               }) {}
 
   static detail::PolicyNames policy_names() { return {detail::policy_name<Decay>(), detail::policy_name<Schedule>()}; }
-  // The weights of this update: d from the decay policy and w = 1 - d, or the policy's own w
-  // (HasLerpWeight: exact 1/n) and d = 1 - w.
-  static detail::Weights update_weights(const Decay& decay, const DecayInput& in) {
-    if constexpr (HasLerpWeight<Decay>) {
-      const auto w = static_cast<double>(decay.weight(in));
-      return {w, 1.0 - w};
-    } else {
-      const auto d = static_cast<double>(decay.decay(in));
-      return {1.0 - d, d};
-    }
-  }
   static detail::ema_state::PolicyConfig policy_config(const Decay& decay, const Schedule& schedule) {
     return {detail::policy_name<Decay>(), detail::policy_fields(decay), detail::policy_name<Schedule>(),
             detail::policy_fields(schedule)};

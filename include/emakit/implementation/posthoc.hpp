@@ -15,6 +15,7 @@
 #include <emakit/posthoc/profile_math-inl.hpp>
 #include <emakit/posthoc/snapshot_folder-inl.hpp>
 #include <emakit/posthoc/synthesis-inl.hpp>
+#include <emakit/posthoc/target-inl.hpp>
 #include <emakit/posthoc/tracker-inl.hpp>
 
 // The one definition of what the part's headers refer to (detail/config.hpp's EMAKIT_LINK_CHECK).

@@ -67,4 +67,9 @@ EMAKIT_FUNC PostHocOptions& PostHocOptions::set_gammas(std::vector<double> g, co
   return *this;
 }
 
+EMAKIT_FUNC std::string SynthesisOptions::describe_target() const {
+  if (target_) return target_->description();
+  return fmt::format("sigma_rel {:.5g} (gamma {:.6g})", sigma_rel(), gamma_);
+}
+
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

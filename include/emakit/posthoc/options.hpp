@@ -7,6 +7,7 @@
 #include <emakit/decay.hpp>
 #include <emakit/detail/check.hpp>
 #include <emakit/posthoc/profile_math.hpp>
+#include <emakit/posthoc/target.hpp>
 
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
@@ -17,6 +18,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -77,8 +79,9 @@ class PostHocOptions {
   ExistingSnapshots existing_snapshots_ = ExistingSnapshots::refuse;
 };
 
-// The EMA to synthesize: its profile (by gamma, or by sigma_rel), the time (a snapshot time;
-// default the latest), and the result's dtype and device.
+// The EMA to synthesize: a power-function profile (by gamma, or by sigma_rel: EDM2's solve) or any
+// EMA (an EmaTarget: its weighting of the past, fitted over the updates), the time (a snapshot
+// time; default the latest), and the result's dtype and device.
 class SynthesisOptions {
  public:
   explicit SynthesisOptions(double gamma) {
@@ -90,9 +93,16 @@ class SynthesisOptions {
       detail::fail("SynthesisOptions: sigma_rel must be in (0, {:.4f}), got {}", max_sigma_rel, sigma_rel);
     return SynthesisOptions(sigma_rel_to_gamma(sigma_rel));
   }
+  // Any EMA: e.g. SynthesisOptions(EmaTarget(Fixed(0.999))), SynthesisOptions(preset_target("timm_model_ema_v3")).
+  explicit SynthesisOptions(EmaTarget target) : target_(std::move(target)) {}
 
+  // The EMA target, if this synthesis has one (else the power function of gamma()).
+  const std::optional<EmaTarget>& ema_target() const noexcept { return target_; }
+  // The power-function target's gamma and sigma_rel (0 for an EMA target).
   double gamma() const noexcept { return gamma_; }
-  double sigma_rel() const { return gamma_to_sigma_rel(gamma_); }
+  double sigma_rel() const { return target_ ? 0.0 : gamma_to_sigma_rel(gamma_); }
+  // What the synthesis makes, in words: "sigma_rel 0.07 (gamma 6.94)", or the EMA target's policies.
+  std::string describe_target() const;
 
   // The target time: the t of some snapshot. Default: the latest.
   std::optional<std::int64_t> step() const noexcept { return step_; }
@@ -149,9 +159,27 @@ class SynthesisOptions {
     return *this;
   }
   // - an ill-conditioned system: max_condition() above.
+  // - a fit whose weighting of the past is farther than this from the target's (plan.solution's
+  //   fit_error, relative L2 over the updates; default 0.5; infinity: no limit): the snapshots
+  //   cannot represent that EMA (a short half-life from sparse snapshots, most of an EMA's weight
+  //   on the model before the first update).
+  double max_fit_error() const noexcept { return max_fit_error_; }
+  SynthesisOptions& max_fit_error(double value) {
+    if (!(value > 0.0)) detail::fail("SynthesisOptions::max_fit_error must be > 0, got {}", value);
+    max_fit_error_ = value;
+    return *this;
+  }
+
+  // Keep the fitted and the target weight of each update in plan.solution (fitted, target), for a plot.
+  bool keep_weights() const noexcept { return keep_weights_; }
+  SynthesisOptions& keep_weights(bool value) {
+    keep_weights_ = value;
+    return *this;
+  }
 
   static constexpr double default_max_extrapolation = 2.5;
   static constexpr double default_max_weight = 10.0;
+  static constexpr double default_max_fit_error = 0.5;
 
  private:
   double gamma_ = 0;
@@ -160,6 +188,9 @@ class SynthesisOptions {
   bool allow_partial_ = false;
   double max_extrapolation_ = default_max_extrapolation;
   double max_weight_ = default_max_weight;
+  double max_fit_error_ = default_max_fit_error;
+  bool keep_weights_ = false;
+  std::optional<EmaTarget> target_;
   std::optional<c10::ScalarType> dtype_;
   c10::Device device_{c10::kCPU};
 };

@@ -105,6 +105,30 @@ EMAKIT_FUNC std::vector<MissingSnapshot> missing_snapshots(const std::vector<Sna
   return out;
 }
 
+// The snapshots' weights for the plan's target: EDM2's solve for a power function (its fit over the
+// updates measured beside it), fit_target_weights for an EMA target.
+EMAKIT_FUNC PosthocWeights solve_plan(const std::vector<SnapshotInfo>& snapshots, Profile target,
+                                      const SynthesisOptions& options) {
+  std::vector<Profile> profiles;
+  for (const auto& s : snapshots) profiles.push_back({static_cast<double>(s.t), s.gamma});
+  const std::int64_t dt = snapshots.front().update_every;
+  for (const auto& s : snapshots)
+    if (s.update_every != dt)
+      fail_runtime("snapshots '{}' and '{}' were tracked with update_every {} and {}; a synthesis combines the "
+                   "snapshots of one PostHocEma",
+                   snapshots.front().path.string(), s.path.string(), dt, s.update_every);
+  const auto t = static_cast<std::int64_t>(target.t);
+  if (const auto& ema = options.ema_target())
+    return fit_target_weights(profiles, dt, ema->weights(t), options.max_condition(), options.keep_weights());
+  PosthocWeights out = solve_posthoc_weights(profiles, target, options.max_condition());
+  // Measured where the snapshots are on their updates' grid (every snapshot PostHocEma writes is):
+  // else fit_error stays 0 with intervals 0, and profile_error says how good the weights are.
+  const bool on_grid =
+      std::all_of(snapshots.begin(), snapshots.end(), [&](const SnapshotInfo& s) { return s.t > 0 && s.t % dt == 0; });
+  if (on_grid) measure_fit(profiles, dt, power_function_weights(t, target.gamma, dt), out, options.keep_weights());
+  return out;
+}
+
 inline std::string describe_missing(const std::vector<MissingSnapshot>& missing) {
   std::string out;
   const std::size_t shown = std::min<std::size_t>(missing.size(), 8);
@@ -179,31 +203,43 @@ EMAKIT_FUNC SynthesisPlan plan_synthesis(std::vector<SnapshotInfo> snapshots, co
                           [](const SnapshotInfo& a, const SnapshotInfo& b) { return a.gamma < b.gamma; });
   plan.tracked_min_sigma_rel = gamma_to_sigma_rel(shortest->gamma);  // sigma_rel falls as gamma grows
   plan.tracked_max_sigma_rel = gamma_to_sigma_rel(longest->gamma);
-  const double wanted = options.sigma_rel();
-  const double outside = std::max({1.0, plan.tracked_min_sigma_rel / wanted, wanted / plan.tracked_max_sigma_rel});
-  if (outside > options.max_extrapolation() * (1.0 + 1e-9))  // 1e-9: sigma_rel -> gamma -> sigma_rel rounding
-    detail::refuse_synthesis("sigma_rel {:.4g} lies {:.3g}x outside the tracked profiles' range {:.4g} to {:.4g} (in "
-                             "'{}'); past {:.3g}x (max_extrapolation) the combination cannot reproduce it. Track a "
-                             "profile closer to it, or accept it (SynthesisOptions::max_extrapolation, posthoc_tool "
-                             "--max-extrapolation)",
-                             wanted, outside, plan.tracked_min_sigma_rel, plan.tracked_max_sigma_rel, folder,
-                             options.max_extrapolation());
+  if (!options.ema_target()) {
+    const double wanted = options.sigma_rel();
+    const double outside = std::max({1.0, plan.tracked_min_sigma_rel / wanted, wanted / plan.tracked_max_sigma_rel});
+    if (outside > options.max_extrapolation() * (1.0 + 1e-9))  // 1e-9: sigma_rel -> gamma -> sigma_rel rounding
+      detail::refuse_synthesis("sigma_rel {:.4g} lies {:.3g}x outside the tracked profiles' range {:.4g} to {:.4g} "
+                               "(in '{}'); past {:.3g}x (max_extrapolation) the combination cannot reproduce it. "
+                               "Track a profile closer to it, or accept it (SynthesisOptions::max_extrapolation, "
+                               "posthoc_tool --max-extrapolation)",
+                               wanted, outside, plan.tracked_min_sigma_rel, plan.tracked_max_sigma_rel, folder,
+                               options.max_extrapolation());
+  }
 
-  std::vector<Profile> profiles;
-  for (const auto& s : snapshots) profiles.push_back({static_cast<double>(s.t), s.gamma});
-  plan.solution = solve_posthoc_weights(profiles, plan.target, options.max_condition());
+  plan.solution = detail::solve_plan(snapshots, plan.target, options);
+  const std::string what = options.describe_target();
   if (plan.solution.max_abs_weight > options.max_weight()) {
     const auto& w = plan.solution.weights;
     const auto i = static_cast<std::size_t>(
         std::max_element(w.begin(), w.end(), [](double a, double b) { return std::abs(a) < std::abs(b); }) - w.begin());
     detail::refuse_synthesis(
-        "the weights for sigma_rel {:.4g} at t = {} reach {:.4g} (snapshot '{}'), above max_weight "
-        "{:.4g}; weights of both signs that large amplify the snapshots' rounding {:.3g}-fold (the "
-        "sum of |weight|). Choose a target closer to the tracked profiles ({:.4g} to {:.4g}), or "
-        "accept it (SynthesisOptions::max_weight, posthoc_tool --max-weight)",
-        wanted, target, w[i], snapshots[i].path.string(), options.max_weight(), plan.solution.abs_sum,
+        "the weights for {} at t = {} reach {:.4g} (snapshot '{}'), above max_weight {:.4g}; weights of both signs "
+        "that large amplify the snapshots' rounding {:.3g}-fold (the sum of |weight|). Choose a target closer to "
+        "the tracked profiles (sigma_rel {:.4g} to {:.4g}), or accept it (SynthesisOptions::max_weight, "
+        "posthoc_tool --max-weight)",
+        what, target, w[i], snapshots[i].path.string(), options.max_weight(), plan.solution.abs_sum,
         plan.tracked_min_sigma_rel, plan.tracked_max_sigma_rel);
   }
+  if (plan.solution.fit_error > options.max_fit_error())
+    detail::refuse_synthesis(
+        "the snapshots in '{}' cannot represent {} at t = {}: the best combination of the {} snapshots weighs the "
+        "past {:.3g} (relative L2) away from it, above max_fit_error {:.3g}{}. Snapshot more often, track profiles "
+        "closer to it, choose a later target time, or accept it (SynthesisOptions::max_fit_error, posthoc_tool "
+        "--max-fit-error)",
+        folder, what, target, snapshots.size(), plan.solution.fit_error, options.max_fit_error(),
+        plan.solution.initial_weight > 0.01
+            ? fmt::format("; {:.3g} of its weight is on the model before the first update, which no snapshot holds",
+                          plan.solution.initial_weight)
+            : std::string());
   plan.snapshots = std::move(snapshots);
   return plan;
 }
@@ -243,6 +279,10 @@ EMAKIT_FUNC void synthesize_into(const SynthesisPlan& plan, torch::nn::Module& m
 
 EMAKIT_FUNC void synthesize_to_file(const SynthesisPlan& plan, const std::filesystem::path& path, OutputFormat format) {
   if (format == OutputFormat::snapshot) {
+    if (plan.options.ema_target())
+      detail::fail("synthesize_to_file: an emakit snapshot file records a power-function profile, and this synthesis "
+                   "is of {}; write OutputFormat::torch_pickle (posthoc_tool --format pt)",
+                   plan.options.describe_target());
     SnapshotInfo header;
     header.step = header.t = static_cast<std::int64_t>(plan.target.t);
     header.gamma = plan.target.gamma;

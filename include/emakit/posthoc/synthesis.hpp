@@ -49,10 +49,11 @@ struct MissingSnapshot {
 
 // Which snapshots a synthesis combines and with which weights, and what that is worth.
 struct SynthesisPlan {
-  Profile target;
+  Profile target;                       // t: the target time; gamma: the power function's (0 for an EMA target)
   std::vector<SnapshotInfo> snapshots;  // those with t <= target, sorted by (t, gamma)
   PosthocWeights solution;              // solution.weights[i] is the weight of snapshots[i]; its condition,
-                                        // max_abs_weight, abs_sum and profile_error say how good they are
+                                        // max_abs_weight, abs_sum, fit_error (and profile_error for a power
+                                        // function) say how good they are
   SynthesisOptions options;
   RunId run;                             // the run that wrote the snapshots (not recorded: all zero)
   std::vector<MissingSnapshot> missing;  // the gaps in the snapshot set, accepted with allow_partial (else empty)
@@ -68,6 +69,10 @@ EMAKIT_FUNC void check_same_model(const SnapshotInfo& reference, const SnapshotI
 // complex128 on the CPU; this is what the result is converted to).
 EMAKIT_FUNC c10::ScalarType result_dtype(const SnapshotTensor& entry, const SynthesisOptions& options);
 
+// The snapshots' weights for the plan's target (synthesis-inl.hpp).
+EMAKIT_FUNC PosthocWeights solve_plan(const std::vector<SnapshotInfo>& snapshots, Profile target,
+                                      const SynthesisOptions& options);
+
 // Throws unless every snapshot is of one run, naming each run.
 EMAKIT_FUNC void check_one_run(const std::vector<SnapshotInfo>& snapshots);
 
@@ -82,8 +87,8 @@ EMAKIT_FUNC std::vector<MissingSnapshot> missing_snapshots(const std::vector<Sna
 // no snapshot is at or before the target, the target is not a snapshot time, two snapshots have
 // the same profile, or the snapshots are of different models. Refuses (SynthesisRefused, which
 // names the option that accepts it) a snapshot set with gaps, a target sigma_rel outside the
-// tracked range by more than max_extrapolation, a system above max_condition, and weights above
-// max_weight.
+// tracked range by more than max_extrapolation, a system above max_condition, weights above
+// max_weight, and a fit error above max_fit_error.
 EMAKIT_FUNC SynthesisPlan plan_synthesis(std::vector<SnapshotInfo> snapshots, const SynthesisOptions& options);
 
 EMAKIT_FUNC SynthesisPlan plan_synthesis(const std::filesystem::path& folder, const SynthesisOptions& options);
