@@ -51,7 +51,8 @@ struct PosthocWeights {
                               // combination weighs the past as the target does, interval by interval
   double initial_weight = 0;  // v's weight on the model before the first tracked update (an EMA's starting
                               // copy): no snapshot holds that model, so it counts in fit_error whole
-  std::size_t intervals = 0;  // how many intervals the error was measured over
+  std::size_t intervals = 0;  // how many intervals the error was measured over (0: not measured, for a power
+                              // function from snapshots off their updates' grid, which PostHocEma never writes)
   // With SynthesisOptions::keep_weights: per interval, the step it ends at and the weight of u and v
   // on it; index 0 is the model before the first update (interval_ends[0] = 0).
   std::vector<std::int64_t> interval_ends;
