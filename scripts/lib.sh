@@ -31,10 +31,11 @@ EMAKIT_SEED_REQUIREMENTS="$EMAKIT_ROOT/scripts/requirements-seed.txt"
 EMAKIT_BUILD_DEB_PACKAGES=(g++ make cmake ccache libtorch-dev libfmt-dev catch2 libgloo-dev)
 # Everything the full run needs: the above, CLI11 for the examples, Google Benchmark, python3-venv
 # for the reference packages, the Fashion-MNIST demo's data and plotting (dataset-fashion-mnist,
-# gnuplot-nox), clang with its libFuzzer and sanitizer runtimes for scripts/fuzz.sh, and
-# clang-format 14 for scripts/format.sh.
+# gnuplot-nox), clang with its libFuzzer and sanitizer runtimes for scripts/fuzz.sh,
+# clang-format 14 for scripts/format.sh, and valgrind for the cost label (benchmarks/cost: its
+# callgrind.h when building, callgrind when counting).
 EMAKIT_DEB_PACKAGES=("${EMAKIT_BUILD_DEB_PACKAGES[@]}" libcli11-dev libbenchmark-dev python3-venv
-                     dataset-fashion-mnist gnuplot-nox clang libclang-rt-dev clang-format-14)
+                     dataset-fashion-mnist gnuplot-nox clang libclang-rt-dev clang-format-14 valgrind)
 
 # Where dataset-fashion-mnist installs its gzip'd IDX files, and where the demo (and its ctest,
 # examples/CMakeLists.txt) reads them uncompressed.

@@ -8,6 +8,11 @@
 #   ./scripts/mutate.sh --only ID[,ID]  # some of them (the baseline run is still made first)
 #   ./scripts/mutate.sh --no-baseline   # skip the unmutated run (only when it just passed)
 #
+# A mutant with "tests: cost" is a cost the unit tests cannot see (a redundant pass that leaves the
+# averages as they were): it is built as the torch1.13 preset builds the cost model (Release,
+# emakit::compiled; build/mutate/cost-build) and killed when benchmarks/cost/cost.py --check fails
+# (a figure off its budget); the unmutated tree must pass that check first.
+#
 # Per mutant: the text is replaced in the copy (it must occur exactly once: a mutant that no
 # longer applies fails the run, it is never counted as killed); emakit_tests is built with the
 # test files the mutant names (EMAKIT_UNIT_TEST_SOURCES, tests/CMakeLists.txt) and run directly
@@ -110,6 +115,7 @@ elif cmd == "check":  # check TREE [ID...]: every (given) mutant applies exactly
         p = root / m["file"]
         n = p.read_bytes().decode().count(text(m["old"])) if p.is_file() else -1
         for t in m["tests"]:
+            if t == "cost": continue  # the cost label (benchmarks/cost), not a test file
             if not (root / "tests" / t).is_file(): bad.append(f"{m['id']}: tests/{t} does not exist")
         if n != 1: bad.append(f"{m['id']}: its original text occurs {n} times in {m['file']} (must be exactly once)"
                               if n >= 0 else f"{m['id']}: {m['file']} does not exist")
@@ -210,6 +216,22 @@ if ((BASELINE)); then
   say "baseline passed: $(grep -E '^(All tests passed|test cases:)' "$LOGS/baseline.run.log" | tail -1) ($((SECONDS - t0)) s)"
 fi
 
+# The cost model's build of the copy, as the torch1.13 preset makes it (the budgets' build).
+COST_BUILD="$WORK/cost-build"
+COST_READY=0
+cost_check() {  # cost_check LOG: builds emakit_cost_model from the copy and runs the budget check
+  if ((COST_READY == 0)); then
+    cmake -S "$TREE" -B "$COST_BUILD" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release -DTorch_DIR="$TORCH_DIR" \
+      -DCMAKE_PREFIX_PATH= -DEMAKIT_BUILD_TESTS=ON -DEMAKIT_PACKAGE_TESTS=OFF -DEMAKIT_USER_BUILD_TESTS=OFF \
+      -DEMAKIT_INSTALL=OFF -DEMAKIT_PYTHON= >"$LOGS/cost-configure.log" 2>&1 ||
+      { cat "$LOGS/cost-configure.log" >&2; die "configuring $COST_BUILD failed"; }
+    COST_READY=1
+  fi
+  cmake --build "$COST_BUILD" --target emakit_cost_model -j "$JOBS" >"$1.build.log" 2>&1 || return 2
+  python3 "$TREE/benchmarks/cost/cost.py" --binary "$COST_BUILD/benchmarks/cost/emakit_cost_model" \
+    --out "$COST_BUILD/cost" --check >"$1.run.log" 2>&1
+}
+
 declare -A RESULT BY TIME
 killed=0 survived=0 stillborn=0
 printf '%-34s %-9s %6s  %s\n' "mutant" "result" "secs" "killed by"
@@ -221,6 +243,23 @@ for id in "${IDS[@]}"; do
   cp -p "$TREE/$file" "$WORK/original.bak"
   original_sha="$(mutants_py apply "$TREE" "$id")" || die "mutant $id does not apply to $TREE" 2
   result="" by=""
+  if [[ "$hint" == cost ]]; then
+    if [[ -z "${COST_BASELINE:-}" ]]; then
+      cp "$WORK/original.bak" "$TREE/$file"  # the baseline: the unmutated copy passes the check
+      cost_check "$LOGS/cost-baseline" || { tail -20 "$LOGS/cost-baseline.run.log" >&2; die "the unmutated cost check fails ($LOGS/cost-baseline.run.log)"; }
+      COST_BASELINE=1
+      mutants_py apply "$TREE" "$id" >/dev/null
+    fi
+    rc=0
+    cost_check "$log" || rc=$?
+    if ((rc == 2)); then
+      result=stillborn by="does not compile: $log.build.log"
+    elif ((rc != 0)); then
+      result=killed by="cost: $(grep -m1 -E 'budget FAIL|limit FAIL' "$log.run.log" | sed -E 's/^ +//' | cut -c1-120)"
+    else
+      result=survived by="cost.py --check passes ($log.run.log)"
+    fi
+  else
   configure "${hint// /;}"
   if ! build "$log.build.log"; then
     result=stillborn by="does not compile: $log.build.log"
@@ -238,6 +277,7 @@ for id in "${IDS[@]}"; do
     else
       result=survived by="no test fails ($log.all.run.log)"
     fi
+  fi
   fi
   # Restore the copy and check it byte for byte.
   cp "$WORK/original.bak" "$TREE/$file"

@@ -10,7 +10,9 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 namespace test_ema {  // this file's names (unity batches: tests/CMakeLists.txt)
@@ -480,6 +482,59 @@ TEST_CASE("After Module::to() the average stays where it is and keeps following 
   CHECK(ema.update().action == Action::averaged);
   CHECK(ema.average("fc.weight").scalar_type() == torch::kFloat);
   CHECK(torch::equal(ema.average("fc.weight"), torch::full({4, 3}, 2.0)));
+}
+
+// Every way a model tensor can be given other memory and keep its shape (set_data): a view at an
+// offset of another tensor, the same storage at another offset only, the same offset with other
+// strides only, another dtype, a new tensor. Each update must read the tensor where it is then:
+// the EMA against ATen's lerp of the tensor as it is, bitwise, after every move.
+TEST_CASE("A model tensor given other memory in any way is read where it is at the next update", "[ema][placement]") {
+  torch::NoGradGuard no_grad;
+  const auto values = [](std::int64_t n, double scale) { return torch::arange(n, torch::kFloat).mul_(scale).sin_(); };
+  at::Tensor w = values(24, 0.5).view({4, 6});
+  const std::vector<emakit::SourceTensor> sources{{"w", w, false}};
+  emakit::FixedEma ema(sources, emakit::Fixed(0.75));
+  at::Tensor expected = w.clone();
+  const at::Tensor big = values(48, 0.3);
+  const std::vector<std::pair<const char*, std::function<void()>>> moves = {
+      {"none", [] {}},
+      {"a view at offset 12 of another tensor",
+       [&] {
+         w.set_data(big.narrow(0, 12, 24).view({4, 6}));
+       }},
+      {"the same storage at offset 20",
+       [&] {
+         w.set_data(big.narrow(0, 20, 24).view({4, 6}));
+       }},
+      {"the same storage at offset 0",
+       [&] {
+         w.set_data(big.narrow(0, 0, 24).view({4, 6}));
+       }},
+      {"the same storage and offset, transposed",
+       [&] {
+         w.set_data(big.narrow(0, 0, 24).view({6, 4}).t());
+       }},
+      {"bf16",
+       [&] {
+         w.set_data(values(24, 0.7).view({4, 6}).to(torch::kBFloat16));
+       }},
+      {"a new tensor",
+       [&] {
+         w.set_data(values(24, 0.9).view({4, 6}));
+       }},
+  };
+  int compared = 0;
+  for (const auto& [what, move] : moves) {
+    INFO(what);
+    move();
+    REQUIRE(w.sizes() == at::IntArrayRef({4, 6}));
+    REQUIRE(ema.update().action == Action::averaged);
+    expected.lerp_(w.to(torch::kFloat), 0.25);
+    CHECK(emakit::detail::bitwise_equal(ema.average("w"), expected));
+    ++compared;
+    big.add_(0.125);  // the views of big change: an update that read an old place would differ
+  }
+  CHECK(compared == 7);
 }
 
 TEST_CASE("A tensor that changes shape after binding is an error and nothing changes", "[ema][errors]") {

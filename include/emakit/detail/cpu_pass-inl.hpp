@@ -25,13 +25,15 @@ EMAKIT_FUNC void CpuPass::run(Weights weights, std::int64_t grain, double* drift
                    [&](std::int64_t begin, std::int64_t end) { run_share(begin, end, weights, drift); });
 }
 
-EMAKIT_FUNC void CpuPass::run_share(std::int64_t c0, std::int64_t c1, Weights weights, double* drift) const {
+EMAKIT_FUNC EMAKIT_OPTIMIZE_SEGMENT void CpuPass::run_share(std::int64_t c0, std::int64_t c1, Weights weights,
+                                                            double* drift) const {
   auto it = std::upper_bound(segments_.begin(), segments_.end(), c0,
                              [](std::int64_t c, const Segment& s) { return c < s.begin; });
   if (it != segments_.begin()) --it;
   for (; it != segments_.end() && it->begin < c1; ++it) {
-    const std::int64_t lo = element_at(it->begin, it->cost, it->n, c0);
-    const std::int64_t hi = element_at(it->begin, it->cost, it->n, c1);
+    // A segment inside the share (all but its first and last) needs no division.
+    const std::int64_t lo = c0 <= it->begin ? 0 : element_at(it->begin, it->cost, it->n, c0);
+    const std::int64_t hi = c1 >= it->begin + it->n * it->cost ? it->n : element_at(it->begin, it->cost, it->n, c1);
     if (lo >= hi) continue;
     // lo is a whole number of drift chunks into the segment (element_at)
     it->fn(it->a, it->x, lo, hi, weights, drift == nullptr ? nullptr : drift + 2 * (it->chunk + lo / drift_chunk));
@@ -104,13 +106,14 @@ EMAKIT_FUNC void GroupPass::run(std::int64_t grain) const {
   at::parallel_for(0, total_, grain, [&](std::int64_t begin, std::int64_t end) { run_share(begin, end); });
 }
 
-EMAKIT_FUNC void GroupPass::run_share(std::int64_t c0, std::int64_t c1) const {
+EMAKIT_FUNC EMAKIT_OPTIMIZE_SEGMENT void GroupPass::run_share(std::int64_t c0, std::int64_t c1) const {
   auto it =
       std::upper_bound(groups_.begin(), groups_.end(), c0, [](std::int64_t c, const Group& g) { return c < g.begin; });
   if (it != groups_.begin()) --it;
   for (; it != groups_.end() && it->begin < c1; ++it) {
-    const std::int64_t lo = CpuPass::element_at(it->begin, it->cost, it->n, c0);
-    const std::int64_t hi = CpuPass::element_at(it->begin, it->cost, it->n, c1);
+    const std::int64_t lo = c0 <= it->begin ? 0 : CpuPass::element_at(it->begin, it->cost, it->n, c0);
+    const std::int64_t hi =
+        c1 >= it->begin + it->n * it->cost ? it->n : CpuPass::element_at(it->begin, it->cost, it->n, c1);
     if (lo >= hi) continue;
     const void* x = it->x;
     // lo and every block start are whole drift chunks into the group's tensor (element_at, and

@@ -64,7 +64,9 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 // ask for -O2 themselves: the copies through EMAKIT_OPTIMIZE_SEGMENT, the averages through
 // EMAKIT_NO_CONTRACT, which then carries both options in its one optimize attribute. At -O1 their
 // loops run at half speed on small tensors (cmake/emakit_implementation.cmake sets both;
-// docs/performance.md has the figures).
+// docs/performance.md has the figures). The per-tensor work of every update asks for -O2 too
+// (UpdateKernel::check_sources_and_replan, the passes' run_share): at -O1 its inline LibTorch
+// accessors stay calls (the cost model, benchmarks/cost: many_small).
 #if defined(__GNUC__) && !defined(__clang__) && defined(EMAKIT_OPTIMIZE_KERNELS)
 #define EMAKIT_OPTIMIZE_SEGMENT __attribute__((optimize("O2")))
 #define EMAKIT_NO_CONTRACT __attribute__((optimize("O2", "fp-contract=off")))

@@ -54,17 +54,26 @@ EMAKIT_FUNC void UpdateKernel::wait_for_update() const {
   wait_for_model_reads();
 }
 
-EMAKIT_FUNC void UpdateKernel::check_sources_and_replan() {
+EMAKIT_FUNC EMAKIT_OPTIMIZE_SEGMENT void UpdateKernel::check_sources_and_replan() {
+  // Once per update and tensor: inline reads only (the cost model's many_small case counts them).
+  const auto same_shape = [](c10::IntArrayRef sizes, const std::vector<std::int64_t>& shape) {
+    if (sizes.size() != shape.size()) return false;
+    for (std::size_t d = 0; d < shape.size(); ++d)
+      if (sizes[d] != shape[d]) return false;
+    return true;
+  };
+  // The TensorImpl's own accessors: at::Tensor's sizes() stays a call at -O1.
   bool stale = false;
   for (const auto& s : slots_) {
     if (!s.source.defined())
       fail("tensor '{}' of the model is no longer defined; make a new Ema for the changed model", s.name);
-    if (!s.source.sizes().equals(s.shape))
+    const c10::TensorImpl* impl = s.source.unsafeGetTensorImpl();
+    if (!same_shape(impl->sizes(), s.shape))
       fail("tensor '{}' changed shape from {} to {} since the EMA was bound; make a new Ema for the changed model",
            s.name, shape_string(s.shape), shape_string(s.source.sizes()));
-    stale = stale || s.source.device() != s.source_device || s.source.scalar_type() != s.source_dtype ||
-            s.source.is_contiguous() != s.source_contiguous || read_ptr(s.source) != s.source_memory ||
-            read_ptr(s.average) != s.average_memory;
+    stale = stale || impl->device() != s.source_device || c10::typeMetaToScalarType(impl->dtype()) != s.source_dtype ||
+            impl->is_contiguous() != s.source_contiguous || memory_of(s.source) != s.source_memory ||
+            memory_of(s.average) != s.average_memory;
   }
   if (stale) {
     wait_for_update();

@@ -19,8 +19,8 @@ EMAKIT_FUNC UpdatePlan::UpdatePlan(std::vector<Slot>& slots, CpuPath cpu_path, S
     s.source_device = s.source.device();
     s.source_dtype = s.source.scalar_type();
     s.source_contiguous = s.source.is_contiguous();
-    s.source_memory = read_ptr(s.source);
-    s.average_memory = read_ptr(s.average);
+    s.source_memory = memory_of(s.source);
+    s.average_memory = memory_of(s.average);
     s.staging = at::Tensor();
     const auto a_dev = s.average.device();
     if (a_dev.is_cuda()) lane_for(a_dev);
