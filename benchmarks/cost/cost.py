@@ -23,7 +23,8 @@ bytes that move between the caches and memory. For many_small also instructions 
     per element, up or down (a change that makes an update cheaper records the new figure, so that
     the budget stays tight), or the build has no entry (--record writes it); the references (plain
     loops, ATen) are counted for the limits but have no budget;
-  - a limit of the design does not hold (LIMITS below).
+  - a limit of the design does not hold (limits() below: together and EmaGroup against apart,
+    drift on against off, one EMA against the plain loop).
 A limit that a build does not meet yet is in its entry's "open_limits" (the reason in budgets.json's
 "reasons"); --check reports it and fails when a listed limit holds (take it off the list).
 --record writes this build's figures, and the limits it does not meet as its open ones, into
@@ -32,7 +33,6 @@ Exit 77 (skipped) when valgrind is not installed.
 """
 import argparse
 import json
-import math
 import os
 import pathlib
 import re
@@ -54,6 +54,8 @@ FIGURES = {
     "ll_write_misses": ("LL write misses", ["DLmw"]),
     "ll_write_backs": ("LL write-backs", ["ILdmr", "DLdmr", "DLdmw"]),
 }
+# What a budget holds per case: each figure, and the traffic they add up to (bytes per element).
+BUDGETED = list(FIGURES) + ["traffic_bytes"]
 # A figure may move by TOLERANCE of its budget plus ABSOLUTE per element (so that a figure near 0,
 # a few write misses in a million elements, does not fail on one line).
 TOLERANCE = 0.015
@@ -205,9 +207,7 @@ def budget_rows(fig, entry):
         if name not in budget_cases:
             rows.append((name, "(all)", None, None, False, "no budget for this case: --record adds it"))
             continue
-        for k in list(FIGURES) + ["traffic_bytes"]:
-            if k == "traffic_bytes":
-                continue  # traffic is the sum of three budgeted figures
+        for k in BUDGETED:
             got, want = fig[name][k], budget_cases[name][k]
             allowed = TOLERANCE * want + ABSOLUTE
             ok = abs(got - want) <= allowed
@@ -313,7 +313,7 @@ def main():
         # The limits not met now are this build's open ones: each needs a reason in "reasons".
         broken = sorted(r[0] for r in lim if not r[3])
         budgets.setdefault("configurations", {})[key] = {
-            "cases": {n: {k: round(f[k], 6) for k in FIGURES} for n, f in sorted(fig.items()) if budgeted(n)},
+            "cases": {n: {k: round(f[k], 6) for k in BUDGETED} for n, f in sorted(fig.items()) if budgeted(n)},
             "open_limits": broken}
         for what in broken:
             if what not in reasons:

@@ -48,6 +48,18 @@ EMAKIT_FUNC std::int64_t CpuPass::element_at(std::int64_t begin, std::int64_t co
   return std::min(n, aligned);
 }
 
+EMAKIT_FUNC bool GroupPass::same_inputs(std::span<const Input> passes) noexcept {
+  if (passes.empty()) return false;
+  const auto& first = passes.front().pass->segments();
+  for (const Input& p : passes.subspan(1)) {
+    const auto& segments = p.pass->segments();
+    if (segments.size() != first.size()) return false;
+    for (std::size_t i = 0; i < segments.size(); ++i)
+      if (segments[i].x != first[i].x || segments[i].n != first[i].n) return false;
+  }
+  return true;
+}
+
 EMAKIT_FUNC void GroupPass::build(std::span<const Input> passes) {
   reused_ = passes.size() == built_from_.size() &&
             std::equal(passes.begin(), passes.end(), built_from_.begin(), [](const Input& p, const auto& b) {
@@ -68,15 +80,34 @@ EMAKIT_FUNC void GroupPass::build(std::span<const Input> passes) {
   index_.clear();
   group_of_.clear();
   total_ = 0;
-  // Groups in the order their input first appears; a segment joins the group of its input.
-  for (const Input& p : passes) {
-    for (const auto& seg : p.pass->segments()) {
-      const auto [it, added] = index_.try_emplace(Key{seg.x, seg.n}, groups_.size());
-      if (added) groups_.push_back(Group{seg.x, seg.n, 0, 0, 0, 0, 0});
-      Group& g = groups_[it->second];
-      g.cost += seg.cost;
-      ++g.count;
-      group_of_.push_back(it->second);
+  // Groups in the order their input first appears; a segment joins the group of its input. Members
+  // of one model read its tensors in the same order (the usual case): the i-th segment of every
+  // pass is then the i-th group, found without the hash of the inputs, whose 2000 nodes for 2000
+  // tensors were most of an update_together's cost, allocated anew at every call (the cost model:
+  // together2/many_small). A tensor that one pass reads twice (the same tensor under two names)
+  // is then two groups: it is read twice, with the same results.
+  const bool by_position = same_inputs(passes);
+  if (by_position) {
+    const auto& first_segments = passes.front().pass->segments();
+    groups_.reserve(first_segments.size());
+    for (const auto& seg : first_segments) groups_.push_back(Group{seg.x, seg.n, 0, 0, 0, 0, 0});
+    for (const Input& p : passes) {
+      std::size_t i = 0;
+      for (const auto& seg : p.pass->segments()) {
+        groups_[i].cost += seg.cost;
+        ++groups_[i++].count;
+      }
+    }
+  } else {
+    for (const Input& p : passes) {
+      for (const auto& seg : p.pass->segments()) {
+        const auto [it, added] = index_.try_emplace(Key{seg.x, seg.n}, groups_.size());
+        if (added) groups_.push_back(Group{seg.x, seg.n, 0, 0, 0, 0, 0});
+        Group& g = groups_[it->second];
+        g.cost += seg.cost;
+        ++g.count;
+        group_of_.push_back(it->second);
+      }
     }
   }
   // Each group's entries side by side, in the order of `passes`.
@@ -93,8 +124,9 @@ EMAKIT_FUNC void GroupPass::build(std::span<const Input> passes) {
   entries_.resize(first);
   std::size_t k = 0;
   for (std::size_t p = 0; p < passes.size(); ++p) {
+    std::size_t i = 0;  // the segment's index in its pass: its group, by position
     for (const auto& seg : passes[p].pass->segments()) {
-      Group& g = groups_[group_of_[k++]];
+      Group& g = groups_[by_position ? i++ : group_of_[k++]];
       double* drift = passes[p].drift != nullptr ? passes[p].drift + 2 * seg.chunk : nullptr;
       entries_[g.first + g.count++] = Entry{seg.fn, seg.a, passes[p].weights, drift, seg.chunk, p};
     }

@@ -218,7 +218,8 @@ class GroupPass {
   static constexpr std::int64_t min_block_elements = 256, max_block_elements = 2048;
 
   // Groups the segments of `passes`, each run with its weight, in time linear in the segments
-  // (a hash of the inputs); keeps its buffers' capacity. Given the same passes again, unchanged
+  // (by position when every pass reads the same inputs in the same order, else a hash of the
+  // inputs); keeps its buffers' capacity. Given the same passes again, unchanged
   // (their generations), it keeps the grouping and only takes the new weights: a GroupPass kept
   // from call to call (UpdateKernel::TogetherScratch, owned by the group's GroupCore) neither
   // allocates nor hashes once it has seen the members.
@@ -262,6 +263,8 @@ class GroupPass {
     }
   };
   void run_share(std::int64_t c0, std::int64_t c1) const;
+  // Whether every pass reads the same inputs in the same order (then grouped by position).
+  static bool same_inputs(std::span<const Input> passes) noexcept;
 
   std::vector<Group> groups_;
   std::vector<Entry> entries_;
