@@ -348,19 +348,7 @@ void run_case(benchmark::State& state, const Case& c) {
       for (std::size_t i = 0; i < avg.size(); ++i) avg[i].mul_(1.0 - kWeight).add_(f.model[i].tensor, kWeight);
     };
   } else if (c.impl == "aten_foreach") {
-    if (!f.foreach_kernel) {
-      std::vector<emakit::detail::Slot> slots;
-      auto avg = f.averages(c.op);
-      for (std::size_t i = 0; i < avg.size(); ++i) {
-        emakit::detail::Slot s;
-        s.name = f.model[i].name;
-        s.average = avg[i];
-        s.source = f.model[i].tensor;
-        slots.push_back(std::move(s));
-      }
-      f.foreach_kernel = std::make_unique<emakit::detail::UpdateKernel>(std::move(slots),
-                                                                        emakit::detail::UpdateKernel::CpuPath::foreach);
-    }
+    if (!f.foreach_kernel) f.foreach_kernel = emakit_bench::foreach_reference(f.model, f.averages(c.op));
     auto* kernel = f.foreach_kernel.get();
     step = [kernel] { kernel->average(kWeight); };
   } else if (c.impl == "aten_copy") {

@@ -1,11 +1,14 @@
-// The plain loops of the benchmarks: what a hand-written fused EMA loop over the same buffers
-// costs, per instruction set. emakit_bench_ema_update times them (its roofline cases) and the
-// cost model (benchmarks/cost/cost_model.cpp) counts them, so both compare emakit with one loop.
+// The references of the benchmarks: what a hand-written fused EMA loop over the same buffers
+// costs, per instruction set, and ATen's foreach update. emakit_bench_ema_update times them (its roofline cases) and
+// the cost model (benchmarks/cost/cost_model.cpp) counts them, so both compare emakit with one loop.
 #pragma once
 
 #include <emakit/detail/simd.hpp>
+#include <emakit/detail/update_kernel.hpp>
+#include <emakit/state.hpp>
 
 #include <algorithm>
+#include <memory>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -142,6 +145,23 @@ void group_roofline(PlainLoop<S> loop, const std::vector<std::vector<Span>>& mem
       if (offset >= end) break;
     }
   }
+}
+
+// ATen's foreach update on the same buffers: emakit's device path (UpdateKernel's foreach CPU
+// path: _foreach_lerp_ on LibTorch >= 2, _foreach_mul_ + _foreach_add_ on 1.13) over the model's
+// tensors and the given averages.
+inline std::unique_ptr<emakit::detail::UpdateKernel> foreach_reference(const std::vector<emakit::SourceTensor>& model,
+                                                                       const std::vector<at::Tensor>& averages) {
+  std::vector<emakit::detail::Slot> slots;
+  for (std::size_t i = 0; i < averages.size(); ++i) {
+    emakit::detail::Slot s;
+    s.name = model[i].name;
+    s.average = averages[i];
+    s.source = model[i].tensor;
+    slots.push_back(std::move(s));
+  }
+  return std::make_unique<emakit::detail::UpdateKernel>(std::move(slots),
+                                                        emakit::detail::UpdateKernel::CpuPath::foreach);
 }
 
 }  // namespace emakit_bench

@@ -153,6 +153,22 @@ std::vector<emakit::FixedEma> make_group(const Model& m, int k) {
   return out;
 }
 
+// The benchmark's plain loop (Average) or copy loop over the model and a fresh EMA's averages.
+template <bool Average>
+void plain_step(const Model& m, Prepared& p) {
+  p.emas.push_back(std::make_unique<emakit::FixedEma>(make_ema(m)));
+  const auto spans = spans_of(m, *p.emas.back());
+  const auto total = m.elements;
+  if (m.precision == Precision::fp32)
+    p.step = [loop = emakit_bench::plain_loop_for<float, Average>(isa()), spans, total] {
+      emakit_bench::roofline<float>(loop, spans, total, 1, float(kWeight));
+    };
+  else
+    p.step = [loop = emakit_bench::plain_loop_for<std::uint16_t, Average>(isa()), spans, total] {
+      emakit_bench::roofline<std::uint16_t>(loop, spans, total, 1, float(kWeight));
+    };
+}
+
 std::filesystem::path g_posthoc_folder;
 
 std::vector<Case> all_cases(const std::vector<Model>& models) {
@@ -190,32 +206,8 @@ std::vector<Case> all_cases(const std::vector<Model>& models) {
         if (!e->update().drift) throw std::runtime_error("drift case: the update did not measure the drift");
       };
     });
-    add(m, "plain", [](const Model& m, Prepared& p) {
-      p.emas.push_back(std::make_unique<emakit::FixedEma>(make_ema(m)));
-      const auto spans = spans_of(m, *p.emas.back());
-      const auto total = m.elements;
-      if (m.precision == Precision::fp32)
-        p.step = [loop = emakit_bench::plain_loop_for<float, true>(isa()), spans, total] {
-          emakit_bench::roofline<float>(loop, spans, total, 1, float(kWeight));
-        };
-      else
-        p.step = [loop = emakit_bench::plain_loop_for<std::uint16_t, true>(isa()), spans, total] {
-          emakit_bench::roofline<std::uint16_t>(loop, spans, total, 1, float(kWeight));
-        };
-    });
-    add(m, "plain_copy", [](const Model& m, Prepared& p) {
-      p.emas.push_back(std::make_unique<emakit::FixedEma>(make_ema(m)));
-      const auto spans = spans_of(m, *p.emas.back());
-      const auto total = m.elements;
-      if (m.precision == Precision::fp32)
-        p.step = [loop = emakit_bench::plain_loop_for<float, false>(isa()), spans, total] {
-          emakit_bench::roofline<float>(loop, spans, total, 1, float(kWeight));
-        };
-      else
-        p.step = [loop = emakit_bench::plain_loop_for<std::uint16_t, false>(isa()), spans, total] {
-          emakit_bench::roofline<std::uint16_t>(loop, spans, total, 1, float(kWeight));
-        };
-    });
+    add(m, "plain", plain_step<true>);
+    add(m, "plain_copy", plain_step<false>);
     if (!fp32) continue;
     for (int k : {1, 2, 4, 8}) {
       const std::string ks = std::to_string(k);
@@ -256,17 +248,7 @@ std::vector<Case> all_cases(const std::vector<Model>& models) {
     });
     add(m, "aten_foreach", [](const Model& m, Prepared& p) {
       p.emas.push_back(std::make_unique<emakit::FixedEma>(make_ema(m)));
-      std::vector<emakit::detail::Slot> slots;
-      const auto avg = averages_of(*p.emas.back());
-      for (std::size_t i = 0; i < avg.size(); ++i) {
-        emakit::detail::Slot s;
-        s.name = m.tensors[i].name;
-        s.average = avg[i];
-        s.source = m.tensors[i].tensor;
-        slots.push_back(std::move(s));
-      }
-      p.kernel = std::make_unique<emakit::detail::UpdateKernel>(std::move(slots),
-                                                                emakit::detail::UpdateKernel::CpuPath::foreach);
+      p.kernel = emakit_bench::foreach_reference(m.tensors, averages_of(*p.emas.back()));
       p.step = [k = p.kernel.get()] { k->average(kWeight); };
     });
   }
