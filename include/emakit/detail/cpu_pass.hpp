@@ -250,8 +250,8 @@ class GroupPass {
     std::size_t first, count;  // entries_[first, first + count)
     std::int64_t block;        // elements per block
   };
-  // A group's input: where its data starts, and its element count (two slots reading the same
-  // memory read the same elements: one group).
+  // A group's input: where its data starts, and its element count (grouped through the hash, two
+  // slots reading the same memory read the same elements: one group).
   struct Key {
     const void* input;
     std::int64_t n;
