@@ -81,7 +81,6 @@ namespace {
 using emakit_bench::group_roofline;
 using emakit_bench::Layout;
 using emakit_bench::plain_loop_for;
-using emakit_bench::PlainLoop;
 using emakit_bench::roofline;
 using emakit_bench::roofline_isas;
 using emakit_bench::Span;

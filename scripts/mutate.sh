@@ -219,7 +219,9 @@ fi
 # The cost model's build of the copy, as the torch1.13 preset makes it (the budgets' build).
 COST_BUILD="$WORK/cost-build"
 COST_READY=0
-cost_check() {  # cost_check LOG: builds emakit_cost_model from the copy and runs the budget check
+# cost_check LOG: builds emakit_cost_model from the copy (exit 100 when that fails) and runs the
+# budget check: cost.py's own exit status (0 passed, 1 a figure or limit failed, else it could not count).
+cost_check() {
   if ((COST_READY == 0)); then
     cmake -S "$TREE" -B "$COST_BUILD" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release -DTorch_DIR="$TORCH_DIR" \
       -DCMAKE_PREFIX_PATH= -DEMAKIT_BUILD_TESTS=ON -DEMAKIT_PACKAGE_TESTS=OFF -DEMAKIT_USER_BUILD_TESTS=OFF \
@@ -227,9 +229,29 @@ cost_check() {  # cost_check LOG: builds emakit_cost_model from the copy and run
       { cat "$LOGS/cost-configure.log" >&2; die "configuring $COST_BUILD failed"; }
     COST_READY=1
   fi
-  cmake --build "$COST_BUILD" --target emakit_cost_model -j "$JOBS" >"$1.build.log" 2>&1 || return 2
+  cmake --build "$COST_BUILD" --target emakit_cost_model -j "$JOBS" >"$1.build.log" 2>&1 || return 100
   python3 "$TREE/benchmarks/cost/cost.py" --binary "$COST_BUILD/benchmarks/cost/emakit_cost_model" \
     --out "$COST_BUILD/cost" --check >"$1.run.log" 2>&1
+}
+# cost_mutant ID FILE LOG: a mutant of the cost label (applied to the copy): sets result and by. The
+# first one checks the unmutated copy first (FILE restored for it, then the mutant applied again).
+COST_BASELINE=0
+cost_mutant() {
+  local id="$1" file="$2" log="$3" rc=0
+  if ((COST_BASELINE == 0)); then
+    cp "$WORK/original.bak" "$TREE/$file"
+    cost_check "$LOGS/cost-baseline" ||
+      { tail -20 "$LOGS/cost-baseline.run.log" >&2; die "the unmutated cost check fails ($LOGS/cost-baseline.run.log)"; }
+    COST_BASELINE=1
+    mutants_py apply "$TREE" "$id" >/dev/null
+  fi
+  cost_check "$log" || rc=$?
+  case "$rc" in
+    0) result=survived by="cost.py --check passes ($log.run.log)" ;;
+    1) result=killed by="cost: $(grep -m1 -E 'budget FAIL|limit FAIL' "$log.run.log" | sed -E 's/^ +//' | cut -c1-120)" ;;
+    100) result=stillborn by="does not compile: $log.build.log" ;;
+    *) tail -20 "$log.run.log" >&2; die "cost.py could not count the mutant $id (exit $rc, $log.run.log)" ;;
+  esac
 }
 
 declare -A RESULT BY TIME
@@ -244,40 +266,26 @@ for id in "${IDS[@]}"; do
   original_sha="$(mutants_py apply "$TREE" "$id")" || die "mutant $id does not apply to $TREE" 2
   result="" by=""
   if [[ "$hint" == cost ]]; then
-    if [[ -z "${COST_BASELINE:-}" ]]; then
-      cp "$WORK/original.bak" "$TREE/$file"  # the baseline: the unmutated copy passes the check
-      cost_check "$LOGS/cost-baseline" || { tail -20 "$LOGS/cost-baseline.run.log" >&2; die "the unmutated cost check fails ($LOGS/cost-baseline.run.log)"; }
-      COST_BASELINE=1
-      mutants_py apply "$TREE" "$id" >/dev/null
-    fi
-    rc=0
-    cost_check "$log" || rc=$?
-    if ((rc == 2)); then
+    cost_mutant "$id" "$file" "$log"
+  else
+    configure "${hint// /;}"
+    if ! build "$log.build.log"; then
       result=stillborn by="does not compile: $log.build.log"
-    elif ((rc != 0)); then
-      result=killed by="cost: $(grep -m1 -E 'budget FAIL|limit FAIL' "$log.run.log" | sed -E 's/^ +//' | cut -c1-120)"
+    elif ! run_tests "$log.run.log"; then
+      result=killed by="$(failed_test "$log.run.log")"
+      [[ -n "$by" ]] || by="crash or timeout (rc != 0): $log.run.log"
     else
-      result=survived by="cost.py --check passes ($log.run.log)"
+      # Survived its own test files: every test file.
+      configure ""
+      if ! build "$log.all.build.log"; then
+        result=stillborn by="does not compile with every test file: $log.all.build.log"
+      elif ! run_tests "$log.all.run.log"; then
+        result=killed by="$(failed_test "$log.all.run.log") (not by its listed files: $hint)"
+        [[ -n "$by" ]] || by="crash or timeout: $log.all.run.log"
+      else
+        result=survived by="no test fails ($log.all.run.log)"
+      fi
     fi
-  else
-  configure "${hint// /;}"
-  if ! build "$log.build.log"; then
-    result=stillborn by="does not compile: $log.build.log"
-  elif ! run_tests "$log.run.log"; then
-    result=killed by="$(failed_test "$log.run.log")"
-    [[ -n "$by" ]] || by="crash or timeout (rc != 0): $log.run.log"
-  else
-    # Survived its own test files: every test file.
-    configure ""
-    if ! build "$log.all.build.log"; then
-      result=stillborn by="does not compile with every test file: $log.all.build.log"
-    elif ! run_tests "$log.all.run.log"; then
-      result=killed by="$(failed_test "$log.all.run.log") (not by its listed files: $hint)"
-      [[ -n "$by" ]] || by="crash or timeout: $log.all.run.log"
-    else
-      result=survived by="no test fails ($log.all.run.log)"
-    fi
-  fi
   fi
   # Restore the copy and check it byte for byte.
   cp "$WORK/original.bak" "$TREE/$file"

@@ -60,7 +60,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
-#include <iostream>
 #include <memory>
 #include <regex>
 #include <span>
@@ -117,16 +116,12 @@ std::vector<at::Tensor> averages_of(const emakit::FixedEma& ema) {
   return out;
 }
 
-// The ISA emakit's pass picks on this CPU, for the plain loops.
-std::string isa() {
-  if (emakit::detail::use_avx512()) return "avx512";
-  if (emakit::detail::use_avx2()) return "avx2";
-  return "baseline";
-}
+// The ISA emakit's pass picks on this CPU, for the plain loops: the widest the benchmark has.
+std::string isa() { return emakit_bench::roofline_isas().back(); }
 
 // What a case keeps alive and runs: `step` is one update.
 struct Prepared {
-  std::vector<std::unique_ptr<emakit::FixedEma>> emas;
+  std::unique_ptr<emakit::FixedEma> ema;
   std::vector<emakit::FixedEma> group_members;
   std::unique_ptr<emakit::EmaGroup> group;
   std::unique_ptr<emakit::PostHocEma> posthoc;
@@ -156,8 +151,8 @@ std::vector<emakit::FixedEma> make_group(const Model& m, int k) {
 // The benchmark's plain loop (Average) or copy loop over the model and a fresh EMA's averages.
 template <bool Average>
 void plain_step(const Model& m, Prepared& p) {
-  p.emas.push_back(std::make_unique<emakit::FixedEma>(make_ema(m)));
-  const auto spans = spans_of(m, *p.emas.back());
+  p.ema = std::make_unique<emakit::FixedEma>(make_ema(m));
+  const auto spans = spans_of(m, *p.ema);
   const auto total = m.elements;
   if (m.precision == Precision::fp32)
     p.step = [loop = emakit_bench::plain_loop_for<float, Average>(isa()), spans, total] {
@@ -180,29 +175,27 @@ std::vector<Case> all_cases(const std::vector<Model>& models) {
   for (const Model& m : models) {
     const bool fp32 = m.precision == Precision::fp32;
     add(m, "ema", [](const Model& m, Prepared& p) {
-      p.emas.push_back(std::make_unique<emakit::FixedEma>(make_ema(m)));
-      p.step = [e = p.emas.back().get()] { e->update(); };
+      p.ema = std::make_unique<emakit::FixedEma>(make_ema(m));
+      p.step = [e = p.ema.get()] { e->update(); };
     });
     if (fp32 && m.layout == "large") {
       for (const auto a : emakit::all_arithmetics) {
         if (a == emakit::Arithmetic::lerp) continue;  // the ema case
         add(m, std::string("ema_") + emakit::arithmetic_name(a), [a](const Model& m, Prepared& p) {
-          p.emas.push_back(
-              std::make_unique<emakit::FixedEma>(make_ema(m, 1.0 - kWeight, emakit::EmaOptions().arithmetic(a))));
-          p.step = [e = p.emas.back().get()] { e->update(); };
+          p.ema = std::make_unique<emakit::FixedEma>(make_ema(m, 1.0 - kWeight, emakit::EmaOptions().arithmetic(a)));
+          p.step = [e = p.ema.get()] { e->update(); };
         });
       }
     }
     add(m, "copy", [](const Model& m, Prepared& p) {
-      p.emas.push_back(std::make_unique<emakit::FixedEma>(
+      p.ema = std::make_unique<emakit::FixedEma>(
           m.tensors, emakit::Fixed(1.0 - kWeight),
-          emakit::StepSchedule().warmup(emakit::Warmup::copy_before_start).start_step(std::int64_t{1} << 62)));
-      p.step = [e = p.emas.back().get()] { e->update(); };
+          emakit::StepSchedule().warmup(emakit::Warmup::copy_before_start).start_step(std::int64_t{1} << 62));
+      p.step = [e = p.ema.get()] { e->update(); };
     });
     add(m, "drift", [](const Model& m, Prepared& p) {
-      p.emas.push_back(
-          std::make_unique<emakit::FixedEma>(make_ema(m, 1.0 - kWeight, emakit::EmaOptions().drift_every(1))));
-      p.step = [e = p.emas.back().get()] {
+      p.ema = std::make_unique<emakit::FixedEma>(make_ema(m, 1.0 - kWeight, emakit::EmaOptions().drift_every(1)));
+      p.step = [e = p.ema.get()] {
         if (!e->update().drift) throw std::runtime_error("drift case: the update did not measure the drift");
       };
     });
@@ -241,14 +234,14 @@ std::vector<Case> all_cases(const std::vector<Model>& models) {
       p.step = [e = p.posthoc.get()] { e->update(); };
     });
     add(m, "aten_lerp", [](const Model& m, Prepared& p) {
-      p.emas.push_back(std::make_unique<emakit::FixedEma>(make_ema(m)));
-      p.step = [avg = averages_of(*p.emas.back()), &m] {
+      p.ema = std::make_unique<emakit::FixedEma>(make_ema(m));
+      p.step = [avg = averages_of(*p.ema), &m] {
         for (std::size_t i = 0; i < avg.size(); ++i) avg[i].lerp_(m.tensors[i].tensor, kWeight);
       };
     });
     add(m, "aten_foreach", [](const Model& m, Prepared& p) {
-      p.emas.push_back(std::make_unique<emakit::FixedEma>(make_ema(m)));
-      p.kernel = emakit_bench::foreach_reference(m.tensors, averages_of(*p.emas.back()));
+      p.ema = std::make_unique<emakit::FixedEma>(make_ema(m));
+      p.kernel = emakit_bench::foreach_reference(m.tensors, averages_of(*p.ema));
       p.step = [k = p.kernel.get()] { k->average(kWeight); };
     });
   }
