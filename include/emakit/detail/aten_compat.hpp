@@ -46,18 +46,27 @@ inline const void* read_ptr(const at::Tensor& t) {
 #endif
 }
 
-// Where a tensor's data starts, read from its storage: what the kernel records when it plans and
-// compares before each run to find a tensor that moved (set_data(), a new storage). The same
-// address as read_ptr() for a tensor with elements, without its checks, which LibTorch 1.13 makes
-// in a call into libc10 (TensorImpl::data(): 31 instructions, and has_storage() another call; 2000
-// tensors with their averages: 150 instructions per tensor in all before this, 2026-12-07,
-// benchmarks/cost). nullptr for a tensor without storage.
-[[gnu::always_inline]] inline const void* memory_of(const at::Tensor& t) {
+// Where a tensor's data lies: the memory of its storage and its offset into it (which also fix
+// the device: a storage's memory is on one), read inline from the TensorImpl. What the kernel
+// records when it plans and compares before each run (on_memory) to find a tensor that moved:
+// set_data() to another tensor, a view at another offset, Module::to(). The same memory as
+// read_ptr() says, without its checks, which LibTorch 1.13 makes in calls into libc10
+// (TensorImpl::data(), has_storage(), and device() for the device: with the averages, 150
+// instructions per tensor before 2026-12-07, benchmarks/cost).
+struct Memory {
+  const void* data = nullptr;  // the storage's; null without storage
+  std::int64_t offset = 0;     // in elements
+};
+[[gnu::always_inline]] inline Memory memory_of(const at::Tensor& t) {
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
-  if (storage == nullptr) return nullptr;
-  return static_cast<const char*>(storage->data_ptr().get()) +
-         impl->storage_offset() * static_cast<std::int64_t>(impl->dtype().itemsize());
+  if (storage == nullptr) return {};
+  return {storage->data_ptr().get(), impl->storage_offset()};
+}
+// Whether t still lies where memory_of() found it (m).
+[[gnu::always_inline]] inline bool on_memory(const at::Tensor& t, const Memory& m) {
+  const Memory now = memory_of(t);
+  return now.data == m.data && now.offset == m.offset;
 }
 
 // dst[i] = src[i] for every i: one _foreach_copy_ where LibTorch has it, a copy_ per tensor else.

@@ -27,6 +27,14 @@ EMAKIT_FUNC void CpuPass::run(Weights weights, std::int64_t grain, double* drift
 
 EMAKIT_FUNC EMAKIT_OPTIMIZE_SEGMENT void CpuPass::run_share(std::int64_t c0, std::int64_t c1, Weights weights,
                                                             double* drift) const {
+  if (c0 <= 0 && c1 >= total_) {  // the whole pass (one thread): no cuts to find
+    if (drift == nullptr) {
+      for (const Segment& s : segments_) s.fn(s.a, s.x, 0, s.n, weights, nullptr);
+    } else {
+      for (const Segment& s : segments_) s.fn(s.a, s.x, 0, s.n, weights, drift + 2 * s.chunk);
+    }
+    return;
+  }
   auto it = std::upper_bound(segments_.begin(), segments_.end(), c0,
                              [](std::int64_t c, const Segment& s) { return c < s.begin; });
   if (it != segments_.begin()) --it;

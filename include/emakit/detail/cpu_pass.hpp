@@ -67,14 +67,15 @@ using SegmentFn = void (*)(void*, const void*, std::int64_t, std::int64_t, Weigh
 // detail/simd.hpp builds them; average_segment_for<A, S>(f) picks F at plan time.
 #define EMAKIT_SEGMENT_FNS(suffix, target)                                                                             \
   template <Arithmetic F, class A, class S>                                                                            \
+  __attribute__((noinline)) target EMAKIT_NO_CONTRACT void average_drift_segment##suffix(                              \
+      void* a, const void* x, std::int64_t begin, std::int64_t end, Weights w, double* drift) noexcept {               \
+    average_drift_range<F, A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin, w, drift); \
+  }                                                                                                                    \
+  template <Arithmetic F, class A, class S>                                                                            \
   target EMAKIT_NO_CONTRACT void average_segment##suffix(void* a, const void* x, std::int64_t begin, std::int64_t end, \
                                                          Weights w, double* drift) noexcept {                          \
-    if (drift == nullptr) {                                                                                            \
-      average_range<F, A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin, w);            \
-    } else {                                                                                                           \
-      average_drift_range<F, A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin, w,       \
-                                   drift);                                                                             \
-    }                                                                                                                  \
+    if (drift != nullptr) return average_drift_segment##suffix<F, A, S>(a, x, begin, end, w, drift);                   \
+    average_range<F, A, S>(static_cast<A*>(a) + begin, static_cast<const S*>(x) + begin, end - begin, w);              \
   }                                                                                                                    \
   template <class A, class S>                                                                                          \
   target EMAKIT_OPTIMIZE_SEGMENT void copy_segment##suffix(void* a, const void* x, std::int64_t begin,                 \

@@ -71,9 +71,10 @@ EMAKIT_FUNC EMAKIT_OPTIMIZE_SEGMENT void UpdateKernel::check_sources_and_replan(
     if (!same_shape(impl->sizes(), s.shape))
       fail("tensor '{}' changed shape from {} to {} since the EMA was bound; make a new Ema for the changed model",
            s.name, shape_string(s.shape), shape_string(s.source.sizes()));
-    stale = stale || impl->device() != s.source_device || c10::typeMetaToScalarType(impl->dtype()) != s.source_dtype ||
-            impl->is_contiguous() != s.source_contiguous || memory_of(s.source) != s.source_memory ||
-            memory_of(s.average) != s.average_memory;
+    // The device is the storage's (on_memory): TensorImpl::device() is a call into libc10.
+    stale = stale || impl->dtype() != caffe2::TypeMeta::fromScalarType(s.source_dtype) ||
+            impl->is_contiguous() != s.source_contiguous || !on_memory(s.source, s.source_memory) ||
+            !on_memory(s.average, s.average_memory);
   }
   if (stale) {
     wait_for_update();

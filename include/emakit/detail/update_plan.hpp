@@ -37,25 +37,27 @@
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
-// One averaged or copied tensor pair.
+// One averaged or copied tensor pair. The fields every update's check reads (UpdateKernel::
+// check_sources_and_replan) come first, on two cache lines with the tensors' handles.
 struct Slot {
-  std::string name;
-  at::Tensor average;            // the EMA's tensor
-  at::Tensor source;             // the model's tensor (a handle: follows Module::to())
-  bool averaged = true;          // false: copied, not averaged
-  bool follows_averages = true;  // for a copied slot: false = written by copy() only (ema-pytorch's
-                                 // ignored names, which its copies still write)
-  bool buffer = false;           // a forward pass may write it in place (BatchNorm statistics): with a side
-                                 // stream it is read on the current stream, before the next forward
-  // Bound at plan time; a change of any of these makes the next update re-plan.
-  c10::Device source_device{c10::kCPU};
+  at::Tensor average;  // the EMA's tensor
+  at::Tensor source;   // the model's tensor (a handle: follows Module::to())
+  // Bound at plan time; a change of any of these makes the next update re-plan (the device
+  // changes with the memory).
+  Memory source_memory;             // where the data lies (memory_of): the plan holds views of it, which
+  Memory average_memory;            // set_data() of the tensor would leave on the old memory
+  std::vector<std::int64_t> shape;  // a change of shape is an error, not a re-plan
   c10::ScalarType source_dtype{c10::ScalarType::Undefined};
   bool source_contiguous = true;
-  const void* source_memory = nullptr;   // where the data starts: the plan holds views of it, which a
-  const void* average_memory = nullptr;  // set_data() of the tensor would leave on the old memory
-  std::vector<std::int64_t> shape;       // a change of shape is an error, not a re-plan
-  at::Tensor staging;               // CPU averages: defined when the source must be copied before the pass reads it
+  bool averaged = true;             // false: copied, not averaged
+  bool follows_averages = true;     // for a copied slot: false = written by copy() only (ema-pytorch's
+                                    // ignored names, which its copies still write)
+  bool buffer = false;              // a forward pass may write it in place (BatchNorm statistics): with a side
+                                    // stream it is read on the current stream, before the next forward
   bool huge_pages_advised = false;  // advise_huge_pages() ran on the average (once per slot)
+  c10::Device source_device{c10::kCPU};
+  std::string name;
+  at::Tensor staging;  // CPU averages: defined when the source must be copied before the pass reads it
   const at::Tensor& input() const noexcept { return staging.defined() ? staging : source; }
 };
 
