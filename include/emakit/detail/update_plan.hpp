@@ -38,7 +38,7 @@
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 // One averaged or copied tensor pair. The fields every update's check reads (UpdateKernel::
-// check_sources_and_replan) come first, on two cache lines with the tensors' handles.
+// check_sources_and_replan) come first: the tensors' handles to source_contiguous, 74 bytes.
 struct Slot {
   at::Tensor average;  // the EMA's tensor
   at::Tensor source;   // the model's tensor (a handle: follows Module::to())
@@ -49,13 +49,13 @@ struct Slot {
   std::vector<std::int64_t> shape;  // a change of shape is an error, not a re-plan
   c10::ScalarType source_dtype{c10::ScalarType::Undefined};
   bool source_contiguous = true;
-  bool averaged = true;             // false: copied, not averaged
-  bool follows_averages = true;     // for a copied slot: false = written by copy() only (ema-pytorch's
-                                    // ignored names, which its copies still write)
-  bool buffer = false;              // a forward pass may write it in place (BatchNorm statistics): with a side
-                                    // stream it is read on the current stream, before the next forward
-  bool huge_pages_advised = false;  // advise_huge_pages() ran on the average (once per slot)
-  c10::Device source_device{c10::kCPU};
+  bool averaged = true;                  // false: copied, not averaged
+  bool follows_averages = true;          // for a copied slot: false = written by copy() only (ema-pytorch's
+                                         // ignored names, which its copies still write)
+  bool buffer = false;                   // a forward pass may write it in place (BatchNorm statistics): with a side
+                                         // stream it is read on the current stream, before the next forward
+  bool huge_pages_advised = false;       // advise_huge_pages() ran on the average (once per slot)
+  c10::Device source_device{c10::kCPU};  // bound at plan time too: it changes with source_memory
   std::string name;
   at::Tensor staging;  // CPU averages: defined when the source must be copied before the pass reads it
   const at::Tensor& input() const noexcept { return staging.defined() ? staging : source; }
