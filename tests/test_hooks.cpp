@@ -329,6 +329,9 @@ TEST_CASE("Hook: several models by key, each with its own policies", "[hooks]") 
   CHECK(r[1].action == Action::averaged);  // Warmup::none: made as a copy at this step, then averaged
   CHECK(emakit_test::reported_decay_is(hook.ema<emakit::RampEma>("discriminator").decay(), 0.9 * (1 - std::exp(-0.5))));
   REQUIRE_THROWS_WITH(hook.ema<emakit::RampEma>("generator"), Contains("another type"));
+  // Whatever its policies, a model's EMA is an EmaBase: the same object as the typed one.
+  CHECK(&hook.ema<emakit::EmaBase>("discriminator") == &hook.ema<emakit::RampEma>("discriminator"));
+  CHECK(hook.ema<emakit::EmaBase>("generator").decay() == 0.5);
   REQUIRE_THROWS_WITH(hook.ema<emakit::FixedEma>("critic"), Contains("no model 'critic'"));
   REQUIRE_THROWS_WITH(hook.add("generator", *generator, Recipe(emakit::Fixed(0.5))), Contains("already"));
   REQUIRE_THROWS_WITH(hook.add("gen.ema", *generator, Recipe(emakit::Fixed(0.5))), Contains("'gen.ema'"));

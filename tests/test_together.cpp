@@ -324,6 +324,78 @@ TEST_CASE("update_together of different Ema types, and PostHocEma's profiles, ru
   CHECK(emakit::detail::sync_counts().fused_groupings == groupings + 4);
 }
 
+TEST_CASE("EMAs of any policies through EmaBase: the update, the group, the state and find_policy are the typed "
+          "Ema's",
+          "[together][base]") {
+  emakit_test::TinyNet model;
+  // The same three EMAs twice: one set held as EmaBase pointers (a trainer's list of EMAs of
+  // several types), the other updated through the typed Emas.
+  std::vector<std::unique_ptr<emakit::EmaBase>> held;
+  held.push_back(std::make_unique<emakit::Ema<emakit::Fixed>>(*model, emakit::Fixed(0.9)));
+  held.push_back(std::make_unique<emakit::Ema<emakit::InversePowerWarmup>>(*model));
+  held.push_back(std::make_unique<emakit::Ema<emakit::Uniform>>(*model, emakit::Uniform(),
+                                                                emakit::StepSchedule().update_every(2)));
+  emakit::Ema<emakit::Fixed> fast(*model, emakit::Fixed(0.9));
+  emakit::Ema<emakit::InversePowerWarmup> warm(*model);
+  emakit::Ema<emakit::Uniform> mean(*model, emakit::Uniform(), emakit::StepSchedule().update_every(2));
+  std::vector<emakit::EmaBase*> pointers;
+  for (auto& e : held) pointers.push_back(e.get());
+  emakit::EmaGroup group(pointers);
+  REQUIRE(group.size() == 3);
+  std::size_t compared = 0;
+  for (int step = 1; step <= 6; ++step) {
+    emakit_test::perturb(*model);
+    // Odd steps: the group of base pointers; even steps: each base pointer's own update().
+    std::vector<emakit::UpdateResult> results;
+    if (step % 2 == 1) {
+      const auto r = group.update();
+      results.assign(r.begin(), r.end());
+    } else {
+      for (auto& e : held) results.push_back(e->update());
+    }
+    const emakit::UpdateResult typed[] = {fast.update(), warm.update(), mean.update()};
+    for (std::size_t i = 0; i < 3; ++i) {
+      CHECK(same_result(results[i], typed[i]));
+      ++compared;
+    }
+  }
+  CHECK(compared == 18);
+  const emakit::EmaBase* typed_bases[] = {&fast, &warm, &mean};
+  for (std::size_t i = 0; i < 3; ++i) {
+    CHECK(emakit_test::same_averages(held[i]->averages(), emakit_test::snapshot(typed_bases[i]->averages())));
+    CHECK(held[i]->num_updates() == typed_bases[i]->num_updates());
+    CHECK(held[i]->decay() == typed_bases[i]->decay());
+  }
+  CHECK(mean.num_updates() == 3);  // update_every(2): the schedule of the derived Ema decided
+
+  // The state through the base carries the derived Ema's policies: a state of another config is
+  // refused by name, through the base as through the type.
+  emakit::Ema<emakit::Fixed> reloaded(*model, emakit::Fixed(0.9));
+  emakit::EmaBase& base = reloaded;
+  CHECK(base.load_state_dict(held[0]->state_dict()).clean());
+  CHECK(emakit_test::same_averages(reloaded.averages(), emakit_test::snapshot(fast.averages())));
+  CHECK(reloaded.step() == 6);
+  CHECK_THROWS_WITH(base.load_state_dict(held[1]->state_dict()), Catch::Contains("InversePowerWarmup"));
+  CHECK(reloaded.step() == 6);
+
+  // find_policy: the derived Ema's own policy objects, and null for a type it does not have.
+  const auto& f = dynamic_cast<const emakit::Ema<emakit::Fixed>&>(*held[0]);
+  CHECK(held[0]->find_policy<emakit::Fixed>() == &f.decay_policy());
+  CHECK(held[0]->find_policy<emakit::Fixed>()->beta() == 0.9);
+  CHECK(held[0]->find_policy<emakit::StepSchedule>() == &f.schedule());
+  CHECK(held[0]->find_policy<emakit::FlatStorage>() != nullptr);
+  CHECK(held[0]->find_policy<emakit::Uniform>() == nullptr);
+  CHECK(held[1]->find_policy<emakit::Fixed>() == nullptr);
+  CHECK(held[1]->find_policy<emakit::InversePowerWarmup>() != nullptr);
+  CHECK(held[2]->find_policy<emakit::StepSchedule>()->update_every() == 2);
+
+  // A null member is refused by position, before anything changes.
+  const auto steps = held[0]->step();
+  CHECK_THROWS_WITH(emakit::EmaGroup(std::vector<emakit::EmaBase*>{held[0].get(), nullptr}),
+                    Catch::Contains("member 1 is a null pointer"));
+  CHECK(held[0]->step() == steps);
+}
+
 namespace {
 // A schedule that, when it decides, calls another Ema's update(): what a second thread would do
 // while update_together runs.

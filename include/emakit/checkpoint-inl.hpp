@@ -13,22 +13,14 @@
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
-EMAKIT_FUNC void save_ema_file(FunctionRef<void(torch::serialize::OutputArchive&)> save,
-                               const std::filesystem::path& path) {
+EMAKIT_FUNC void save_state_file(const StateDict& state, const std::filesystem::path& path) {
   torch::serialize::OutputArchive archive;
-  save(archive);
+  ema_state::save_archive(archive, state);
   write_archive(archive, path);
 }
 
-EMAKIT_FUNC void load_ema_file(FunctionRef<void(torch::serialize::InputArchive&)> load,
-                               const std::filesystem::path& path) {
-  torch::serialize::InputArchive archive;
-  read_archive(archive, path, "emakit::load");
-  try {
-    load(archive);
-  } catch (const std::exception&) {
-    rethrow_with_context(fmt::format(" (file '{}')", path.string()));
-  }
+EMAKIT_FUNC LoadReport load_ema_file(EmaBase& ema, const std::filesystem::path& path, LoadMode mode) {
+  return load_state_file(path, [&](const StateDict& state) { return ema.load_state_dict(state, mode); });
 }
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

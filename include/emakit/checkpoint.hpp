@@ -30,12 +30,23 @@
 namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 namespace detail {
-// emakit::save and emakit::load without the Ema's type (checkpoint-inl.hpp): `save` writes the
-// EMA into an archive, `load` reads it from one.
-EMAKIT_FUNC void save_ema_file(FunctionRef<void(torch::serialize::OutputArchive&)> save,
-                               const std::filesystem::path& path);
-EMAKIT_FUNC void load_ema_file(FunctionRef<void(torch::serialize::InputArchive&)> load,
-                               const std::filesystem::path& path);
+// The file of emakit::save (an Ema whose storage holds the whole average here, or a
+// PostHocEma): `state` as Ema::save writes it into an archive (a CRC-32 per tensor), written
+// atomically.
+EMAKIT_FUNC void save_state_file(const StateDict& state, const std::filesystem::path& path);
+// Reads a file of save_state_file(), checked (read_archive, then every checksum), and hands its
+// state to `load`, whose result it returns; an error names the file.
+template <class Load>
+auto load_state_file(const std::filesystem::path& path, const Load& load) {
+  torch::serialize::InputArchive archive;
+  read_archive(archive, path, "emakit::load");
+  try {
+    return ema_state::load_archive(archive, load);
+  } catch (const std::exception&) {
+    rethrow_with_context(" (file '" + path.string() + "')");
+  }
+}
+EMAKIT_FUNC LoadReport load_ema_file(EmaBase& ema, const std::filesystem::path& path, LoadMode mode);
 }  // namespace detail
 
 // Writes the EMA (the layout of torch::save(ema, path)) to `path` atomically.
@@ -43,7 +54,7 @@ template <DecayPolicy D, SchedulePolicy S, StoragePolicy St>
 void save(const Ema<D, S, St>& ema, const std::filesystem::path& path) {
   // A storage that holds part of the average here (ShardedStorage) writes the whole EMA its own way.
   if constexpr (CheckpointingStorage<St, Ema<D, S, St>>) return ema.storage().save_checkpoint(ema, path);
-  detail::save_ema_file([&](torch::serialize::OutputArchive& archive) { ema.save(archive); }, path);
+  detail::save_state_file(ema.state_dict(), path);
 }
 
 // Reads an EMA that save() or torch::save wrote, after checking the file (see above). Strict: a
@@ -56,9 +67,7 @@ LoadReport load(Ema<D, S, St>& ema, const std::filesystem::path& path, LoadMode 
     ema.storage().load_checkpoint(ema, path, mode);
     return {};
   } else {
-    LoadReport report;
-    detail::load_ema_file([&](torch::serialize::InputArchive& archive) { report = ema.load(archive, mode); }, path);
-    return report;
+    return detail::load_ema_file(ema, path, mode);
   }
 }
 

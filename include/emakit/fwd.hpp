@@ -2,7 +2,8 @@
 //
 // Read this file to see the whole library at a glance:
 //
-//   Ema<Decay, Schedule, Storage>   the one class template (ema.hpp)
+//   Ema<Decay, Schedule, Storage>   the one class template (ema.hpp), derived from EmaBase,
+//                                   what code that takes an EMA of any policies names
 //
 //   Decay policies (decay.hpp): how much of the old average an update keeps
 //     Fixed               d = beta
@@ -66,6 +67,9 @@ class ShardedStorage;  // sharded.hpp
 
 // Options shared by every Ema (selection, precision, placement).
 class EmaOptions;
+
+// What every Ema derives from: an EMA of any policies (ema.hpp).
+class EmaBase;
 
 // The one class template. The defaults give the "30-line loop" most C++ trainers copy:
 // a fixed decay of 0.9999, every step, the average kept as a flat state dict.

@@ -35,6 +35,142 @@ EMAKIT_FUNC void fail_hook_model_destroyed(const std::string& key, bool created,
        what, key);
 }
 
+// ---- HookEntry ------------------------------------------------------------------------------
+
+EMAKIT_FUNC void HookEntry::create(const char* what) {
+  if (ema_) return;
+  std::unique_ptr<EmaBase> made = EmaAccess::bound_like(*recipe_, live_model(what));
+  if (calls_ > 0 || step_ > 0) made->advance(calls_, step_);
+  if (pending_) made->load_state_dict(aligned(*pending_, *made), pending_mode_);  // throws: nothing changed
+  ema_ = std::move(made);
+  pending_.reset();
+}
+
+EMAKIT_FUNC UpdateResult HookEntry::step(const StepInfo& info) {
+  if (!ema_) {
+    if (!pending_ && options_.creation == Creation::at_first_eligible_step) {
+      const Decision d = EmaAccess::decide(*recipe_, ScheduleInput{calls_ + 1, info.step, step_, 0, info.vetoed});
+      if (d.action == Action::skipped) {
+        calls_ += 1;
+        step_ = d.step;
+        return {Action::skipped, d.step, std::nan("")};
+      }
+    }
+    create("after_optimizer_step");
+  }
+  const UpdateResult r = ema_->update(info);
+  if (r.action != Action::skipped && publish_) publish_(*ema_);
+  return r;
+}
+
+EMAKIT_FUNC UpdateResult HookEntry::epoch_end(std::int64_t epoch) {
+  if (!ema_) {
+    const auto from = recipe_->options().epoch_end_updates_from();
+    if (!from || epoch < *from) return {Action::skipped, step_, std::nan("")};
+    create("train_epoch_end");
+  }
+  const UpdateResult r = ema_->epoch_end(epoch);
+  if (r.action != Action::skipped && publish_) publish_(*ema_);
+  return r;
+}
+
+EMAKIT_FUNC void HookEntry::swap_in(const char* what) {
+  (void)live_model(what);  // the EMA's own check would not name the key
+  if (!ema_ && pending_) create(what);
+  if (ema_) swap_.emplace(ema_->swap_into());
+}
+
+EMAKIT_FUNC void HookEntry::save(torch::serialize::OutputArchive& archive, torch::serialize::OutputArchive& hook) {
+  torch::nn::Module& model = live_model("save_checkpoint");
+  // While the model holds the EMA weights (a checkpoint during validation) its own weights are
+  // in the swap guard: put them back for the save and the EMA's in again after.
+  const bool was_swapped = swap_.has_value();
+  swap_.reset();
+  struct Reswap {
+    HookEntry* self;
+    bool on;
+    ~Reswap() {
+      if (on) self->swap_.emplace(self->ema_->swap_into());
+    }
+  } reswap{this, was_swapped && ema_ != nullptr};
+
+  const bool ema_weights = ema_ && options_.checkpoint_ema_weights;
+  const StateDict* state = nullptr;
+  StateDict ema_state;
+  if (ema_) {
+    ema_state = ema_->state_dict();
+    state = &ema_state;
+  } else if (pending_) {
+    state = &*pending_;
+  }
+  TensorMap replace;
+  if (ema_weights)
+    for (const auto& item : ema_->averages()) replace.emplace(item.key(), item.value());
+  hook_state::write_entry(archive, hook, key_, model,
+                          {ema_ != nullptr, pending_.has_value(), calls_, step_, ema_weights}, state, replace);
+}
+
+// The model's weights of a checkpoint written into it (load_checkpoint).
+EMAKIT_FUNC void write_model_weights(const std::vector<std::pair<at::Tensor, at::Tensor>>& copies) {
+  c10::NoGradGuard no_grad;
+  for (const auto& [model_tensor, saved] : copies) model_tensor.copy_(saved);
+}
+
+EMAKIT_FUNC std::function<void()> HookEntry::plan_load(torch::serialize::InputArchive& archive,
+                                                       torch::serialize::InputArchive& hook, LoadMode mode) {
+  const std::string where = fmt::format("load_checkpoint, model '{}'", key_);
+  if (swap_) fail("{}: the model holds the EMA weights (validation or test); end that stage first", where);
+  auto read = hook_state::read_entry(archive, hook, key_, live_model("load_checkpoint"), mode, where);
+  if (!read) return [] {};
+  const bool was_created = read->meta.created;
+  const std::int64_t calls = read->meta.calls;
+  const std::int64_t step = read->meta.step;
+  auto copies = std::move(read->copies);
+  std::optional<StateDict> state = std::move(read->state);
+
+  if (was_created && ema_) {
+    auto state_aligned = std::make_shared<StateDict>(aligned(*state, *ema_));
+    ema_->check_state_dict(*state_aligned, mode);
+    return [this, copies = std::move(copies), state_aligned, mode] {
+      write_model_weights(copies);
+      ema_->load_state_dict(*state_aligned, mode);
+      pending_.reset();
+    };
+  }
+  // No EMA here yet (it is made at creation, with this state applied), or none in the run that
+  // saved the checkpoint: this model goes back to "not made yet" with that run's counters. A
+  // state of another config is refused now, as with an EMA (nvalchemi's EMAHook does the same).
+  if (state) EmaAccess::check_config(*recipe_, *state);
+  return [this, copies = std::move(copies), state = std::move(state), calls, step, mode]() mutable {
+    write_model_weights(copies);
+    ema_.reset();
+    pending_ = std::move(state);
+    pending_mode_ = mode;
+    calls_ = calls;
+    step_ = step;
+  };
+}
+
+EMAKIT_FUNC StateDict HookEntry::aligned(const StateDict& state, const EmaBase& ema) {
+  const StateDict ours = ema.averages();
+  StateDict out;
+  for (const auto& item : state) {
+    at::Tensor t = item.value();
+    const std::string& key = item.key();
+    if (detail::ema_state::is_average_key(key)) {
+      if (const at::Tensor* mine = ours.find(detail::ema_state::average_name(key)); mine != nullptr) {
+        const bool both_floating = c10::isFloatingType(t.scalar_type()) && c10::isFloatingType(mine->scalar_type());
+        if (both_floating && (t.scalar_type() != mine->scalar_type() || t.device() != mine->device()))
+          t = t.to(mine->options());
+        else if (t.device() != mine->device())
+          t = t.to(mine->device());
+      }
+    }
+    out.insert(key, t);
+  }
+  return out;
+}
+
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE {
@@ -55,7 +191,7 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 EMAKIT_FUNC void EmaHook::setup() {
   require_training("setup");
-  const auto makes = [](const detail::HookEntryBase& e) {
+  const auto makes = [](const detail::HookEntry& e) {
     return !e.created() && (e.options().creation == Creation::at_setup || e.pending());
   };
   for (auto& e : entries_)  // a destroyed model is refused before any EMA is made
@@ -140,7 +276,7 @@ EMAKIT_FUNC void EmaHook::require_training(const char* what) const {
                  what, stage_name(), stage_name(), stage_name());
 }
 
-EMAKIT_FUNC detail::HookEntryBase& EmaHook::entry(const std::string& key) const {
+EMAKIT_FUNC detail::HookEntry& EmaHook::entry(const std::string& key) const {
   for (const auto& e : entries_)
     if (e->key() == key) return *e;
   detail::fail("the hook has no model '{}'{}", key, entries_.empty() ? "; add() it first" : "");
@@ -148,7 +284,7 @@ EMAKIT_FUNC detail::HookEntryBase& EmaHook::entry(const std::string& key) const 
 
 EMAKIT_FUNC void EmaHook::start(Stage stage) {
   require_training(stage == Stage::validation ? "validation_start" : "test_start");
-  std::vector<detail::HookEntryBase*> done;
+  std::vector<detail::HookEntry*> done;
   try {
     for (auto& e : entries_) {
       const bool wanted = stage == Stage::validation ? e->options().validate_with_ema : e->options().test_with_ema;

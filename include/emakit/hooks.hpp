@@ -57,6 +57,7 @@
 #include <torch/serialize/output-archive.h>
 
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -99,18 +100,30 @@ EMAKIT_FUNC void check_hook_key(const std::string& key);
 // The error of a hook call that would use model `key` after that model was destroyed.
 [[noreturn]] EMAKIT_FUNC void fail_hook_model_destroyed(const std::string& key, bool created, const char* what);
 
-// One model of a hook, whatever its EMA's policies.
-class HookEntryBase {
+// One model of a hook and its EMA, whatever the EMA's policies: `recipe` is an Ema bound to
+// nothing (Ema(detail::unbound, ...)) that holds the policies and options; the EMA itself is made
+// from it (EmaAccess::bound_like) at setup or at the first eligible step.
+class HookEntry {
  public:
-  HookEntryBase(std::string key, torch::nn::Module& model, HookOptions options)
-      : key_(std::move(key)), model_(&model), watch_(model), options_(options) {}
-  virtual ~HookEntryBase() = default;
-  HookEntryBase(const HookEntryBase&) = delete;
-  HookEntryBase& operator=(const HookEntryBase&) = delete;
+  using Publish = std::function<void(const EmaBase&)>;
+
+  HookEntry(std::string key, torch::nn::Module& model, std::unique_ptr<EmaBase> recipe, HookOptions options,
+            Publish publish)
+      : key_(std::move(key)),
+        model_(&model),
+        watch_(model),
+        options_(options),
+        recipe_(std::move(recipe)),
+        publish_(std::move(publish)) {}
+  HookEntry(const HookEntry&) = delete;
+  HookEntry& operator=(const HookEntry&) = delete;
 
   const std::string& key() const noexcept { return key_; }
   const torch::nn::Module* model() const noexcept { return model_; }
   const HookOptions& options() const noexcept { return options_; }
+  // The unbound Ema the EMA is made like: its type, policies and options.
+  const EmaBase& recipe() const noexcept { return *recipe_; }
+  EmaBase* ema() noexcept { return ema_.get(); }
 
   // The model, once checked to still exist: every use of the model goes through here. model_ is a
   // raw pointer (the hook does not own the model); when a shared_ptr owns it (watch_ was set), a
@@ -123,195 +136,44 @@ class HookEntryBase {
   }
   bool model_destroyed() const noexcept { return watch_.destroyed(); }
 
-  virtual bool created() const noexcept = 0;
-  virtual bool pending() const noexcept = 0;
-  virtual void create(const char* what) = 0;
-  virtual UpdateResult step(const StepInfo& info) = 0;
-  virtual UpdateResult epoch_end(std::int64_t epoch) = 0;
-  virtual void wait_for_model_reads() = 0;
-  virtual void swap_in(const char* what) = 0;
+  bool created() const noexcept { return ema_ != nullptr; }
+  bool pending() const noexcept { return pending_.has_value(); }
+  // Makes the EMA (once): bound to the model, advanced to the hook's counters, with a pending
+  // checkpoint's state loaded; a load that throws leaves the entry as it was.
+  EMAKIT_FUNC void create(const char* what);
+  EMAKIT_FUNC UpdateResult step(const StepInfo& info);
+  // Ema::epoch_end(); an EMA not made yet is made first when its options update at this epoch's end.
+  EMAKIT_FUNC UpdateResult epoch_end(std::int64_t epoch);
+  void wait_for_model_reads() {
+    if (ema_) ema_->wait_for_model_reads();
+  }
+  EMAKIT_FUNC void swap_in(const char* what);
   void swap_out() noexcept { swap_.reset(); }
   // train_end() would write the EMA weights into the model.
   bool keeps() const noexcept { return created() && options_.keep_ema_at_train_end; }
-  virtual void keep() = 0;
-  virtual void save(torch::serialize::OutputArchive& archive, torch::serialize::OutputArchive& hook) = 0;
+  void keep() {
+    if (keeps()) ema_->copy_to(live_model("train_end"));
+  }
+  EMAKIT_FUNC void save(torch::serialize::OutputArchive& archive, torch::serialize::OutputArchive& hook);
   // Checks what load would do and returns the function that does it (it does not throw).
-  virtual std::function<void()> plan_load(torch::serialize::InputArchive& archive, torch::serialize::InputArchive& hook,
-                                          LoadMode mode) = 0;
+  EMAKIT_FUNC std::function<void()> plan_load(torch::serialize::InputArchive& archive,
+                                              torch::serialize::InputArchive& hook, LoadMode mode);
 
- protected:
+ private:
+  // The state's averaged tensors moved to the device and floating dtype of this EMA's tensors
+  // (a checkpoint written on another device or in another precision).
+  EMAKIT_FUNC static StateDict aligned(const StateDict& state, const EmaBase& ema);
+
   std::string key_;
   torch::nn::Module* model_;  // use through live_model()
   detail::ModelWatch watch_;  // the model (watched when a shared_ptr owns it)
   HookOptions options_;
+  std::unique_ptr<EmaBase> recipe_;
+  Publish publish_;
+  std::unique_ptr<EmaBase> ema_;
   std::optional<SwapGuard> swap_;
   std::int64_t calls_ = 0;  // update() calls and completed steps seen before the EMA was made
   std::int64_t step_ = 0;
-};
-
-template <DecayPolicy D, SchedulePolicy S, StoragePolicy St>
-class HookEntry final : public HookEntryBase {
- public:
-  using ema_type = Ema<D, S, St>;
-  using publish_type = std::function<void(const ema_type&)>;
-
-  HookEntry(std::string key, torch::nn::Module& model, Recipe<D, S, St> recipe, HookOptions options,
-            publish_type publish)
-      : HookEntryBase(std::move(key), model, options), recipe_(std::move(recipe)), publish_(std::move(publish)) {}
-
-  ema_type* ema() noexcept { return ema_ ? &*ema_ : nullptr; }
-
-  bool created() const noexcept override { return ema_.has_value(); }
-  bool pending() const noexcept override { return pending_.has_value(); }
-
-  void create(const char* what) override {
-    if (ema_) return;
-    ema_type made = recipe_.make(live_model(what));
-    if (calls_ > 0 || step_ > 0) made.advance(calls_, step_);
-    if (pending_) made.load_state_dict(aligned(*pending_, made), pending_mode_);  // throws: nothing changed
-    ema_.emplace(std::move(made));
-    pending_.reset();
-  }
-
-  UpdateResult step(const StepInfo& info) override {
-    if (!ema_) {
-      if (!pending_ && options_.creation == Creation::at_first_eligible_step) {
-        const Decision d = recipe_.schedule.decide(ScheduleInput{calls_ + 1, info.step, step_, 0, info.vetoed});
-        if (d.action == Action::skipped) {
-          calls_ += 1;
-          step_ = d.step;
-          return {Action::skipped, d.step, std::nan("")};
-        }
-      }
-      create("after_optimizer_step");
-    }
-    const UpdateResult r = ema_->update(info);
-    if (r.action != Action::skipped && publish_) publish_(*ema_);
-    return r;
-  }
-
-  // Ema::epoch_end(); an EMA not made yet is made first when its options update at this epoch's end.
-  UpdateResult epoch_end(std::int64_t epoch) override {
-    if (!ema_) {
-      const auto from = recipe_.options.epoch_end_updates_from();
-      if (!from || epoch < *from) return {Action::skipped, step_, std::nan("")};
-      create("train_epoch_end");
-    }
-    const UpdateResult r = ema_->epoch_end(epoch);
-    if (r.action != Action::skipped && publish_) publish_(*ema_);
-    return r;
-  }
-
-  void wait_for_model_reads() override {
-    if (ema_) ema_->wait_for_model_reads();
-  }
-
-  void swap_in(const char* what) override {
-    (void)live_model(what);  // the EMA's own check would not name the key
-    if (!ema_ && pending_) create(what);
-    if (ema_) swap_.emplace(ema_->swap_into());
-  }
-
-  void keep() override {
-    if (keeps()) ema_->copy_to(live_model("train_end"));
-  }
-
-  void save(torch::serialize::OutputArchive& archive, torch::serialize::OutputArchive& hook) override {
-    torch::nn::Module& model = live_model("save_checkpoint");
-    // While the model holds the EMA weights (a checkpoint during validation) its own weights are
-    // in the swap guard: put them back for the save and the EMA's in again after.
-    const bool was_swapped = swap_.has_value();
-    swap_.reset();
-    struct Reswap {
-      HookEntry* self;
-      bool on;
-      ~Reswap() {
-        if (on) self->swap_.emplace(self->ema_->swap_into());
-      }
-    } reswap{this, was_swapped && ema_.has_value()};
-
-    const bool ema_weights = ema_ && options_.checkpoint_ema_weights;
-    const StateDict* state = nullptr;
-    StateDict ema_state;
-    if (ema_) {
-      ema_state = ema_->state_dict();
-      state = &ema_state;
-    } else if (pending_) {
-      state = &*pending_;
-    }
-    TensorMap replace;
-    if (ema_weights)
-      for (const auto& item : ema_->averages()) replace.emplace(item.key(), item.value());
-    hook_state::write_entry(archive, hook, key_, model,
-                            {ema_.has_value(), pending_.has_value(), calls_, step_, ema_weights}, state, replace);
-  }
-
-  std::function<void()> plan_load(torch::serialize::InputArchive& archive, torch::serialize::InputArchive& hook,
-                                  LoadMode mode) override {
-    const std::string where = fmt::format("load_checkpoint, model '{}'", key_);
-    if (swap_) fail("{}: the model holds the EMA weights (validation or test); end that stage first", where);
-    auto read = hook_state::read_entry(archive, hook, key_, live_model("load_checkpoint"), mode, where);
-    if (!read) return [] {};
-    const bool was_created = read->meta.created;
-    const std::int64_t calls = read->meta.calls;
-    const std::int64_t step = read->meta.step;
-    auto copies = std::move(read->copies);
-    std::optional<StateDict> state = std::move(read->state);
-
-    if (was_created && ema_) {
-      auto state_aligned = std::make_shared<StateDict>(aligned(*state, *ema_));
-      ema_->check_state_dict(*state_aligned, mode);
-      return [this, copies = std::move(copies), state_aligned, mode] {
-        write_weights(copies);
-        ema_->load_state_dict(*state_aligned, mode);
-        pending_.reset();
-      };
-    }
-    // No EMA here yet (it is made at creation, with this state applied), or none in the run that
-    // saved the checkpoint: this model goes back to "not made yet" with that run's counters. A
-    // state of another config is refused now, as with an EMA (nvalchemi's EMAHook does the same).
-    if (state) ema_type::check_state_config(*state, recipe_.decay, recipe_.schedule, recipe_.options);
-    return [this, copies = std::move(copies), state = std::move(state), calls, step, mode]() mutable {
-      write_weights(copies);
-      ema_.reset();
-      pending_ = std::move(state);
-      pending_mode_ = mode;
-      calls_ = calls;
-      step_ = step;
-    };
-  }
-
- private:
-  static void write_weights(const std::vector<std::pair<at::Tensor, at::Tensor>>& copies) {
-    c10::NoGradGuard no_grad;
-    for (const auto& [model_tensor, saved] : copies) model_tensor.copy_(saved);
-  }
-
-  // The state's averaged tensors moved to the device and floating dtype of this EMA's tensors
-  // (a checkpoint written on another device or in another precision).
-  static StateDict aligned(const StateDict& state, const ema_type& ema) {
-    const StateDict ours = ema.averages();
-    StateDict out;
-    for (const auto& item : state) {
-      at::Tensor t = item.value();
-      const std::string& key = item.key();
-      if (detail::ema_state::is_average_key(key)) {
-        if (const at::Tensor* mine = ours.find(detail::ema_state::average_name(key)); mine != nullptr) {
-          const bool both_floating = c10::isFloatingType(t.scalar_type()) && c10::isFloatingType(mine->scalar_type());
-          if (both_floating && (t.scalar_type() != mine->scalar_type() || t.device() != mine->device()))
-            t = t.to(mine->options());
-          else if (t.device() != mine->device())
-            t = t.to(mine->device());
-        }
-      }
-      out.insert(key, t);
-    }
-    return out;
-  }
-
-  Recipe<D, S, St> recipe_;
-  publish_type publish_;
-  std::optional<ema_type> ema_;
   std::optional<StateDict> pending_;  // a checkpoint's EMA state loaded before the EMA was made
   LoadMode pending_mode_ = LoadMode::strict;
 };
@@ -365,8 +227,13 @@ class EmaHook {
                      "validation or test; set validate_with_ema / test_with_ema to false for one of them",
                      key, e->key());
     }
-    entries_.push_back(std::make_unique<detail::HookEntry<D, S, St>>(std::move(key), model, std::move(recipe), options,
-                                                                     std::move(publish)));
+    using E = Ema<D, S, St>;
+    auto unbound = std::make_unique<E>(detail::unbound, std::move(recipe.decay), std::move(recipe.schedule),
+                                       std::move(recipe.options), std::move(recipe.storage));
+    detail::HookEntry::Publish call;
+    if (publish) call = [publish = std::move(publish)](const EmaBase& e) { publish(static_cast<const E&>(e)); };
+    entries_.push_back(
+        std::make_unique<detail::HookEntry>(std::move(key), model, std::move(unbound), options, std::move(call)));
     return *this;
   }
   // The same under the key "model".
@@ -443,17 +310,17 @@ class EmaHook {
   std::vector<std::string> keys() const;
   bool created(const std::string& key) const { return entry(key).created(); }
 
-  // The EMA of model `key`, e.g. hook.ema<emakit::FixedEma>("model"). It must have been made.
-  template <class E>
+  // The EMA of model `key`, e.g. hook.ema<emakit::FixedEma>("model") (or hook.ema<emakit::EmaBase>,
+  // whatever its policies). It must have been made.
+  template <std::derived_from<EmaBase> E>
   E& ema(const std::string& key) {
-    auto* typed =
-        dynamic_cast<detail::HookEntry<typename E::decay_type, typename E::schedule_type, typename E::storage_type>*>(
-            &entry(key));
-    if (typed == nullptr) detail::fail("model '{}' has an EMA of another type than the one asked for", key);
-    if (typed->ema() == nullptr)
+    detail::HookEntry& e = entry(key);
+    if (dynamic_cast<const E*>(&e.recipe()) == nullptr)
+      detail::fail("model '{}' has an EMA of another type than the one asked for", key);
+    if (e.ema() == nullptr)
       detail::fail("model '{}' has no EMA yet: it is made at {}", key,
-                   typed->options().creation == Creation::at_setup ? "setup()" : "its first eligible step");
-    return *typed->ema();
+                   e.options().creation == Creation::at_setup ? "setup()" : "its first eligible step");
+    return static_cast<E&>(*e.ema());
   }
 
  private:
@@ -469,7 +336,7 @@ class EmaHook {
   // before_optimizer_step() does it.
   std::vector<UpdateResult> update_each(const char* what, const StepInfo& info, std::optional<std::int64_t> epoch);
 
-  detail::HookEntryBase& entry(const std::string& key) const;
+  detail::HookEntry& entry(const std::string& key) const;
 
   void start(Stage stage);
 
@@ -480,7 +347,7 @@ class EmaHook {
     stage_ = Stage::training;
   }
 
-  std::vector<std::unique_ptr<detail::HookEntryBase>> entries_;
+  std::vector<std::unique_ptr<detail::HookEntry>> entries_;
   Stage stage_ = Stage::training;
   bool waits_before_step_ = false;  // the trainer calls before_optimizer_step()
 };

@@ -196,10 +196,10 @@ EMAKIT_FUNC std::string python_value(const c10::IValue& v) {
 
 // ---- ema-pytorch EMA: ema_model.<name>, step (update calls) and initted ---------------------
 
-EMAKIT_FUNC c10::impl::GenericDict write_ema_pytorch(const Codec& self, const ExportSource& ema) {
-  c10::impl::GenericDict dict = tensor_dict(ema.averages, self.prefix);
-  dict.insert("step", at::scalar_tensor(ema.step, at::kLong));
-  dict.insert("initted", at::scalar_tensor(ema.num_updates > 0, at::kBool));
+EMAKIT_FUNC c10::impl::GenericDict write_ema_pytorch(const Codec& self, const EmaBase& ema) {
+  c10::impl::GenericDict dict = tensor_dict(ema.averages(), self.prefix);
+  dict.insert("step", at::scalar_tensor(ema.step(), at::kLong));
+  dict.insert("initted", at::scalar_tensor(ema.num_updates() > 0, at::kBool));
   return dict;
 }
 
@@ -221,8 +221,8 @@ EMAKIT_FUNC PeerFile read_ema_pytorch(const ReadContext& in) {
 
 // ---- timm ModelEmaV3: module.<name> (ema.state_dict()) or <name> (ema.module.state_dict()) --
 
-EMAKIT_FUNC c10::impl::GenericDict write_timm(const Codec& self, const ExportSource& ema) {
-  return tensor_dict(ema.averages, self.prefix);
+EMAKIT_FUNC c10::impl::GenericDict write_timm(const Codec& self, const EmaBase& ema) {
+  return tensor_dict(ema.averages(), self.prefix);
 }
 
 // timm's ModelEmaV3 has no counters (Count::kept): its own checkpoints hold ema.module.state_dict(),
@@ -246,9 +246,9 @@ EMAKIT_FUNC std::int64_t read_n_averaged(const ReadContext& in, const c10::impl:
   return n_averaged;
 }
 
-EMAKIT_FUNC c10::impl::GenericDict write_averaged_model(const Codec& self, const ExportSource& ema) {
-  c10::impl::GenericDict dict = tensor_dict(ema.averages, self.prefix);
-  dict.insert("n_averaged", at::scalar_tensor(ema.num_updates, at::kLong));
+EMAKIT_FUNC c10::impl::GenericDict write_averaged_model(const Codec& self, const EmaBase& ema) {
+  c10::impl::GenericDict dict = tensor_dict(ema.averages(), self.prefix);
+  dict.insert("n_averaged", at::scalar_tensor(ema.num_updates(), at::kLong));
   return dict;
 }
 
@@ -275,10 +275,10 @@ struct DiffusersConfig {
 
 // The config of an EMA made by diffusers_ema_model (RationalRamp) or diffusers_ema_model_warmup
 // (InversePowerWarmup); throws for any other decay, which no EMAModel file describes.
-EMAKIT_FUNC DiffusersConfig diffusers_config(const EmaPolicies& policies, const char* what) {
-  if (const RationalRamp* d = policies.ramp)
+EMAKIT_FUNC DiffusersConfig diffusers_config(const EmaBase& ema, const char* what) {
+  if (const auto* d = ema.find_policy<RationalRamp>())
     return {d->decay_max(), d->min_decay(), d->update_after_step(), false, 1.0, 2.0 / 3.0, "RationalRamp"};
-  if (const InversePowerWarmup* d = policies.warmup) {
+  if (const auto* d = ema.find_policy<InversePowerWarmup>()) {
     if (!d->warmup() || d->single_precision())
       fail("{}: Peer::diffusers with an InversePowerWarmup needs warmup(true) and single_precision(false), as "
            "diffusers_ema_model_warmup makes it (EMAModel(use_ema_warmup=True) computes the warmup in float64)",
@@ -441,12 +441,12 @@ EMAKIT_FUNC PeerFile read_diffusers_file(const c10::impl::GenericDict& dict, con
   return f;
 }
 
-EMAKIT_FUNC c10::impl::GenericDict write_diffusers(const Codec&, const ExportSource& ema) {
-  return diffusers_dict(ema.averages, diffusers_config(ema.policies, "export_state"), ema.step);
+EMAKIT_FUNC c10::impl::GenericDict write_diffusers(const Codec&, const EmaBase& ema) {
+  return diffusers_dict(ema.averages(), diffusers_config(ema, "export_state"), ema.step());
 }
 
 EMAKIT_FUNC PeerFile read_diffusers(const ReadContext& in) {
-  return read_diffusers_file(in.file, in.path, in.state, diffusers_config(in.policies, "import_state"));
+  return read_diffusers_file(in.file, in.path, in.state, diffusers_config(in.ema, "import_state"));
 }
 
 // ---- luxonis-train EMACallback: ema_state_dict (<name>) and updates (= num_updates) ----------
@@ -486,8 +486,8 @@ EMAKIT_FUNC c10::impl::GenericDict luxonis_tensors(const c10::impl::GenericDict&
   return inner->value().toGenericDict();
 }
 
-EMAKIT_FUNC c10::impl::GenericDict write_luxonis(const Codec&, const ExportSource& ema) {
-  return luxonis_dict(ema.averages, ema.num_updates);
+EMAKIT_FUNC c10::impl::GenericDict write_luxonis(const Codec&, const EmaBase& ema) {
+  return luxonis_dict(ema.averages(), ema.num_updates());
 }
 
 EMAKIT_FUNC PeerFile read_luxonis(const ReadContext& in) {
@@ -592,8 +592,8 @@ EMAKIT_FUNC c10::impl::GenericDict lightning_dict(const StateDict& averages, std
   return dict;
 }
 
-EMAKIT_FUNC c10::impl::GenericDict write_lightning(const Codec&, const ExportSource& ema) {
-  return lightning_dict(ema.averages, ema.step, ema.num_updates, ema.last_update_step);
+EMAKIT_FUNC c10::impl::GenericDict write_lightning(const Codec&, const EmaBase& ema) {
+  return lightning_dict(ema.averages(), ema.step(), ema.num_updates(), ema.last_update_step());
 }
 
 EMAKIT_FUNC PeerFile read_lightning(const ReadContext& in) {
@@ -628,21 +628,23 @@ struct NvalchemiConfig {
 // The config of an EMA made by nvalchemi_ema (Fixed decay, StepSchedule skip_before_start with
 // every_offset 0 and no accumulation, buffers averaged or copied); throws for any other EMA, which
 // no EMAHook file describes.
-EMAKIT_FUNC NvalchemiConfig nvalchemi_config(const EmaPolicies& policies, const char* what) {
+EMAKIT_FUNC NvalchemiConfig nvalchemi_config(const EmaBase& ema, const char* what) {
   const auto refuse = [&](std::string_view why) {
     fail("{}: Peer::nvalchemi_hook needs an EMA made by nvalchemi_ema (an EMAHook's AveragedModel EMA): {}", what, why);
   };
-  if (policies.fixed == nullptr || policies.step_schedule == nullptr)
+  const auto* fixed = ema.find_policy<Fixed>();
+  const auto* schedule = ema.find_policy<StepSchedule>();
+  if (fixed == nullptr || schedule == nullptr)
     refuse("this EMA's decay or schedule is another policy (EMAHook's is Fixed with a StepSchedule)");
-  const StepSchedule& s = *policies.step_schedule;
+  const StepSchedule& s = *schedule;
   if (s.warmup() != Warmup::skip_before_start || s.every_offset() != 0 || s.accumulate() != 1)
     refuse(fmt::format("its StepSchedule has warmup {}, every_offset {}, accumulate {} (EMAHook: skip_before_start, "
                        "0, 1)",
                        static_cast<int>(s.warmup()), s.every_offset(), s.accumulate()));
-  const TensorMode buffers = policies.buffers;
+  const TensorMode buffers = ema.options().buffers();
   if (buffers != TensorMode::average && buffers != TensorMode::copy)
     refuse("its buffers are ignored (EMAHook's AveragedModel averages them, use_buffers=True, or keeps them, False)");
-  return {policies.fixed->beta(), s.update_every(), s.start_step(), buffers == TensorMode::average};
+  return {fixed->beta(), s.update_every(), s.start_step(), buffers == TensorMode::average};
 }
 
 // EMAHook.state_dict()'s dict without model_key: the config as Python float, ints and a bool,
@@ -738,14 +740,14 @@ EMAKIT_FUNC void check_nvalchemi_updates(std::int64_t num_updates, std::int64_t 
          path, num_updates, updates, step);
 }
 
-EMAKIT_FUNC c10::impl::GenericDict write_nvalchemi(const Codec& self, const ExportSource& ema) {
-  return nvalchemi_dict(ema.averages, self.prefix, nvalchemi_config(ema.policies, "export_state"), ema.num_updates);
+EMAKIT_FUNC c10::impl::GenericDict write_nvalchemi(const Codec& self, const EmaBase& ema) {
+  return nvalchemi_dict(ema.averages(), self.prefix, nvalchemi_config(ema, "export_state"), ema.num_updates());
 }
 
 EMAKIT_FUNC PeerFile read_nvalchemi(const ReadContext& in) {
   std::int64_t num_updates = -1;
   const c10::impl::GenericDict inner =
-      nvalchemi_tensors(in.file, in.path, nvalchemi_config(in.policies, "import_state"), num_updates);
+      nvalchemi_tensors(in.file, in.path, nvalchemi_config(in.ema, "import_state"), num_updates);
   const std::int64_t n_averaged = read_n_averaged(in, inner, " in averaged_model_state");
   PeerFile f = read_named(in, inner, in.codec.prefix);
   f.count = Count::recounted;
@@ -806,15 +808,23 @@ EMAKIT_FUNC const Codec& codec(Peer peer) {
   return codecs[i];
 }
 
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail::interop
+
+namespace emakit::inline EMAKIT_ABI_NAMESPACE {
+
 // ---- the core of export_state and import_state ----------------------------------------------
 
-EMAKIT_FUNC void export_peer(const ExportSource& ema, Peer peer, const std::filesystem::path& path) {
+EMAKIT_FUNC void export_state(const EmaBase& ema, Peer peer, const std::filesystem::path& path) {
+  using namespace detail;
+  using namespace detail::interop;
   const Codec& c = codec(peer);
   write_tensor_dict(path, c.write(c, ema));  // atomic, untagged: torch.load(weights_only=True) reads it
 }
 
-EMAKIT_FUNC LoadReport import_peer(const ImportTarget& ema, Peer peer, const std::filesystem::path& file,
-                                   const ImportOptions& options) {
+EMAKIT_FUNC LoadReport import_state(EmaBase& ema, Peer peer, const std::filesystem::path& file,
+                                    const ImportOptions& options) {
+  using namespace detail;
+  using namespace detail::interop;
   const auto file_dict = read_pickle_dict(file, "import_state");
   const std::string path = file.string();  // for messages
   const Codec& c = codec(peer);
@@ -825,8 +835,9 @@ EMAKIT_FUNC LoadReport import_peer(const ImportTarget& ema, Peer peer, const std
     fail("import_state: ImportOptions::step ({}) is for {}, whose file holds no step; {} file holds its own counters",
          *options.step, fmt::join(takers, ", "), c.name);
   }
-  PeerFile f = c.read({c, file_dict, path, ema.state, ema.policies, options.step});
-  std::int64_t step = ema.step, updates = ema.num_updates, last = ema.last_update_step;
+  const StateDict own = ema.state_dict();  // this EMA's config, counters and keys
+  PeerFile f = c.read({c, file_dict, path, own, ema, options.step});
+  std::int64_t step = ema.step(), updates = ema.num_updates(), last = ema.last_update_step();
   if (f.count == Count::given) {
     updates = f.updates;
     step = last = updates;  // one update per call (luxonis-train's ModelEma: its decay from `updates`)
@@ -838,7 +849,7 @@ EMAKIT_FUNC LoadReport import_peer(const ImportTarget& ema, Peer peer, const std
       // Recount what the schedule did over `step` calls (ema-pytorch's and diffusers' calls are
       // never vetoed; a vetoed batch completes no step of nvalchemi's trainer).
       for (std::int64_t call = 1, previous = 0; call <= step; ++call) {
-        const Decision d = ema.decide({call, std::nullopt, previous, updates, false});
+        const Decision d = detail::EmaAccess::decide(ema, {call, std::nullopt, previous, updates, false});
         previous = d.step;
         if (d.action != Action::skipped) {
           ++updates;
@@ -849,13 +860,13 @@ EMAKIT_FUNC LoadReport import_peer(const ImportTarget& ema, Peer peer, const std
     if (c.check != nullptr) c.check(f, updates, last, path);
   }
   StateDict& out = f.state;
-  ema_state::write_counters(
-      out, {.calls = step, .step = step, .num_updates = updates, .last_update_step = last, .last_decay = ema.decay});
-  const LoadReport found = ema.check_state(out, LoadMode::lenient);
+  detail::ema_state::write_counters(
+      out, {.calls = step, .step = step, .num_updates = updates, .last_update_step = last, .last_decay = ema.decay()});
+  const LoadReport found = ema.check_state_dict(out, LoadMode::lenient);
   LoadReport report = peer_report(found, f, c, path, options.mode);
-  if (!found.clean()) keep_current(out, found, ema.state);
-  ema.load_state(out, options.mode);
+  if (!found.clean()) keep_current(out, found, own);
+  ema.load_state_dict(out, options.mode);
   return report;
 }
 
-}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail::interop
+}  // namespace emakit::inline EMAKIT_ABI_NAMESPACE

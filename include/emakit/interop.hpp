@@ -155,55 +155,9 @@ struct ImportOptions {
 
 namespace detail::interop {
 
-// export_state and import_state are thin templates: they gather what depends on the Ema type into
-// the plain values below and call the non-template core (export_peer, import_peer), compiled once
-// per program unless EMAKIT_HEADER_ONLY, which looks up the peer's codec and does the rest.
-
-// The EMA's policies a peer's config is read from (diffusers' EMAModel and nvalchemi's EMAHook
-// write theirs): each pointer is set when the EMA's policy is of that type, else null.
-struct EmaPolicies {
-  const Fixed* fixed = nullptr;
-  const RationalRamp* ramp = nullptr;
-  const InversePowerWarmup* warmup = nullptr;
-  const StepSchedule* step_schedule = nullptr;
-  TensorMode buffers = TensorMode::average;  // EmaOptions::buffers()
-};
-
-template <class E>
-EmaPolicies policies_of(const E& ema) {
-  using D = std::decay_t<decltype(ema.decay_policy())>;
-  using S = std::decay_t<decltype(ema.schedule())>;
-  EmaPolicies p;
-  if constexpr (std::is_same_v<D, Fixed>) p.fixed = &ema.decay_policy();
-  if constexpr (std::is_same_v<D, RationalRamp>) p.ramp = &ema.decay_policy();
-  if constexpr (std::is_same_v<D, InversePowerWarmup>) p.warmup = &ema.decay_policy();
-  if constexpr (std::is_same_v<S, StepSchedule>) p.step_schedule = &ema.schedule();
-  p.buffers = ema.options().buffers();
-  return p;
-}
-
-// What export_state writes: the EMA's averages (by name, in its order) and counters.
-struct ExportSource {
-  StateDict averages;
-  std::int64_t step = 0, num_updates = 0, last_update_step = 0;
-  EmaPolicies policies;
-};
-
-// What import_state reads into: the EMA's own state (config, counters, keys), counters and
-// policies, and the calls into it that depend on its type.
-struct ImportTarget {
-  StateDict state;
-  std::int64_t step = 0, num_updates = 0, last_update_step = 0;
-  double decay = 0;  // Ema::decay(): d of the last applied update
-  EmaPolicies policies;
-  std::function<Decision(const ScheduleInput&)> decide;               // its schedule
-  std::function<LoadReport(const StateDict&, LoadMode)> check_state;  // Ema::check_state_dict
-  std::function<void(const StateDict&, LoadMode)> load_state;         // Ema::load_state_dict
-};
-
-EMAKIT_FUNC void export_peer(const ExportSource& ema, Peer peer, const std::filesystem::path& path);
-EMAKIT_FUNC LoadReport import_peer(const ImportTarget& ema, Peer peer, const std::filesystem::path& file,
-                                   const ImportOptions& options);
+// export_state and import_state (below) take an EmaBase: what a peer's config is read from
+// (diffusers' EMAModel and nvalchemi's EMAHook write theirs) are the EMA's own policies
+// (EmaBase::find_policy), its counters and options.
 
 // ---- the codec of a peer ------------------------------------------------------------------
 
@@ -215,7 +169,7 @@ struct ReadContext {
   const c10::impl::GenericDict& file;
   const std::string& path;  // for messages
   const StateDict& state;   // this EMA's own config, counters and keys
-  const EmaPolicies& policies;
+  const EmaBase& ema;       // its policies and options
   std::optional<std::int64_t> step;
 };
 
@@ -251,7 +205,7 @@ struct Codec {
   std::string_view inner_call;  // the one that saves only its averaged model (keys without the prefix)
   bool takes_step = false;      // its file holds no step: ImportOptions::step gives it
   // The dict export_state writes: what the peer's torch.load and load_state_dict read.
-  c10::impl::GenericDict (*write)(const Codec& self, const ExportSource& ema);
+  c10::impl::GenericDict (*write)(const Codec& self, const EmaBase& ema);
   // The tensors and counters of a file, or throws naming the file and what it lacks.
   PeerFile (*read)(const ReadContext& in);
   // Count::recounted: throws (nothing loaded) when the file's own counts differ from the
@@ -266,12 +220,7 @@ EMAKIT_FUNC const Codec& codec(Peer peer);
 
 // Writes the EMA's tensors and counters with `peer`'s key names to `path`, readable by Python's
 // torch.load (weights_only) as a plain dict.
-template <class E>
-void export_state(const E& ema, Peer peer, const std::filesystem::path& path) {
-  detail::interop::export_peer(
-      {ema.averages(), ema.step(), ema.num_updates(), ema.last_update_step(), detail::interop::policies_of(ema)}, peer,
-      path);
-}
+EMAKIT_FUNC void export_state(const EmaBase& ema, Peer peer, const std::filesystem::path& path);
 
 // Loads the EMA state a Python `peer` saved (torch.save(peer.state_dict()), or of a plain dict)
 // into `ema`, which must be made with the peer's options. The counters are rebuilt from the
@@ -281,23 +230,11 @@ void export_state(const E& ema, Peer peer, const std::filesystem::path& path) {
 // shape and dtype; a missing one is named by the key the file should hold. The file is checked
 // before LibTorch's unpickler reads it (detail/serial/archive_scan.hpp): a dict of tensors and
 // plain values, nothing else. A failed import changes nothing.
-template <class E>
-LoadReport import_state(E& ema, Peer peer, const std::filesystem::path& file, const ImportOptions& options) {
-  return detail::interop::import_peer(
-      {.state = ema.state_dict(),
-       .step = ema.step(),
-       .num_updates = ema.num_updates(),
-       .last_update_step = ema.last_update_step(),
-       .decay = ema.decay(),
-       .policies = detail::interop::policies_of(ema),
-       .decide = [&ema](const ScheduleInput& in) { return ema.schedule().decide(in); },
-       .check_state = [&ema](const StateDict& s, LoadMode mode) { return ema.check_state_dict(s, mode); },
-       .load_state = [&ema](const StateDict& s, LoadMode mode) { ema.load_state_dict(s, mode); }},
-      peer, file, options);
-}
+EMAKIT_FUNC LoadReport import_state(EmaBase& ema, Peer peer, const std::filesystem::path& file,
+                                    const ImportOptions& options);
 
-template <class E>
-LoadReport import_state(E& ema, Peer peer, const std::filesystem::path& file, LoadMode mode = LoadMode::strict) {
+inline LoadReport import_state(EmaBase& ema, Peer peer, const std::filesystem::path& file,
+                               LoadMode mode = LoadMode::strict) {
   return import_state(ema, peer, file, ImportOptions{.mode = mode});
 }
 

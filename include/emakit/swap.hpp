@@ -75,8 +75,8 @@ inline SwapRegistry& swap_registry() {
 }  // namespace detail
 
 class SwapGuard;
+class EmaBase;
 namespace detail {
-class EmaCore;
 SwapGuard open_swap(std::shared_ptr<SwapState> state);
 }  // namespace detail
 
@@ -113,7 +113,7 @@ class SwapGuard {
   bool active() const noexcept { return static_cast<bool>(state_); }
 
  private:
-  friend class detail::EmaCore;
+  friend class EmaBase;
   friend SwapGuard detail::open_swap(std::shared_ptr<detail::SwapState> state);
   explicit SwapGuard(std::shared_ptr<detail::SwapState> state) : state_(std::move(state)) { ++state_->guards; }
 

@@ -34,29 +34,25 @@
 #include <emakit/ema.hpp>
 
 #include <array>
+#include <concepts>
 #include <span>
 #include <type_traits>
 #include <vector>
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
-namespace detail {
-template <class E>
-concept TogetherMember = requires(E& e) {
-  { TogetherAccess::member(e) } -> std::same_as<EmaCore::Member>;
-};
-}  // namespace detail
-
 // K EMAs of one model, updated together at every step (see the top of this file).
 class EmaGroup {
  public:
-  template <detail::TogetherMember... E>
+  template <std::derived_from<EmaBase>... E>
     requires(sizeof...(E) >= 1)
-  explicit EmaGroup(E&... emas)
-      : core_(std::vector<detail::EmaCore::Member>{detail::TogetherAccess::member(emas)...}), results_(sizeof...(E)) {}
-  // The EMAs of a range of one type (a std::vector<Ema<...>>); an empty range updates nothing.
-  template <detail::TogetherMember E>
+  explicit EmaGroup(E&... emas) : core_(std::vector<EmaBase*>{&emas...}), results_(sizeof...(E)) {}
+  // The EMAs of a range (a std::vector<Ema<...>>); an empty range updates nothing.
+  template <std::derived_from<EmaBase> E>
   explicit EmaGroup(std::span<E> emas) : core_(members_of(emas)), results_(emas.size()) {}
+  // EMAs of any types, by pointer (the elements of a std::vector<std::unique_ptr<EmaBase>>, say);
+  // a null pointer is refused, naming it.
+  explicit EmaGroup(std::vector<EmaBase*> emas) : core_(std::move(emas)), results_(core_.size()) {}
 
   // Each member's update(info), in one pass: one UpdateResult per member, in the order given
   // (valid until the next update()).
@@ -68,10 +64,10 @@ class EmaGroup {
 
  private:
   template <class E>
-  static std::vector<detail::EmaCore::Member> members_of(std::span<E> emas) {
-    std::vector<detail::EmaCore::Member> members;
+  static std::vector<EmaBase*> members_of(std::span<E> emas) {
+    std::vector<EmaBase*> members;
     members.reserve(emas.size());
-    for (E& e : emas) members.push_back(detail::TogetherAccess::member(e));
+    for (E& e : emas) members.push_back(&e);
     return members;
   }
 
@@ -81,23 +77,23 @@ class EmaGroup {
 
 // update_together(info, a, b, ...): each EMA's update(info), in one pass (an EmaGroup for this
 // call; keep an EmaGroup to update the same EMAs every step without allocating).
-template <detail::TogetherMember... E>
+template <std::derived_from<EmaBase>... E>
   requires(sizeof...(E) >= 1)
 std::array<UpdateResult, sizeof...(E)> update_together(const StepInfo& info, E&... emas) {
-  detail::GroupCore group(std::vector<detail::EmaCore::Member>{detail::TogetherAccess::member(emas)...});
+  detail::GroupCore group(std::vector<EmaBase*>{&emas...});
   std::array<UpdateResult, sizeof...(E)> out;
   group.update(info, out);
   return out;
 }
 
 // update_together(a, b, ...): each EMA's update(), in one pass.
-template <detail::TogetherMember... E>
+template <std::derived_from<EmaBase>... E>
   requires(sizeof...(E) >= 1)
 std::array<UpdateResult, sizeof...(E)> update_together(E&... emas) { return update_together(StepInfo{}, emas...); }
 
 // A range of EMAs of one type (a std::vector<Ema<...>>): each one's update(info), in one pass. An
 // empty range updates nothing and returns an empty vector.
-template <detail::TogetherMember E>
+template <std::derived_from<EmaBase> E>
 std::vector<UpdateResult> update_together(std::span<E> emas, const StepInfo& info = {}) {
   EmaGroup group(emas);
   const auto results = group.update(info);

@@ -22,7 +22,7 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 EMAKIT_FUNC std::vector<TargetUpdate> EmaTarget::updates(std::int64_t last_step) const {
   detail::check_positive_int(last_step, "EmaTarget::updates last_step");
-  // The counters of EmaCore (ema-inl.hpp: prepare, prepare_decided, and the update's end), for a run
+  // The counters of EmaBase (ema-inl.hpp: prepare, prepare_decided, and the update's end), for a run
   // whose every call completes as the schedule decides: no step supplied, none vetoed.
   std::int64_t calls = 0, step = 0, num_updates = 0, last_update_step = 0;
   std::vector<TargetUpdate> out;

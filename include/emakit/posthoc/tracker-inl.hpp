@@ -235,17 +235,11 @@ EMAKIT_FUNC void PostHocEma::check_loadable(std::size_t i, const StateDict& part
 }
 
 EMAKIT_FUNC void save(const PostHocEma& posthoc, const std::filesystem::path& path) {
-  detail::save_ema_file(
-      [&](torch::serialize::OutputArchive& archive) { detail::ema_state::save_archive(archive, posthoc.state_dict()); },
-      path);
+  detail::save_state_file(posthoc.state_dict(), path);
 }
 
 EMAKIT_FUNC void load(PostHocEma& posthoc, const std::filesystem::path& path) {
-  detail::load_ema_file(
-      [&](torch::serialize::InputArchive& archive) {
-        detail::ema_state::load_archive(archive, [&](const StateDict& state) { posthoc.load_state_dict(state); });
-      },
-      path);
+  detail::load_state_file(path, [&](const StateDict& state) { posthoc.load_state_dict(state); });
 }
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
