@@ -26,6 +26,9 @@
 //   emakit::EmaGroup group(fast, slow);                  // or (std::span(emas)) for a std::vector of EMAs
 //   group.update();                                      // each step; group.update({.vetoed = true})
 //
+// EMAs of several types held by their base (std::vector<std::unique_ptr<emakit::EmaBase>>) make a
+// group by pointer: EmaGroup(std::vector<emakit::EmaBase*>{...}).
+//
 // The members must outlive the group and stay where they are (a std::vector of EMAs is not resized
 // while a group holds its elements); a member moved from is refused by name at the next update.
 #pragma once
