@@ -526,18 +526,13 @@ class Ema : public EmaBase {
     return swap_gathered(storage_.gather(*this, all_ranks), model);
   }
 
-  // The checks of a state's format and config (policies, fields, buffer mode) against these
-  // policies and options, without an Ema: a hook that has not made its EMA yet checks a
-  // checkpoint with them. Throws naming the first difference.
-  static void check_state_config(const StateDict& state, const Decay& decay, const Schedule& schedule,
-                                 const EmaOptions& options) {
-    detail::ema_state::check_config(state, config_of(decay, schedule), options);
-  }
-
  private:
   Decision decide(const ScheduleInput& in) const override { return schedule_.decide(in); }
   detail::Weights weights(const DecayInput& in) const override { return detail::update_weights(decay_, in); }
-  detail::ema_state::PolicyConfig policy_config() const override { return config_of(decay_, schedule_); }
+  detail::ema_state::PolicyConfig policy_config() const override {
+    return {detail::policy_name<Decay>(), detail::policy_fields(decay_), detail::policy_name<Schedule>(),
+            detail::policy_fields(schedule_)};
+  }
   std::vector<at::Tensor> create_averages(const torch::nn::Module* model, std::span<const TensorSpec> specs) override {
     return storage_.create(model, specs);
   }
@@ -554,11 +549,6 @@ class Ema : public EmaBase {
       detail::fail("storage {} cannot be copied, so no Ema like this one can be made for another model",
                    detail::policy_name<Storage>());
     }
-  }
-
-  static detail::ema_state::PolicyConfig config_of(const Decay& decay, const Schedule& schedule) {
-    return {detail::policy_name<Decay>(), detail::policy_fields(decay), detail::policy_name<Schedule>(),
-            detail::policy_fields(schedule)};
   }
 
   Decay decay_;

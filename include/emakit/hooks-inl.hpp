@@ -110,7 +110,7 @@ EMAKIT_FUNC void HookEntry::save(torch::serialize::OutputArchive& archive, torch
                           {ema_ != nullptr, pending_.has_value(), calls_, step_, ema_weights}, state, replace);
 }
 
-// The model's weights of a checkpoint written into it (load_checkpoint).
+// A checkpoint's weights written into the model (load_checkpoint, load_weights).
 EMAKIT_FUNC void write_model_weights(const std::vector<std::pair<at::Tensor, at::Tensor>>& copies) {
   c10::NoGradGuard no_grad;
   for (const auto& [model_tensor, saved] : copies) model_tensor.copy_(saved);
@@ -181,8 +181,7 @@ EMAKIT_FUNC void load_weights(torch::nn::Module& model, const std::filesystem::p
   const detail::TensorMap found = detail::hook_state::read_weights(archive, model, key, path.string());
   const auto copies =
       detail::plan_weights(model, found, false, LoadMode::strict, fmt::format("load_weights '{}'", path.string()));
-  c10::NoGradGuard no_grad;
-  for (const auto& [model_tensor, saved] : copies) model_tensor.copy_(saved);
+  detail::write_model_weights(copies);
 }
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE
