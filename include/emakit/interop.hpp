@@ -228,8 +228,9 @@ EMAKIT_FUNC void export_state(const EmaBase& ema, Peer peer, const std::filesyst
 // of updates applied is recounted with this EMA's own schedule; an nvalchemi EMAHook's file holds
 // no step, options.step gives it. Strict: every tensor this EMA holds must be in the file with its
 // shape and dtype; a missing one is named by the key the file should hold. The file is checked
-// before LibTorch's unpickler reads it (detail/serial/archive_scan.hpp): a dict of tensors and
-// plain values, nothing else. A failed import changes nothing.
+// (detail/serial/archive_scan.hpp: a dict of tensors and plain values, nothing else) and the dict
+// is built from the values the check ran; LibTorch's unpickler never reads it. A failed import
+// changes nothing.
 EMAKIT_FUNC LoadReport import_state(EmaBase& ema, Peer peer, const std::filesystem::path& file,
                                     const ImportOptions& options);
 

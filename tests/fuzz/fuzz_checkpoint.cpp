@@ -1,8 +1,9 @@
 // libFuzzer target for the readers of untrusted files: any bytes, as a file emakit is given.
 // The first bytes choose the reader, as the file itself would:
-//   0x80 (a pickle's PROTO)   the data.pkl of a torch.save dict (import_state): plain_root, the
-//                             OrderedDict rewrite, then, for a pickle the scan's checker accepts,
-//                             LibTorch's unpickler on what read_pickle_dict would give it
+//   0x80 (a pickle's PROTO)   the data.pkl of a torch.save dict (import_state): the scan's checker
+//                             and, for a dict root it accepts, its check of the values
+//                             (dict_values: kinds, cycles, depth), then the dict built from them as
+//                             read_pickle_dict builds it (build_pickle_dict)
 //   "EMAKITPH"                a post-hoc snapshot (SnapshotReader: the header, then each tensor)
 //   anything else             a checkpoint given to emakit::load(ema, path) or
 //                             EmaHook::load_checkpoint(path): the archive check first
@@ -14,9 +15,10 @@
 //   EMAKIT_FUZZ_SECONDS=1800 scripts/fuzz.sh
 //
 // Two compilers: this file is built with clang (libFuzzer's coverage, AddressSanitizer,
-// UndefinedBehaviorSanitizer), so the archive check and the pickle rewrite, which stand between
-// the bytes and LibTorch, are instrumented. The rest (fuzz_glue.cpp: LibTorch's loaders and the
-// snapshot reader, whose headers need c10's IValue) is built with g++ without instrumentation, like
+// UndefinedBehaviorSanitizer), so the archive check and the pickle checker, which stand between
+// the bytes and LibTorch, are instrumented. The rest (fuzz_glue.cpp: LibTorch's loaders, the dict
+// builder and the snapshot reader, whose headers need c10's IValue) is built with g++ without
+// instrumentation, like
 // LibTorch itself: clang 14 cannot compile LibTorch 1.13's IValue headers in C++20 with
 // libstdc++ 12 (std::vector<c10::IValue> of an incomplete type). The snapshot reader is therefore
 // fuzzed blind (no coverage feedback): from valid seeds, with the header's CRC-32 made right
@@ -35,7 +37,7 @@
 // fuzz_glue.cpp
 void emakit_fuzz_make_corpus(const char* folder);
 void emakit_fuzz_load(const char* data, std::size_t size);
-void emakit_fuzz_unpickle(const char* data, std::size_t size);
+void emakit_fuzz_build_dict(const emakit::detail::archive_scan::PickleValues& values);
 void emakit_fuzz_snapshot(const char* data, std::size_t size);
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
@@ -48,20 +50,19 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 
 namespace {
 
-// read_pickle_dict's steps after the archive check, with every data/<n> record 256 bytes long.
+// read_pickle_dict's steps on data.pkl, with every data/<n> record 256 bytes long.
 void fuzz_pickle(std::span<const char> bytes) {
   namespace scan = emakit::detail::archive_scan;
-  const std::string_view pickle(bytes.data(), bytes.size());
-  const auto plain = emakit::detail::plain_root(pickle);
+  scan::PickleValues values;
   try {
     const scan::PickleRules rules{"the input", nullptr, [](const std::string&) { return std::int64_t{256}; }};
-    if (scan::check_pickle(bytes, rules, scan::Refuse{}).first != scan::Value::Kind::dict) return;
+    scan::PickleChecker checker(bytes, rules, scan::Refuse{});
+    if (checker.run().first != scan::Value::Kind::dict) return;
+    values = std::move(checker).dict_values();
   } catch (const std::invalid_argument&) {
-    return;  // the scan refuses it: LibTorch never sees it
+    return;  // the scan refuses it: nothing is built
   }
-  if (!plain && pickle.starts_with(scan::ordered_dict_root.substr(0, 27))) return;  // refused by read_pickle_dict
-  const std::string_view loaded = plain ? std::string_view(*plain) : pickle;
-  emakit_fuzz_unpickle(loaded.data(), loaded.size());
+  emakit_fuzz_build_dict(values);
 }
 
 }  // namespace

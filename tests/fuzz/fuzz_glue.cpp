@@ -3,6 +3,7 @@
 // instrumented.
 #include <emakit/aliases.hpp>
 #include <emakit/checkpoint.hpp>
+#include <emakit/detail/serial/archive_file.hpp>
 #include <emakit/detail/serial/archive_scan.hpp>
 #include <emakit/detail/serial/checksum.hpp>
 #include <emakit/detail/serial/snapshot_file.hpp>
@@ -10,7 +11,6 @@
 
 #include <c10/core/CPUAllocator.h>
 #include <caffe2/serialize/inline_container.h>
-#include <torch/csrc/jit/serialization/unpickler.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/serialize.h>
 
@@ -26,6 +26,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <tuple>
 
 namespace {
 
@@ -112,24 +113,13 @@ void make_corpus(const std::filesystem::path& folder) {
 // and broken ones (cut short, bytes flipped).
 void emakit_fuzz_make_corpus(const char* folder) { make_corpus(folder); }
 
-// What read_pickle_dict does with the pickle it has checked and rewritten: LibTorch's unpickler,
-// here with every data/<n> record 256 bytes long (the check held each storage to that).
-void emakit_fuzz_unpickle(const char* data, std::size_t size) {
-  std::size_t at = 0;
-  std::function<std::size_t(char*, std::size_t)> reader = [&](char* buffer, std::size_t n) {
-    n = std::min(n, size - at);
-    std::memcpy(buffer, data + at, n);
-    at += n;
-    return n;
-  };
-  std::function<at::DataPtr(const std::string&)> record = [](const std::string&) {
-    return c10::GetCPUAllocator()->allocate(256);
-  };
+// What read_pickle_dict does with the values the checker gave: the dict built from them, here
+// with every data/<n> record 256 bytes long (the check held each storage to that).
+void emakit_fuzz_build_dict(const emakit::detail::archive_scan::PickleValues& values) {
   try {
-    torch::jit::Unpickler unpickler(std::move(reader), torch::jit::TypeResolver{}, torch::jit::ObjLoader{},
-                                    std::move(record), {});
-    unpickler.set_version(3);
-    (void)unpickler.parse_ivalue();
+    (void)emakit::detail::build_pickle_dict(values, [](const std::string&) {
+      return std::make_tuple(c10::GetCPUAllocator()->allocate(256), std::size_t{256});
+    });
   } catch (const std::exception&) {
   }
 }

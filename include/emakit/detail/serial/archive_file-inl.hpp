@@ -14,27 +14,28 @@
 #include <emakit/detail/serial/atomic_file.hpp>
 
 #include <ATen/core/Dict.h>
+#include <ATen/core/List.h>
 #include <ATen/core/ivalue.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/ScalarType.h>
+#include <c10/core/Storage.h>
 #include <c10/util/Exception.h>
 #include <caffe2/serialize/inline_container.h>
-#include <torch/csrc/jit/serialization/unpickler.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
-#include <algorithm>
 #include <cstddef>
-#include <cstring>
+#include <cstdint>
 #include <exception>
 #include <filesystem>
-#include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
 #include <sstream>
 #include <string>
-#include <string_view>
 #include <system_error>
-#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
@@ -50,23 +51,6 @@ EMAKIT_FUNC void check_checkpoint_path(const std::filesystem::path& path, const 
   if (status.type() != std::filesystem::file_type::regular)
     fail("{}: '{}' is not a regular file, not a checkpoint file", what, path.string());
 }
-
-namespace archive_file {
-
-// Removes nested_placeholder's key from every dict inside `v` (see plain_root).
-inline void drop_nested_placeholders(const c10::IValue& v) {
-  if (v.isGenericDict()) {
-    auto d = v.toGenericDict();
-    static_cast<void>(d.erase(c10::IValue(std::string(archive_scan::nested_placeholder))));  // absent in most dicts
-    for (const auto& item : d) drop_nested_placeholders(item.value());
-  } else if (v.isList()) {
-    for (const auto& item : v.toListRef()) drop_nested_placeholders(item);
-  } else if (v.isTuple()) {
-    for (const auto& item : v.toTupleRef().elements()) drop_nested_placeholders(item);
-  }
-}
-
-}  // namespace archive_file
 
 EMAKIT_FUNC void read_archive(torch::serialize::InputArchive& archive, const std::filesystem::path& path,
                               const char* what) {
@@ -87,59 +71,130 @@ EMAKIT_FUNC void write_archive(torch::serialize::OutputArchive& archive, const s
   write_file_atomically(path, std::span<const char>(data.data(), data.size()));
 }
 
+namespace archive_file {
+
+using archive_scan::Value;
+
+// The dtype of a storage class the scan accepts ("FloatStorage": c10's name of the dtype, then
+// "Storage"), whose element size the scan held the record to.
+inline c10::ScalarType storage_dtype(const std::string& storage_class) {
+  for (int i = 0; i < static_cast<int>(c10::ScalarType::NumOptions); ++i) {
+    const auto type = static_cast<c10::ScalarType>(i);
+    if (storage_class == std::string(c10::toString(type)) + "Storage") return type;
+  }
+  fail("the storage class torch.{} is not a dtype of this LibTorch", storage_class);
+}
+
+// build_pickle_dict's walk: each value built once, depth first (the scan held the depth to
+// PickleValues::max_depth and refused cycles).
+class DictBuilder {
+ public:
+  DictBuilder(const archive_scan::PickleValues& values, const ReadRecord& record)
+      : values_(values.values), record_(record), built_(values.values.size()) {}
+
+  c10::IValue build(std::size_t id) {
+    if (!built_[id]) built_[id] = make(values_[id]);
+    return *built_[id];
+  }
+
+ private:
+  c10::IValue make(const Value& v) {
+    switch (v.kind) {
+      case Value::Kind::none: return {};
+      case Value::Kind::boolean: return v.integer != 0;
+      case Value::Kind::integer: return v.integer;
+      case Value::Kind::real: return v.real;
+      case Value::Kind::string: return v.text;
+      case Value::Kind::tuple: {
+        std::vector<c10::IValue> items;
+        items.reserve(v.items.size());
+        for (const std::size_t item : v.items) items.push_back(build(item));
+        return c10::ivalue::Tuple::create(std::move(items));
+      }
+      case Value::Kind::list: return list(v);
+      case Value::Kind::dict: {
+        c10::impl::GenericDict dict(c10::AnyType::get(), c10::AnyType::get());
+        dict.reserve(v.items.size() / 2);
+        for (std::size_t i = 0; i + 1 < v.items.size(); i += 2)
+          dict.insert_or_assign(build(v.items[i]), build(v.items[i + 1]));
+        return dict;
+      }
+      case Value::Kind::tensor: return tensor(v);
+      default:  // global, object, storage: the scan refused them inside a dict
+        fail("read_pickle_dict: a {} inside the dict", archive_scan::kind_name(v.kind));
+    }
+  }
+  c10::IValue list(const Value& v) {
+    std::vector<c10::IValue> items;
+    items.reserve(v.items.size());
+    for (const std::size_t item : v.items) items.push_back(build(item));
+    switch (v.element) {  // the scan held a typed list to its kind
+      case Value::Kind::integer: {
+        c10::List<std::int64_t> out;
+        for (const auto& item : items) out.push_back(item.toInt());
+        return out;
+      }
+      case Value::Kind::real: {
+        c10::List<double> out;
+        for (const auto& item : items) out.push_back(item.toDouble());
+        return out;
+      }
+      case Value::Kind::boolean: {
+        c10::List<bool> out;
+        for (const auto& item : items) out.push_back(item.toBool());
+        return out;
+      }
+      case Value::Kind::tensor: {
+        c10::List<at::Tensor> out;
+        for (const auto& item : items) out.push_back(item.toTensor());
+        return out;
+      }
+      default: {
+        c10::impl::GenericList out(c10::AnyType::get());
+        for (auto& item : items) out.push_back(std::move(item));
+        return out;
+      }
+    }
+  }
+  at::Tensor tensor(const Value& v) {
+    const Value& storage = values_[v.items.at(0)];
+    const c10::ScalarType dtype = storage_dtype(storage.storage_class);
+    auto [it, added] = storages_.try_emplace(storage.text);
+    if (added) {  // the whole record: every view the scan checked lies inside it
+      auto [data, size] = record_(storage.text);
+      it->second = c10::Storage(c10::Storage::use_byte_size_t(), size, std::move(data), nullptr, false);
+    }
+    const auto rank = static_cast<std::ptrdiff_t>(v.dims.size() / 2);
+    const c10::IntArrayRef sizes(v.dims.data(), static_cast<std::size_t>(rank));
+    const c10::IntArrayRef strides(v.dims.data() + rank, static_cast<std::size_t>(rank));
+    at::Tensor t = at::empty({0}, at::TensorOptions().dtype(dtype)).set_(it->second, v.integer, sizes, strides);
+    if (v.requires_grad) t.set_requires_grad(true);
+    return t;
+  }
+
+  const std::vector<Value>& values_;
+  const ReadRecord& record_;
+  std::vector<std::optional<c10::IValue>> built_;
+  std::map<std::string, c10::Storage> storages_;  // by record key
+};
+
+}  // namespace archive_file
+
+EMAKIT_FUNC c10::impl::GenericDict build_pickle_dict(const archive_scan::PickleValues& values,
+                                                     const ReadRecord& record) {
+  return archive_file::DictBuilder(values, record).build(values.root).toGenericDict();
+}
+
 EMAKIT_FUNC c10::impl::GenericDict read_pickle_dict(const std::filesystem::path& path, const char* what) {
   check_checkpoint_path(path, what);
-  const std::vector<char> bytes = read_scanned_file(path, what, archive_scan::Root::dict);
-  const std::string plain_dict = "save a plain dict: torch.save(dict(ema.state_dict()), path)";
-  c10::IValue value;
-  bool ordered = false;  // the root was an OrderedDict, read as a plain dict
+  archive_scan::PickleValues values;
+  const std::vector<char> bytes = read_scanned_file(path, what, archive_scan::Root::dict, &values);
   try {
     caffe2::serialize::PyTorchStreamReader zip(std::make_shared<archive_scan::SpanReader>(bytes));
-    auto [data, size] = zip.getRecord("data.pkl");
-    const std::string_view saved(static_cast<const char*>(data.get()), size);
-    const std::optional<std::string> plain = plain_root(saved);
-    const bool ordered_root = saved.substr(0, 27) == archive_scan::ordered_dict_root.substr(0, 27);
-    if (!plain && ordered_root)
-      fail("{}: '{}' holds an OrderedDict that emakit cannot read (torch.save's protocol 2 expected); {}", what,
-           path.string(), plain_dict);
-    ordered = plain.has_value() && ordered_root;
-    // torch::jit::pickle_load's steps (readArchiveAndTensors), on the bytes the scan checked.
-    const std::string_view pickle = plain ? std::string_view(*plain) : saved;
-    std::size_t at = 0;
-    std::function<std::size_t(char*, std::size_t)> reader = [&](char* buffer, std::size_t n) {
-      n = std::min(n, pickle.size() - at);
-      std::memcpy(buffer, pickle.data() + at, n);
-      at += n;
-      return n;
-    };
-    std::function<at::DataPtr(const std::string&)> record = [&](const std::string& name) {
-      return std::get<0>(zip.getRecord("data/" + name));
-    };
-    torch::jit::Unpickler unpickler(std::move(reader), torch::jit::TypeResolver{}, torch::jit::ObjLoader{},
-                                    std::move(record), {});
-    unpickler.set_version(zip.version());
-    value = unpickler.parse_ivalue();
-  } catch (const c10::Error& e) {
-    // A nested OrderedDict (a dict whose value is a state_dict()) is None to LibTorch: its items
-    // then fail on an internal assert.
-    if (std::string_view(e.what_without_backtrace()).find("isGenericDict()") != std::string_view::npos)
-      fail("{}: '{}' holds an OrderedDict inside its dict, which LibTorch cannot read; {}", what, path.string(),
-           plain_dict);
-    fail("{}: '{}' is not a file torch.save wrote with a dict of tensors: {}; {}", what, path.string(), first_line(e),
-         plain_dict);
+    return build_pickle_dict(values, [&](const std::string& key) { return zip.getRecord("data/" + key); });
+  } catch (const c10::Error& e) {  // a record that does not inflate, a tensor LibTorch refuses
+    fail("{}: '{}' is not a file torch.save wrote with a dict of tensors: {}", what, path.string(), first_line(e));
   }
-  if (!value.isGenericDict())  // the scan accepts a dict only; kept for a reader that changes
-    fail("{}: '{}' holds a {}, not a dict", what, path.string(), value.tagKind());
-  auto dict = value.toGenericDict();
-  if (ordered) {
-    const c10::IValue placeholder{std::string(archive_scan::placeholder)};
-    const auto it = dict.find(placeholder);
-    if (it == dict.end() || !it->value().isNone())  // the file held a key equal to the placeholder
-      fail("{}: '{}' holds a key emakit reserves for reading an OrderedDict; {}", what, path.string(), plain_dict);
-    dict.erase(it);
-  }
-  archive_file::drop_nested_placeholders(value);
-  return dict;
 }
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

@@ -187,54 +187,6 @@ inline std::set<std::string> check_code(std::string_view text, const std::string
 
 // ---- pickles ---------------------------------------------------------------------------
 
-// What the abstract unpickler knows of a value.
-struct Value {
-  enum class Kind : std::uint8_t {
-    none,
-    boolean,
-    integer,
-    real,
-    string,
-    tuple,
-    list,
-    dict,
-    global,
-    object,
-    storage,
-    tensor
-  };
-  Kind kind = Kind::none;
-  std::int64_t integer = 0;          // integer; storage: numel; global storage class: itemsize
-  std::string text{};                // string; global: "module.name"
-  std::vector<std::size_t> items{};  // tuple: element ids (lists and dicts keep none: nothing reads them)
-  std::int64_t itemsize = 0;         // storage
-};
-
-inline std::string_view kind_name(Value::Kind k) {
-  static constexpr std::string_view names[] = {"None", "bool", "int",    "float",  "str",     "tuple",
-                                               "list", "dict", "global", "object", "storage", "tensor"};
-  return names[static_cast<std::size_t>(k)];
-}
-
-// Where a pickle's containers are filled, recorded by PickleChecker when asked: what plain_root
-// rewrites (archive_scan.hpp). An offset is a byte of the pickle; a value is an id of the walk.
-struct PickleLayout {
-  struct OrderedDict {
-    std::size_t start;  // where the code of its collections.OrderedDict() starts
-    std::size_t made;   // the byte after its REDUCE
-    bool root;          // made at the bottom of the stack
-  };
-  struct Fill {
-    unsigned char op;     // SETITEM 's', SETITEMS 'u', APPEND 'a' or BUILD 'b'
-    std::size_t at;       // the opcode's offset
-    std::size_t operand;  // where the code of its first operand starts (key, value, state)
-    std::size_t target;   // the value filled
-    bool root;            // the target is at the bottom of the stack
-  };
-  std::map<std::size_t, OrderedDict> ordered;  // by value
-  std::vector<Fill> fills;                     // in pickle order
-};
-
 struct PickleRules {
   std::string record;                                                // for messages
   const std::set<std::string>* classes = nullptr;                    // declared __torch__ classes ("mod.Name")
@@ -243,17 +195,20 @@ struct PickleRules {
 
 // The abstract unpickler: the state a real unpickler keeps (values, stack, marks, memo), with one
 // handler per accepted opcode in a table (opcode_table below). An opcode without a handler is
-// refused. Every handler checks its operands before it changes the state. Each stack entry
-// also keeps where its code starts (the first operand's, for a value made of operands): with a
-// `layout`, the fills of containers and the OrderedDicts are recorded there.
+// refused. Every handler checks its operands before it changes the state. The values are kept
+// whole (a container its items, a tensor its storage and view), so a dict root's values can be
+// given to read_pickle_dict, which builds them (dict_values).
 class PickleChecker {
  public:
-  PickleChecker(std::span<const char> bytes, const PickleRules& rules, const Refuse& refuse,
-                PickleLayout* layout = nullptr)
-      : bytes_(bytes), rules_(rules), refuse_(refuse), layout_(layout) {}
+  PickleChecker(std::span<const char> bytes, const PickleRules& rules, const Refuse& refuse)
+      : bytes_(bytes), rules_(rules), refuse_(refuse) {}
 
   // Runs the pickle to STOP; returns the root value's kind and, for a tuple, its length.
   std::pair<Value::Kind, std::size_t> run();
+
+  // After run() of a dict root: its values, checked as PickleValues says (plain values only, no
+  // cycle, at most max_depth containers deep); the checker's arena moves into them.
+  PickleValues dict_values() &&;
 
  private:
   using Handler = void (PickleChecker::*)();
@@ -281,31 +236,21 @@ class PickleChecker {
     return values_.size() - 1;
   }
   void push(Value v) { push_id(make(std::move(v))); }
-  void push_id(std::size_t id) {  // its code starts where this opcode's first operand's does
-    stack_.push_back(id);
-    starts_.push_back(first_);
-  }
-  std::size_t floor() const { return marks_.empty() ? std::size_t{0} : marks_.back().first; }
+  void push_id(std::size_t id) { stack_.push_back(id); }
+  std::size_t floor() const { return marks_.empty() ? std::size_t{0} : marks_.back(); }
   std::size_t pop() {
     if (stack_.size() <= floor()) bad("the stack is empty");
     const std::size_t id = stack_.back();
-    first_ = starts_.back();
     stack_.pop_back();
-    starts_.pop_back();
     return id;
   }
   std::vector<std::size_t> pop_mark() {
     if (marks_.empty()) bad("no MARK to pop to");
-    const auto [at, mark_at] = marks_.back();
+    const std::size_t at = marks_.back();
     marks_.pop_back();
     std::vector<std::size_t> items(stack_.begin() + static_cast<std::ptrdiff_t>(at), stack_.end());
     stack_.resize(at);
-    starts_.resize(at);
-    first_ = mark_at;
     return items;
-  }
-  void record_fill(std::size_t target) {  // after the operands are popped
-    if (layout_ != nullptr) layout_->fills.push_back({op_, op_at_, first_, target, stack_.size() == 1});
   }
   std::size_t top() const {
     if (stack_.size() <= floor()) bad("the stack is empty");
@@ -366,7 +311,14 @@ class PickleChecker {
     if (!empty && (overflow || last >= static_cast<std::uint64_t>(storage.integer)))
       bad(fmt::format("the tensor (offset {}, sizes [{}], strides [{}]) reaches past its storage of {} elements",
                       offset, fmt::join(sizes, ", "), fmt::join(strides, ", "), storage.integer));
-    return Value{.kind = Value::Kind::tensor};
+    Value tensor{.kind = Value::Kind::tensor,
+                 .requires_grad = values_[args[4]].integer != 0,
+                 .integer = offset,
+                 .storage_class = storage.storage_class,
+                 .items = {args[0]},
+                 .dims = sizes};
+    tensor.dims.insert(tensor.dims.end(), strides.begin(), strides.end());
+    return tensor;
   }
 
   // ('storage', torch.<T>Storage, key, location, numel), its record large enough.
@@ -395,7 +347,10 @@ class PickleChecker {
         want > static_cast<std::uint64_t>(have))
       bad(fmt::format("the storage claims {} elements of {} bytes, but the record data/{} holds {} bytes", numel,
                       cls.integer, key.text, have));
-    return Value{.kind = Value::Kind::storage, .integer = numel, .itemsize = cls.integer};
+    return Value{.kind = Value::Kind::storage,
+                 .integer = numel,
+                 .text = key.text,
+                 .storage_class = cls.text.substr(std::string_view("torch.").size())};
   }
 
   // A global the accepted subset names (see the table at the top of this file).
@@ -449,7 +404,7 @@ class PickleChecker {
   void empty_list() { push(Value{.kind = Value::Kind::list}); }
   void mark() {
     if (marks_.size() >= 1000) bad("more than 1000 nested MARKs");
-    marks_.emplace_back(stack_.size(), op_at_);
+    marks_.push_back(stack_.size());
   }
   void tuple() { push(Value{.kind = Value::Kind::tuple, .items = pop_mark()}); }
   void small_tuple() {  // TUPLE1..3
@@ -472,9 +427,13 @@ class PickleChecker {
     if (n > 0 && n < 8 && (v >> (8 * n - 1)) != 0) v |= ~std::uint64_t{0} << (8 * n);  // sign-extend
     push(Value{.kind = Value::Kind::integer, .integer = static_cast<std::int64_t>(v)});
   }
-  void binfloat() {
-    need(8);
-    push(Value{.kind = Value::Kind::real});
+  void binfloat() {  // big-endian IEEE 754 double
+    const auto* p = reinterpret_cast<const unsigned char*>(need(8));
+    std::uint64_t bits = 0;
+    for (std::size_t i = 0; i < 8; ++i) bits = (bits << 8) | p[i];
+    double v = 0;
+    std::memcpy(&v, &bits, sizeof v);
+    push(Value{.kind = Value::Kind::real, .real = v});
   }
   void unicode() {  // BINUNICODE, SHORT_BINUNICODE
     const auto n = le(op_ == 'X' ? 4 : 1);
@@ -483,12 +442,10 @@ class PickleChecker {
     push(Value{.kind = Value::Kind::string, .text = std::string(p, static_cast<std::size_t>(n))});
   }
   void append() {  // APPEND, APPENDS
-    if (op_ == 'a')
-      (void)pop();
-    else
-      (void)pop_mark();
-    if (values_[top()].kind != Value::Kind::list) bad("APPEND to something other than a list");
-    record_fill(top());
+    const std::vector<std::size_t> items = op_ == 'a' ? std::vector<std::size_t>{pop()} : pop_mark();
+    Value& list = values_[top()];
+    if (list.kind != Value::Kind::list) bad("APPEND to something other than a list");
+    list.items.insert(list.items.end(), items.begin(), items.end());
   }
   void setitems() {  // SETITEM, SETITEMS
     std::vector<std::size_t> items;
@@ -500,13 +457,14 @@ class PickleChecker {
     }
     if (items.size() % 2 != 0) bad("SETITEMS with an odd number of keys and values");
     if (values_[top()].kind != Value::Kind::dict) bad("SETITEM on something other than a dict");
-    record_fill(top());
     for (std::size_t i = 0; i < items.size(); i += 2) {
       const auto k = values_[items[i]].kind;
       if (k != Value::Kind::string && k != Value::Kind::integer && k != Value::Kind::boolean &&
           k != Value::Kind::real && k != Value::Kind::tensor)
         bad(fmt::format("a dict key that is a {}", kind_name(k)));
     }
+    Value& dict = values_[top()];
+    dict.items.insert(dict.items.end(), items.begin(), items.end());
   }
   void binpersid() { push(persistent(pop())); }
   void reduce() {
@@ -520,18 +478,21 @@ class PickleChecker {
       push(rebuild_tensor(a));
     } else if (name == "collections.OrderedDict") {
       if (!a.empty()) bad("OrderedDict called with arguments");
-      if (layout_ != nullptr) layout_->ordered[values_.size()] = {first_, pos_, stack_.empty()};
-      push(Value{.kind = Value::Kind::dict});
+      push(Value{.kind = Value::Kind::dict});  // its _metadata (BUILD) is not kept
     } else if (name == "torch.jit._pickle.restore_type_tag") {
       // (value, "Dict[str, Tensor]"): the value with its TorchScript type; the type is parsed
       // by LibTorch's type parser, which only names types.
       if (a.size() != 2 || values_[a[1]].kind != Value::Kind::string) bad("restore_type_tag without (value, type)");
       const std::string& type = values_[a[1]].text;
       if (type.size() > 256 || !is_type_text(type)) bad(fmt::format("the type tag '{}'", shown(type)));
-      push_id(a[0]);  // the same value, shared
-    } else if (name.starts_with("torch.jit._pickle.build_")) {
+      push_id(a[0]);                                            // the same value, shared
+    } else if (name.starts_with("torch.jit._pickle.build_")) {  // a list of one kind (dict_values checks it)
       if (a.size() != 1 || values_[a[0]].kind != Value::Kind::list) bad(fmt::format("{} without one list", name));
-      push(Value{.kind = Value::Kind::list});
+      const Value::Kind element = name.ends_with("intlist")      ? Value::Kind::integer
+                                  : name.ends_with("doublelist") ? Value::Kind::real
+                                  : name.ends_with("boollist")   ? Value::Kind::boolean
+                                                                 : Value::Kind::tensor;
+      push(Value{.kind = Value::Kind::list, .element = element, .items = values_[a[0]].items});
     } else {
       bad(fmt::format("the global '{}' called", shown(name)));
     }
@@ -551,7 +512,6 @@ class PickleChecker {
     if (values_[state].kind != Value::Kind::dict) bad("BUILD with a state that is not a dict");
     if (values_[target].kind != Value::Kind::object && values_[target].kind != Value::Kind::dict)
       bad(fmt::format("BUILD of a {}", kind_name(values_[target].kind)));
-    record_fill(target);
   }
   void stop() {
     if (!marks_.empty()) bad("STOP inside a MARK");
@@ -563,15 +523,12 @@ class PickleChecker {
   std::span<const char> bytes_;
   const PickleRules& rules_;
   const Refuse& refuse_;
-  std::vector<Value> values_;  // arena: ids index it; no ownership cycles
-  PickleLayout* layout_;
-  std::vector<std::size_t> stack_;                          // value ids
-  std::vector<std::size_t> starts_;                         // where each entry's code starts
-  std::vector<std::pair<std::size_t, std::size_t>> marks_;  // stack size at MARK, its offset
+  std::vector<Value> values_;       // arena: ids index it (a container may hold itself: dict_values refuses it)
+  std::vector<std::size_t> stack_;  // value ids
+  std::vector<std::size_t> marks_;  // the stack's size at each MARK
   std::map<std::uint32_t, std::size_t> memo_;
   std::size_t pos_ = 0;
   std::size_t op_at_ = 0;
-  std::size_t first_ = 0;  // where the code of this opcode's first operand starts
   unsigned char op_ = 0;
   bool stopped_ = false;
 };
@@ -602,7 +559,7 @@ inline std::pair<Value::Kind, std::size_t> PickleChecker::run() {
   if (bytes_.size() < 2 || static_cast<unsigned char>(bytes_[0]) != 0x80)
     refuse_("{} is not a pickle (it does not start with the PROTO opcode)", rules_.record);
   while (!stopped_) {
-    op_at_ = first_ = pos_;
+    op_at_ = pos_;
     if (pos_ >= bytes_.size()) bad("the pickle ends without STOP");
     op_ = static_cast<unsigned char>(bytes_[pos_++]);
     const Handler h = table.handler[op_];
@@ -611,6 +568,44 @@ inline std::pair<Value::Kind, std::size_t> PickleChecker::run() {
   }
   const Value& root = values_[stack_.back()];
   return {root.kind, root.items.size()};
+}
+
+inline PickleValues PickleChecker::dict_values() && {
+  const std::size_t root = stack_.back();
+  // Depth first from the root, on a stack of its own (a deep pickle cannot overflow the thread's).
+  enum : std::uint8_t { unseen, on_path, done };
+  std::vector<std::uint8_t> state(values_.size(), unseen);
+  struct Frame {
+    std::size_t id;
+    std::size_t next;  // the next of its items to visit
+  };
+  std::vector<Frame> path{{root, 0}};
+  state[root] = on_path;
+  while (!path.empty()) {
+    const std::size_t id = path.back().id;
+    const Value& v = values_[id];
+    if (path.back().next == v.items.size()) {
+      state[id] = done;
+      path.pop_back();
+      continue;
+    }
+    const std::size_t item = v.items[path.back().next++];
+    const Value::Kind kind = values_[item].kind;
+    if (kind == Value::Kind::global || kind == Value::Kind::object || kind == Value::Kind::storage)
+      refuse_("{} holds a {} inside its dict; only tensors and plain values are accepted", rules_.record,
+              kind_name(kind));
+    if (v.kind == Value::Kind::list && v.element != Value::Kind::none && kind != v.element)
+      refuse_("{} holds a list of {} values with a {} in it", rules_.record, kind_name(v.element), kind_name(kind));
+    if (kind != Value::Kind::tuple && kind != Value::Kind::list && kind != Value::Kind::dict) continue;
+    if (state[item] == on_path)
+      refuse_("{} holds a {} that holds itself; a cycle is not a dict of tensors", rules_.record, kind_name(kind));
+    if (state[item] == done) continue;  // shared, as Python shares it
+    if (path.size() >= PickleValues::max_depth)
+      refuse_("{} nests containers more than {} deep", rules_.record, PickleValues::max_depth);
+    state[item] = on_path;
+    path.push_back({item, 0});
+  }
+  return PickleValues{std::move(values_), root};
 }
 
 // Runs `bytes` on an abstract stack; refuses anything outside the accepted subset. Returns the
@@ -637,7 +632,8 @@ inline std::int64_t record_size(caffe2::serialize::PyTorchStreamReader& reader, 
 #endif
 }
 
-inline void check_records(caffe2::serialize::PyTorchStreamReader& reader, const Refuse& refuse, Root root) {
+inline void check_records(caffe2::serialize::PyTorchStreamReader& reader, const Refuse& refuse, Root root,
+                          PickleValues* values) {
   const auto names = reader.getAllRecords();
   std::set<std::string> classes;
   std::vector<std::string> code, debug;
@@ -698,15 +694,27 @@ inline void check_records(caffe2::serialize::PyTorchStreamReader& reader, const 
     if (kind != Value::Kind::tuple || n != 0)
       refuse("constants.pkl holds a {} of {} items; an emakit checkpoint has no constants", kind_name(kind), n);
   }
+  if (root == Root::dict && reader.hasRecord("byteorder")) {  // torch.save's; LibTorch's writer adds none
+    const auto order = record_bytes(reader, "byteorder");
+    if (std::string_view(order.data(), order.size()) != "little")
+      refuse("its byteorder record says '{}'; emakit reads files saved on a little-endian machine ('little')",
+             shown(std::string_view(order.data(), order.size())));
+  }
   const auto bytes = record_bytes(reader, "data.pkl");
-  const auto [kind, n] = check_pickle(bytes, PickleRules{"data.pkl", &classes, data_size}, refuse);
+  const PickleRules rules{"data.pkl", &classes, data_size};
+  PickleChecker checker(bytes, rules, refuse);
+  const auto [kind, n] = checker.run();
   if (root == Root::module && kind != Value::Kind::object) refuse("data.pkl holds a {}, not a module", kind_name(kind));
   if (root == Root::dict && kind != Value::Kind::dict) refuse("data.pkl holds a {}, not a dict", kind_name(kind));
+  if (root == Root::dict) {
+    PickleValues checked = std::move(checker).dict_values();
+    if (values != nullptr) *values = std::move(checked);
+  }
 }
 
 // Opens the zip with LibTorch's reader; its errors become refusals.
 template <class Open>
-void scan(const Open& open, const Refuse& refuse, Root root = Root::module) {
+void scan(const Open& open, const Refuse& refuse, Root root, PickleValues* values) {
   std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
   try {
     reader = open();
@@ -714,7 +722,7 @@ void scan(const Open& open, const Refuse& refuse, Root root = Root::module) {
     refuse("it is not a readable zip archive (truncated or damaged?): {}", first_line(e));
   }
   try {
-    check_records(*reader, refuse, root);
+    check_records(*reader, refuse, root, values);
   } catch (const c10::Error& e) {
     refuse("a record cannot be read (truncated or damaged?): {}", first_line(e));
   }
@@ -724,91 +732,25 @@ void scan(const Open& open, const Refuse& refuse, Root root = Root::module) {
 
 namespace archive_scan {
 
-inline void scan_bytes(std::span<const char> bytes, const Refuse& refuse, Root root) {
+inline void scan_bytes(std::span<const char> bytes, const Refuse& refuse, Root root, PickleValues* values) {
   scan([&] { return std::make_unique<caffe2::serialize::PyTorchStreamReader>(std::make_shared<SpanReader>(bytes)); },
-       refuse, root);
+       refuse, root, values);
 }
 
 }  // namespace archive_scan
 
-EMAKIT_FUNC void scan_archive_bytes(std::span<const char> bytes, std::string_view where, archive_scan::Root root) {
-  archive_scan::scan_bytes(bytes, archive_scan::Refuse{fmt::format("refusing {}: ", where)}, root);
+EMAKIT_FUNC void scan_archive_bytes(std::span<const char> bytes, std::string_view where, archive_scan::Root root,
+                                    archive_scan::PickleValues* values) {
+  archive_scan::scan_bytes(bytes, archive_scan::Refuse{fmt::format("refusing {}: ", where)}, root, values);
 }
 
 EMAKIT_FUNC std::vector<char> read_scanned_file(const std::filesystem::path& path, std::string_view what,
-                                                archive_scan::Root root) {
+                                                archive_scan::Root root, archive_scan::PickleValues* values) {
   std::vector<char> bytes = read_file_bytes(path, what);
-  archive_scan::scan_bytes(bytes, archive_scan::Refuse{fmt::format("{}: refusing '{}': ", what, path.string())}, root);
+  archive_scan::scan_bytes(bytes, archive_scan::Refuse{fmt::format("{}: refusing '{}': ", what, path.string())}, root,
+                           values);
   if (const auto hook = testing::after_scan()) hook(path);
   return bytes;
-}
-
-EMAKIT_FUNC std::optional<std::string> plain_root(std::string_view pickle) {
-  using archive_scan::ordered_dict_root;
-  const bool ordered = pickle.starts_with(ordered_dict_root);
-  if (!ordered && !pickle.starts_with(std::string_view("\x80\x02}", 3))) return std::nullopt;
-  archive_scan::PickleLayout layout;
-  try {  // the scan checked the tensors against their records already
-    const archive_scan::PickleRules rules{"data.pkl", nullptr, [](const std::string&) { return INT64_MAX; }};
-    archive_scan::PickleChecker(std::span<const char>(pickle.data(), pickle.size()), rules, archive_scan::Refuse{},
-                                &layout)
-        .run();
-  } catch (const std::invalid_argument&) {
-    return std::nullopt;
-  }
-  struct Edit {
-    std::size_t at;       // offset in the original pickle
-    std::size_t removed;  // bytes removed there
-    std::string inserted;
-    std::size_t order = 0;  // at one offset: the end of a value first, then the outermost value's start
-  };
-  std::vector<Edit> edits;
-  const auto opens = [&](std::size_t at, std::string text) {  // a value starts at `at`: later, outer
-    edits.push_back({at, 0, std::move(text), SIZE_MAX - edits.size()});
-  };
-  const auto mark_key = [](std::string_view key) {  // MARK, BINUNICODE key
-    std::string out("(X", 2);
-    for (int byte = 0; byte < 4; ++byte) out += static_cast<char>((key.size() >> (8 * byte)) & 0xFF);
-    return out += key;
-  };
-  if (ordered)  // PROTO 2, EMPTY_DICT, MARK placeholder, GLOBAL, BINPUT 0, EMPTY_TUPLE, REDUCE, SETITEMS, BINPUT 1
-    edits.push_back({0, ordered_dict_root.size(),
-                     "\x80\x02}" + mark_key(archive_scan::placeholder) + std::string(ordered_dict_root.substr(2, 29)) +
-                         "u" + std::string(ordered_dict_root.substr(31))});
-  std::set<std::size_t> made_plain;
-  const auto make_plain = [&](std::size_t value) {  // a nested OrderedDict, once
-    const auto it = layout.ordered.find(value);
-    if (it == layout.ordered.end() || it->second.root || !made_plain.insert(value).second) return;
-    opens(it->second.start, "}" + mark_key(archive_scan::nested_placeholder));
-    edits.push_back({it->second.made, 0, "u"});
-  };
-  for (const auto& fill : layout.fills) {
-    if (fill.op == 'b' && fill.root) {  // the root's _metadata: dropped, with the edits inside it
-      std::erase_if(edits, [&](const Edit& e) { return e.at >= fill.operand && e.at <= fill.at; });
-      edits.push_back({fill.operand, fill.at + 1 - fill.operand, ""});
-    } else if (fill.op == 'b' && layout.ordered.contains(fill.target)) {  // under the nested placeholder
-      make_plain(fill.target);
-      opens(fill.operand, mark_key(archive_scan::nested_placeholder));
-      edits.push_back({fill.at, 1, "u"});
-    } else if (fill.op == 's' || fill.op == 'u') {
-      make_plain(fill.target);
-      if (fill.op == 's') opens(fill.operand, "("), edits.push_back({fill.at, 1, "u"});
-    } else if (fill.op == 'a') {
-      opens(fill.operand, "("), edits.push_back({fill.at, 1, "e"});
-    }
-  }
-  if (edits.empty()) return std::nullopt;
-  std::stable_sort(edits.begin(), edits.end(),
-                   [](const Edit& a, const Edit& b) { return std::tie(a.at, a.order) < std::tie(b.at, b.order); });
-  std::string out;
-  std::size_t copied = 0;
-  for (const auto& e : edits) {
-    if (e.at < copied) return std::nullopt;  // overlapping edits: not a pickle this reads
-    out.append(pickle.substr(copied, e.at - copied));
-    out += e.inserted;
-    copied = e.at + e.removed;
-  }
-  return out.append(pickle.substr(copied));
 }
 
 EMAKIT_FUNC testing::AfterScan& testing::after_scan() noexcept {

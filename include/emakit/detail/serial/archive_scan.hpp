@@ -35,9 +35,11 @@
 // |                   | with numel * itemsize <= the size of record data/<n>; sizes and strides   |
 // |                   | non-negative and the view inside the storage                              |
 // | constants.pkl     | an empty tuple (attribute-only code has no constants)                     |
-// | data.pkl's value  | a module object (OutputArchive files); with Root::dict a dict (Python's    |
-// |                   | torch.save of a plain dict, whose records may add .format_version and     |
-// |                   | .storage_alignment): interop's imports                                    |
+// | data.pkl's value  | a module object (OutputArchive files); with Root::dict a dict or          |
+// |                   | OrderedDict (Python's torch.save of a dict or a state_dict(), whose       |
+// |                   | records may add .format_version and .storage_alignment, byteorder         |
+// |                   | 'little'): interop's imports. Its values: None, bool, int, float, str,    |
+// |                   | tuple, list, dict, tensors; no cycle, at most 1000 containers deep        |
 //
 // Anything else is refused with an error naming the file, the record and what was found. The
 // pickles are checked by running them on an abstract stack (values, marks and memo kept as in a
@@ -83,12 +85,53 @@ class SpanReader final : public caffe2::serialize::ReadAdapterInterface {
 // of a plain dict, which also writes the records .format_version and .storage_alignment).
 enum class Root : std::uint8_t { module, dict };
 
-// plain_root's signature of an OrderedDict root, and its placeholder keys (see plain_root).
-constexpr std::string_view ordered_dict_root{"\x80\x02"
-                                             "ccollections\nOrderedDict\nq\x00)Rq\x01",
-                                             33};
-constexpr std::string_view placeholder{"\0emakit:OrderedDict\0", 20};
-constexpr std::string_view nested_placeholder{"\0emakit:NestedOrderedDict\0", 26};
+// A value of a pickle as the scan's checker runs it (PickleChecker, archive_scan-inl.hpp), without
+// LibTorch: ids index the arena the values live in. What read_pickle_dict builds a dict root's
+// values from (detail/serial/archive_file.hpp).
+struct Value {
+  enum class Kind : std::uint8_t {
+    none,
+    boolean,
+    integer,
+    real,
+    string,
+    tuple,
+    list,
+    dict,
+    global,
+    object,
+    storage,
+    tensor
+  };
+  Kind kind = Kind::none;
+  Kind element = Kind::none;         // list: the element kind of a typed list (build_intlist ...), none if any
+  bool requires_grad = false;        // tensor
+  std::int64_t integer = 0;          // integer, boolean; storage: numel; tensor: storage offset;
+                                     // global: a storage class's itemsize
+  double real = 0;                   // real
+  std::string text{};                // string; global: "module.name"; storage: its record's key
+  std::string storage_class{};       // storage, tensor: "FloatStorage" ...
+  std::vector<std::size_t> items{};  // tuple, list: elements; dict: key, value, key, value ... as set (a
+                                     // key set twice is there twice: Python keeps its first place and
+                                     // its last value); tensor: its storage
+  std::vector<std::int64_t> dims{};  // tensor: sizes, then strides
+};
+
+inline std::string_view kind_name(Value::Kind k) {
+  static constexpr std::string_view names[] = {"None", "bool", "int",    "float",  "str",     "tuple",
+                                               "list", "dict", "global", "object", "storage", "tensor"};
+  return names[static_cast<std::size_t>(k)];
+}
+
+// The values of a dict root (Root::dict) as the checker ran them: `root` is the dict, and every
+// value it reaches is None, a bool, int, float, str, tuple, list (a typed one holding only its
+// kind), dict or tensor (its storage's record checked to hold it), at most max_depth containers
+// deep and in no cycle.
+struct PickleValues {
+  static constexpr std::size_t max_depth = 1000;
+  std::vector<Value> values;
+  std::size_t root = 0;
+};
 
 }  // namespace archive_scan
 
@@ -96,40 +139,16 @@ constexpr std::string_view nested_placeholder{"\0emakit:NestedOrderedDict\0", 26
 // loads the bytes that were checked, never the path again (a file replaced meanwhile, a symlink
 // swapped, is not read). Throws std::invalid_argument "emakit: <what>: refusing '<path>': <reason>"
 // unless the archive holds only what an emakit checkpoint may hold (see the table above); with
-// Root::dict, a torch.save file of a plain dict of tensors and plain values.
+// Root::dict, a torch.save file of a plain dict of tensors and plain values, whose values the
+// checker then gives in `values` when asked (read_pickle_dict builds the dict from them).
 EMAKIT_FUNC std::vector<char> read_scanned_file(const std::filesystem::path& path, std::string_view what,
-                                                archive_scan::Root root = archive_scan::Root::module);
+                                                archive_scan::Root root = archive_scan::Root::module,
+                                                archive_scan::PickleValues* values = nullptr);
 
 // The same scan for bytes in memory (`where` names them in errors).
 EMAKIT_FUNC void scan_archive_bytes(std::span<const char> bytes, std::string_view where,
-                                    archive_scan::Root root = archive_scan::Root::module);
-
-// Python's torch.save(model.state_dict()) pickles (protocol 2, torch.save's) an OrderedDict:
-//   PROTO 2, GLOBAL 'collections OrderedDict', BINPUT 0, EMPTY_TUPLE, REDUCE, BINPUT 1,
-//   the items (MARK key value ... SETITEMS, in batches of 1000; a batch of one is key value
-//   SETITEM), then its _metadata: a dict, BUILD, STOP.
-// LibTorch's unpickler (1.13 and 2.x alike) makes OrderedDict() None (it knows that global only
-// as a tensor's empty backward hooks) and then fails on the items with an internal assert; it
-// reads neither SETITEM nor BUILD on a dict. plain_root rewrites such a pickle into the plain
-// dict it holds, with opcodes that unpickler reads:
-//   PROTO 2, EMPTY_DICT, MARK, BINUNICODE placeholder, GLOBAL 'collections OrderedDict',
-//   BINPUT 0, EMPTY_TUPLE, REDUCE, SETITEMS, BINPUT 1 (the global stays memoized at 0 for the
-//   tensors that name it; the placeholder key holds the None it makes and is removed after
-//   unpickling), the items with each root-level SETITEM made MARK key value SETITEMS, and no
-//   _metadata (its BUILD and the dict before it are dropped). A plain dict's root-level SETITEM
-//   (a dict of one entry, or 1000k + 1) is made MARK key value SETITEMS too.
-// An OrderedDict inside the dict (a Lightning checkpoint's current_model_state: a model's
-// state_dict()) is made a plain dict too, with opcodes LibTorch reads (it has no POP): the
-// OrderedDict() that receives items (SETITEM(S)) or its _metadata (BUILD) becomes EMPTY_DICT,
-// MARK, BINUNICODE nested_placeholder, <the global> EMPTY_TUPLE REDUCE (None), SETITEMS (the global
-// stays memoized), and its BUILD becomes MARK nested_placeholder <the _metadata> SETITEMS; the
-// placeholder key is removed from every dict after unpickling. OrderedDict() with neither, a
-// tensor's empty backward hooks, stays as it is. Every SETITEM, at any depth, becomes MARK key
-// value SETITEMS, and every APPEND MARK value APPENDS.
-// The edits come from one walk of the pickle by the scan's checker, which records where each
-// container is filled and each OrderedDict made (PickleLayout); a pickle it refuses, or one that
-// needs no edit, gives nullopt (LibTorch then reads it or fails, and read_pickle_dict says so).
-EMAKIT_FUNC std::optional<std::string> plain_root(std::string_view pickle);
+                                    archive_scan::Root root = archive_scan::Root::module,
+                                    archive_scan::PickleValues* values = nullptr);
 
 namespace testing {
 // A test's seam: when set, read_scanned_file calls it with the path after the scan, before it
