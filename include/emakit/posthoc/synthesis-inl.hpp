@@ -147,17 +147,18 @@ inline std::string describe_missing(const std::vector<MissingSnapshot>& missing)
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
-EMAKIT_FUNC SynthesisPlan plan_synthesis(std::vector<SnapshotInfo> snapshots, const SynthesisOptions& options) {
-  if (snapshots.empty()) detail::fail_runtime("no snapshots to synthesize from");
+namespace detail {
+
+// The snapshots a synthesis at `target` combines: those at or before it, sorted by time and
+// profile, one run and one model, `target` itself a snapshot time.
+EMAKIT_FUNC std::vector<SnapshotInfo> snapshots_until(std::vector<SnapshotInfo> snapshots, std::int64_t target) {
   std::sort(snapshots.begin(), snapshots.end(), [](const SnapshotInfo& a, const SnapshotInfo& b) {
     return std::tie(a.t, a.gamma, a.profile, a.path) < std::tie(b.t, b.gamma, b.profile, b.path);
   });
-  detail::check_one_run(snapshots);
-  const std::int64_t latest = snapshots.back().t;
-  const std::int64_t target = options.step().value_or(latest);
+  check_one_run(snapshots);
   if (snapshots.front().t > target)
-    detail::fail("no snapshot at or before step {}: the earliest is at step {} ('{}')", target, snapshots.front().t,
-                 snapshots.front().path.string());
+    fail("no snapshot at or before step {}: the earliest is at step {} ('{}')", target, snapshots.front().t,
+         snapshots.front().path.string());
   const bool at_snapshot =
       std::any_of(snapshots.begin(), snapshots.end(), [&](const SnapshotInfo& s) { return s.t == target; });
   if (!at_snapshot) {
@@ -166,62 +167,57 @@ EMAKIT_FUNC SynthesisPlan plan_synthesis(std::vector<SnapshotInfo> snapshots, co
       if (s.t < target) before = s.t;
       if (s.t > target && after == 0) after = s.t;
     }
-    detail::fail("step {} is not a snapshot time; the nearest snapshots are at step {}{}", target, before,
-                 after > 0 ? fmt::format(" and step {}", after) : std::string());
+    fail("step {} is not a snapshot time; the nearest snapshots are at step {}{}", target, before,
+         after > 0 ? fmt::format(" and step {}", after) : std::string());
   }
   std::erase_if(snapshots, [&](const SnapshotInfo& s) { return s.t > target; });
   for (std::size_t i = 1; i < snapshots.size(); ++i) {
     if (snapshots[i].t == snapshots[i - 1].t && snapshots[i].gamma == snapshots[i - 1].gamma)
-      detail::fail_runtime("snapshots '{}' and '{}' have the same profile (t = {}, gamma = {}); a folder must hold one "
-                           "training run",
-                           snapshots[i - 1].path.string(), snapshots[i].path.string(), snapshots[i].t,
-                           snapshots[i].gamma);
-    detail::check_same_model(snapshots.front(), snapshots[i]);
+      fail_runtime("snapshots '{}' and '{}' have the same profile (t = {}, gamma = {}); a folder must hold one "
+                   "training run",
+                   snapshots[i - 1].path.string(), snapshots[i].path.string(), snapshots[i].t, snapshots[i].gamma);
+    check_same_model(snapshots.front(), snapshots[i]);
   }
-  SynthesisPlan plan{.target = {static_cast<double>(target), options.gamma()},
-                     .snapshots = {},
-                     .solution = {},
-                     .options = options,
-                     .run = snapshots.front().run,
-                     .missing = {},
-                     .tracked_min_sigma_rel = 0,
-                     .tracked_max_sigma_rel = 0};
-  const std::string folder = snapshots.front().path.parent_path().string();
+  return snapshots;
+}
 
-  plan.missing = detail::missing_snapshots(snapshots);
+// Refuses a plan whose snapshot set has gaps (unless allow_partial) or whose sigma_rel lies
+// farther outside the tracked profiles than max_extrapolation: before anything is solved.
+EMAKIT_FUNC void check_coverage(const SynthesisPlan& plan, const std::string& folder) {
+  const SynthesisOptions& options = plan.options;
+  const auto target = static_cast<std::int64_t>(plan.target.t);
   if (!plan.missing.empty() && !options.allow_partial())
-    detail::refuse_synthesis("the snapshot set in '{}' has gaps up to t = {}: {} snapshot{} of the run {} missing: {}. "
-                             "Without {} the result is another (worse) approximation of the EMA asked for. Restore "
-                             "{}, choose an earlier target time, or accept the partial set "
-                             "(SynthesisOptions::allow_partial, posthoc_tool --allow-partial)",
-                             folder, target, plan.missing.size(), plan.missing.size() == 1 ? "" : "s",
-                             plan.missing.size() == 1 ? "is" : "are", detail::describe_missing(plan.missing),
-                             plan.missing.size() == 1 ? "it" : "them", plan.missing.size() == 1 ? "it" : "them");
+    refuse_synthesis("the snapshot set in '{}' has gaps up to t = {}: {} snapshot{} of the run {} missing: {}. "
+                     "Without {} the result is another (worse) approximation of the EMA asked for. Restore "
+                     "{}, choose an earlier target time, or accept the partial set "
+                     "(SynthesisOptions::allow_partial, posthoc_tool --allow-partial)",
+                     folder, target, plan.missing.size(), plan.missing.size() == 1 ? "" : "s",
+                     plan.missing.size() == 1 ? "is" : "are", describe_missing(plan.missing),
+                     plan.missing.size() == 1 ? "it" : "them", plan.missing.size() == 1 ? "it" : "them");
+  if (options.ema_target()) return;
+  const double wanted = options.sigma_rel();
+  const double outside = std::max({1.0, plan.tracked_min_sigma_rel / wanted, wanted / plan.tracked_max_sigma_rel});
+  if (outside > options.max_extrapolation() * (1.0 + 1e-9))  // 1e-9: sigma_rel -> gamma -> sigma_rel rounding
+    refuse_synthesis("sigma_rel {:.4g} lies {:.3g}x outside the tracked profiles' range {:.4g} to {:.4g} "
+                     "(in '{}'); past {:.3g}x (max_extrapolation) the combination cannot reproduce it. "
+                     "Track a profile closer to it, or accept it (SynthesisOptions::max_extrapolation, "
+                     "posthoc_tool --max-extrapolation)",
+                     wanted, outside, plan.tracked_min_sigma_rel, plan.tracked_max_sigma_rel, folder,
+                     options.max_extrapolation());
+}
 
-  const auto [longest, shortest] =
-      std::minmax_element(snapshots.begin(), snapshots.end(),
-                          [](const SnapshotInfo& a, const SnapshotInfo& b) { return a.gamma < b.gamma; });
-  plan.tracked_min_sigma_rel = gamma_to_sigma_rel(shortest->gamma);  // sigma_rel falls as gamma grows
-  plan.tracked_max_sigma_rel = gamma_to_sigma_rel(longest->gamma);
-  if (!options.ema_target()) {
-    const double wanted = options.sigma_rel();
-    const double outside = std::max({1.0, plan.tracked_min_sigma_rel / wanted, wanted / plan.tracked_max_sigma_rel});
-    if (outside > options.max_extrapolation() * (1.0 + 1e-9))  // 1e-9: sigma_rel -> gamma -> sigma_rel rounding
-      detail::refuse_synthesis("sigma_rel {:.4g} lies {:.3g}x outside the tracked profiles' range {:.4g} to {:.4g} "
-                               "(in '{}'); past {:.3g}x (max_extrapolation) the combination cannot reproduce it. "
-                               "Track a profile closer to it, or accept it (SynthesisOptions::max_extrapolation, "
-                               "posthoc_tool --max-extrapolation)",
-                               wanted, outside, plan.tracked_min_sigma_rel, plan.tracked_max_sigma_rel, folder,
-                               options.max_extrapolation());
-  }
-
-  plan.solution = detail::solve_plan(snapshots, plan.target, options);
+// Refuses a solution whose weights amplify the snapshots' rounding past max_weight, or whose
+// combination lies farther from the target than max_fit_error.
+EMAKIT_FUNC void check_solution(const SynthesisPlan& plan, const std::vector<SnapshotInfo>& snapshots,
+                                const std::string& folder) {
+  const SynthesisOptions& options = plan.options;
+  const auto target = static_cast<std::int64_t>(plan.target.t);
   const std::string what = options.describe_target();
   if (plan.solution.max_abs_weight > options.max_weight()) {
     const auto& w = plan.solution.weights;
     const auto i = static_cast<std::size_t>(
         std::max_element(w.begin(), w.end(), [](double a, double b) { return std::abs(a) < std::abs(b); }) - w.begin());
-    detail::refuse_synthesis(
+    refuse_synthesis(
         "the weights for {} at t = {} reach {:.4g} (snapshot '{}'), above max_weight {:.4g}; weights of both signs "
         "that large amplify the snapshots' rounding {:.3g}-fold (the sum of |weight|). Choose a target closer to "
         "the tracked profiles (sigma_rel {:.4g} to {:.4g}), or accept it (SynthesisOptions::max_weight, "
@@ -230,7 +226,7 @@ EMAKIT_FUNC SynthesisPlan plan_synthesis(std::vector<SnapshotInfo> snapshots, co
         plan.tracked_min_sigma_rel, plan.tracked_max_sigma_rel);
   }
   if (plan.solution.fit_error > options.max_fit_error())
-    detail::refuse_synthesis(
+    refuse_synthesis(
         "the snapshots in '{}' cannot represent {} at t = {}: the best combination of the {} snapshots weighs the "
         "past {:.3g} (relative L2) away from it, above max_fit_error {:.3g}{}. Snapshot more often, track profiles "
         "closer to it, choose a later target time, or accept it (SynthesisOptions::max_fit_error, posthoc_tool "
@@ -240,6 +236,31 @@ EMAKIT_FUNC SynthesisPlan plan_synthesis(std::vector<SnapshotInfo> snapshots, co
             ? fmt::format("; {:.3g} of its weight is on the model before the first update, which no snapshot holds",
                           plan.solution.initial_weight)
             : std::string());
+}
+
+}  // namespace detail
+
+EMAKIT_FUNC SynthesisPlan plan_synthesis(std::vector<SnapshotInfo> snapshots, const SynthesisOptions& options) {
+  if (snapshots.empty()) detail::fail_runtime("no snapshots to synthesize from");
+  const std::int64_t latest =
+      std::max_element(snapshots.begin(), snapshots.end(), [](const auto& a, const auto& b) { return a.t < b.t; })->t;
+  const std::int64_t target = options.step().value_or(latest);
+  snapshots = detail::snapshots_until(std::move(snapshots), target);
+  const auto [longest, shortest] =
+      std::minmax_element(snapshots.begin(), snapshots.end(),
+                          [](const SnapshotInfo& a, const SnapshotInfo& b) { return a.gamma < b.gamma; });
+  SynthesisPlan plan{.target = {static_cast<double>(target), options.gamma()},
+                     .snapshots = {},
+                     .solution = {},
+                     .options = options,
+                     .run = snapshots.front().run,
+                     .missing = detail::missing_snapshots(snapshots),
+                     .tracked_min_sigma_rel = gamma_to_sigma_rel(shortest->gamma),  // sigma_rel falls as gamma grows
+                     .tracked_max_sigma_rel = gamma_to_sigma_rel(longest->gamma)};
+  const std::string folder = snapshots.front().path.parent_path().string();
+  detail::check_coverage(plan, folder);
+  plan.solution = detail::solve_plan(snapshots, plan.target, options);
+  detail::check_solution(plan, snapshots, folder);
   plan.snapshots = std::move(snapshots);
   return plan;
 }
