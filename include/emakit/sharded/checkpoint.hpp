@@ -147,133 +147,174 @@ void save_sharded(const Ema<D, S, ShardedStorage>& ema, const std::filesystem::p
   });
 }
 
+namespace detail::sharded {
+
+// What index.pt holds, read and checked against its CRC-32s.
+struct Index {
+  std::filesystem::path dir;
+  std::string where;  // "load_sharded: '<dir>/index.pt'", for messages
+  std::int64_t save_id = 0;
+  std::int64_t world = 0;                                 // the world size that saved
+  std::vector<std::pair<std::string, at::Tensor>> state;  // config and counters
+  std::map<std::string, at::Tensor> layout;               // shape.<name>, dtype.<name>, pieces.<name>
+
+  const at::Tensor* layout_of(const std::string& kind, const std::string& name) const {
+    const auto it = layout.find(kind + "." + name);
+    return it == layout.end() ? nullptr : &it->second;
+  }
+  std::filesystem::path file_of(std::int64_t rank) const {
+    return dir / sharded_file_name(static_cast<int>(rank), static_cast<int>(world), save_id);
+  }
+};
+
+inline Index read_index(const std::filesystem::path& dir) {
+  Index index{.dir = dir};
+  const auto path = dir / std::string(sharded_index_name);
+  index.where = fmt::format("load_sharded: '{}'", path.string());
+  if (!std::filesystem::exists(path))
+    fail("load_sharded: the checkpoint in '{}' is incomplete or missing: no index '{}' (written last by rank 0 of "
+         "save_sharded)",
+         dir.string(), path.string());
+  torch::serialize::InputArchive archive;
+  read_archive(archive, path, "load_sharded");
+  Checksums sums;
+  sums.load(archive, "emakit_checksums", index.where);
+  auto info = read_tensor_dict(archive, "emakit_shard", index.where);
+  if (!info) fail("{}: no 'emakit_shard'; it is not the index of a sharded emakit checkpoint", index.where);
+  const auto info_state = as_state(*info, index.where);
+  const StateReader info_in(info_state, index.where);
+  formats::check_version(formats::sharded, info_in.counter("format"), index.where);
+  index.save_id = info_in.counter("save_id");
+  index.world = info_in.counter("world");
+  if (index.world <= 0) fail("{}: world size {}; the index is damaged", index.where, index.world);
+  index.state = read_checked(archive, "emakit_state", sums, "state/", index.where);
+  for (auto& [key, t] : read_checked(archive, "emakit_layout", sums, "layout/", index.where))
+    index.layout.emplace(key, std::move(t));
+  return index;
+}
+
+// The index names the same tensors, shapes and dtypes as this EMA holds.
+inline void check_layout(const Index& index, const ShardedStorage& st) {
+  std::set<std::string> ours;
+  for (const auto& e : st.layout()) {
+    ours.insert(e.name);
+    const at::Tensor* shape = index.layout_of("shape", e.name);
+    if (shape == nullptr) fail("{}: the checkpoint has no tensor '{}' that this EMA holds", index.where, e.name);
+    if (shape->scalar_type() != at::kLong || shape->dim() != 1)
+      fail("{}: the shape of '{}' is damaged", index.where, e.name);
+    const std::vector<std::int64_t> saved(shape->data_ptr<std::int64_t>(),
+                                          shape->data_ptr<std::int64_t>() + shape->numel());
+    if (saved != e.full_shape)
+      fail("{}: tensor '{}' has shape {} in the checkpoint, {} in this EMA", index.where, e.name, shape_string(saved),
+           shape_string(e.full_shape));
+    const at::Tensor* dtype = index.layout_of("dtype", e.name);
+    const std::string saved_dtype = dtype ? tensor_string(*dtype) : std::string("<none>");
+    if (saved_dtype != c10::toString(e.dtype))
+      fail("{}: tensor '{}' has dtype {} in the checkpoint, {} in this EMA", index.where, e.name, saved_dtype,
+           c10::toString(e.dtype));
+  }
+  for (const auto& [key, t] : index.layout)
+    if (key.rfind("shape.", 0) == 0 && !ours.count(key.substr(6)))
+      fail("{}: the checkpoint holds tensor '{}', which this EMA does not", index.where, key.substr(6));
+}
+
+// The saved ranks' files this rank reads, each read and checked once: its averages by key.
+class RankFiles {
+ public:
+  explicit RankFiles(const Index& index) : index_(index) {}
+
+  const std::map<std::string, at::Tensor>& of(std::int64_t rank) {
+    if (const auto it = files_.find(rank); it != files_.end()) return it->second;
+    const auto path = index_.file_of(rank);
+    const std::string where = fmt::format("load_sharded: '{}'", path.string());
+    if (!std::filesystem::exists(path))
+      fail("load_sharded: the checkpoint in '{}' is incomplete: '{}' is missing (the index names {} ranks)",
+           index_.dir.string(), path.string(), index_.world);
+    torch::serialize::InputArchive archive;
+    read_archive(archive, path, "load_sharded");
+    auto shard = read_tensor_dict(archive, "emakit_shard", where);
+    if (!shard) fail("{}: no 'emakit_shard'; it is not a file of a sharded emakit checkpoint", where);
+    const auto shard_state = as_state(*shard, where);
+    const StateReader shard_in(shard_state, where);
+    const std::int64_t id = shard_in.counter("save_id");
+    if (id != index_.save_id)
+      fail("{}: belongs to another save than the index '{}' (save ids {} and {}): the folder mixes files of "
+           "different checkpoints",
+           where, (index_.dir / std::string(sharded_index_name)).string(), id, index_.save_id);
+    if (shard_in.counter("rank") != rank || shard_in.counter("world") != index_.world)
+      fail("{}: holds rank {} of {}, not what its name says", where, shard_in.counter("rank"),
+           shard_in.counter("world"));
+    Checksums file_sums;
+    file_sums.load(archive, "emakit_checksums", where);
+    auto items = read_checked(archive, "emakit_state", file_sums, "", where);
+    return files_.emplace(rank, std::map<std::string, at::Tensor>(items.begin(), items.end())).first->second;
+  }
+
+ private:
+  const Index& index_;
+  std::map<std::int64_t, std::map<std::string, at::Tensor>> files_;
+};
+
+// This rank's share of tensor `e` now, from the saved pieces that overlap it (any world size).
+inline at::Tensor read_local(const Index& index, RankFiles& files, const ShardEntry& e, int rank) {
+  at::Tensor local = at::empty(e.local.sizes(), at::TensorOptions().dtype(e.dtype));
+  const auto* mine = e.piece_of(rank);
+  if (mine == nullptr) return local;
+  at::Tensor flat = byte_view(local);
+  const at::Tensor* pieces = index.layout_of("pieces", e.name);
+  if (pieces == nullptr) fail("{}: no pieces for '{}'; the index is damaged", index.where, e.name);
+  if (pieces->dim() != 2 || pieces->size(1) != 3 || pieces->scalar_type() != at::kLong)
+    fail("{}: the pieces of '{}' are damaged", index.where, e.name);
+  const auto* q = pieces->data_ptr<std::int64_t>();
+  std::int64_t covered = 0;
+  for (std::int64_t k = 0; k < pieces->size(0); ++k, q += 3) {
+    const std::int64_t r = q[0], off = q[1], len = q[2];
+    const std::int64_t lo = std::max(off, mine->offset), hi = std::min(off + len, mine->offset + mine->length);
+    if (lo >= hi) continue;
+    if (r < 0 || r >= index.world) fail("{}: '{}' names rank {} of {}", index.where, e.name, r, index.world);
+    const auto& file = files.of(r);
+    const auto it = file.find(ema_state::average_key(e.name));
+    if (it == file.end())
+      fail("load_sharded: '{}' lacks 'average.{}', which the index says it holds", index.file_of(r).string(), e.name);
+    if (it->second.numel() != len || it->second.scalar_type() != e.dtype)
+      fail("load_sharded: '{}' holds 'average.{}' with {} elements of {}, the index says {} of {}",
+           index.file_of(r).string(), e.name, it->second.numel(), c10::toString(it->second.scalar_type()), len,
+           c10::toString(e.dtype));
+    const auto es = e.element_size();
+    flat.narrow(0, (lo - mine->offset) * es, (hi - lo) * es)
+        .copy_(byte_view(it->second.contiguous()).narrow(0, (lo - off) * es, (hi - lo) * es));
+    covered += hi - lo;
+  }
+  if (covered != mine->length)
+    fail("{}: the saved pieces of '{}' cover {} of the {} elements this rank holds", index.where, e.name, covered,
+         mine->length);
+  return local;
+}
+
+// The state this rank loads from the checkpoint in `dir`: the index's config and counters and
+// this rank's share of every tensor, every part checked.
+inline StateDict read_state(const ShardedStorage& st, const std::filesystem::path& dir) {
+  const Index index = read_index(dir);
+  check_layout(index, st);
+  StateDict state;
+  for (const auto& item : index.state) state.insert(item.first, item.second);
+  RankFiles files(index);
+  c10::NoGradGuard no_grad;
+  for (const auto& e : st.layout())
+    if (e.local.defined()) state.insert(ema_state::average_key(e.name), read_local(index, files, e, st.rank()));
+  return state;
+}
+
+}  // namespace detail::sharded
+
 // Loads a checkpoint of save_sharded() written with any world size: each rank reads the index and
 // the files holding the ranges it holds now. Collective. Everything is read and checked on every
 // rank before anything is written: a failed load leaves the EMA unchanged on every rank.
 template <DecayPolicy D, SchedulePolicy S>
 void load_sharded(Ema<D, S, ShardedStorage>& ema, const std::filesystem::path& dir) {
-  const std::string what = fmt::format("emakit::load_sharded('{}')", dir.string());
-  const auto& st = ema.storage();
   StateDict state;
-  detail::all_or_none(st.communicator(), what, [&] {
-    const auto index_path = dir / std::string(sharded_index_name);
-    const std::string index_where = fmt::format("load_sharded: '{}'", index_path.string());
-    if (!std::filesystem::exists(index_path))
-      detail::fail("load_sharded: the checkpoint in '{}' is incomplete or missing: no index '{}' (written last by "
-                   "rank 0 of save_sharded)",
-                   dir.string(), index_path.string());
-    torch::serialize::InputArchive index;
-    detail::read_archive(index, index_path, "load_sharded");
-    detail::Checksums sums;
-    sums.load(index, "emakit_checksums", index_where);
-    auto info = detail::read_tensor_dict(index, "emakit_shard", index_where);
-    if (!info) detail::fail("{}: no 'emakit_shard'; it is not the index of a sharded emakit checkpoint", index_where);
-    const auto info_state = detail::as_state(*info, index_where);
-    const detail::StateReader info_in(info_state, index_where);
-    detail::formats::check_version(detail::formats::sharded, info_in.counter("format"), index_where);
-    const std::int64_t save_id = info_in.counter("save_id");
-    const std::int64_t old_world = info_in.counter("world");
-    if (old_world <= 0) detail::fail("{}: world size {}; the index is damaged", index_where, old_world);
-    const auto saved_state = detail::read_checked(index, "emakit_state", sums, "state/", index_where);
-    const auto layout_items = detail::read_checked(index, "emakit_layout", sums, "layout/", index_where);
-    std::map<std::string, at::Tensor> layout(layout_items.begin(), layout_items.end());
-    auto layout_of = [&](const std::string& kind, const std::string& name) -> const at::Tensor* {
-      auto it = layout.find(kind + "." + name);
-      return it == layout.end() ? nullptr : &it->second;
-    };
-    // The same tensors, shapes and dtypes as this EMA.
-    std::set<std::string> ours;
-    for (const auto& e : st.layout()) {
-      ours.insert(e.name);
-      const at::Tensor* shape = layout_of("shape", e.name);
-      if (shape == nullptr)
-        detail::fail("{}: the checkpoint has no tensor '{}' that this EMA holds", index_where, e.name);
-      if (shape->scalar_type() != at::kLong || shape->dim() != 1)
-        detail::fail("{}: the shape of '{}' is damaged", index_where, e.name);
-      const std::vector<std::int64_t> saved(shape->data_ptr<std::int64_t>(),
-                                            shape->data_ptr<std::int64_t>() + shape->numel());
-      if (saved != e.full_shape)
-        detail::fail("{}: tensor '{}' has shape {} in the checkpoint, {} in this EMA", index_where, e.name,
-                     detail::shape_string(saved), detail::shape_string(e.full_shape));
-      const at::Tensor* dtype = layout_of("dtype", e.name);
-      const std::string saved_dtype = dtype ? detail::tensor_string(*dtype) : std::string("<none>");
-      if (saved_dtype != c10::toString(e.dtype))
-        detail::fail("{}: tensor '{}' has dtype {} in the checkpoint, {} in this EMA", index_where, e.name, saved_dtype,
-                     c10::toString(e.dtype));
-    }
-    for (const auto& [key, t] : layout_items)
-      if (key.rfind("shape.", 0) == 0 && !ours.count(key.substr(6)))
-        detail::fail("{}: the checkpoint holds tensor '{}', which this EMA does not", index_where, key.substr(6));
-
-    // The files that hold what this rank holds now, each read and checked once.
-    std::map<std::int64_t, std::map<std::string, at::Tensor>> files;
-    auto file_of = [&](std::int64_t r) -> const std::map<std::string, at::Tensor>& {
-      if (auto it = files.find(r); it != files.end()) return it->second;
-      const auto path = dir / sharded_file_name(static_cast<int>(r), static_cast<int>(old_world), save_id);
-      const std::string where = fmt::format("load_sharded: '{}'", path.string());
-      if (!std::filesystem::exists(path))
-        detail::fail("load_sharded: the checkpoint in '{}' is incomplete: '{}' is missing (the index names {} ranks)",
-                     dir.string(), path.string(), old_world);
-      torch::serialize::InputArchive archive;
-      detail::read_archive(archive, path, "load_sharded");
-      auto shard = detail::read_tensor_dict(archive, "emakit_shard", where);
-      if (!shard) detail::fail("{}: no 'emakit_shard'; it is not a file of a sharded emakit checkpoint", where);
-      const auto shard_state = detail::as_state(*shard, where);
-      const detail::StateReader shard_in(shard_state, where);
-      const std::int64_t id = shard_in.counter("save_id");
-      if (id != save_id)
-        detail::fail("{}: belongs to another save than the index '{}' (save ids {} and {}): the folder mixes files "
-                     "of different checkpoints",
-                     where, index_path.string(), id, save_id);
-      if (shard_in.counter("rank") != r || shard_in.counter("world") != old_world)
-        detail::fail("{}: holds rank {} of {}, not what its name says", where, shard_in.counter("rank"),
-                     shard_in.counter("world"));
-      detail::Checksums file_sums;
-      file_sums.load(archive, "emakit_checksums", where);
-      auto items = detail::read_checked(archive, "emakit_state", file_sums, "", where);
-      return files.emplace(r, std::map<std::string, at::Tensor>(items.begin(), items.end())).first->second;
-    };
-
-    for (const auto& item : saved_state) state.insert(item.first, item.second);
-    c10::NoGradGuard no_grad;
-    for (const auto& e : st.layout()) {
-      if (!e.local.defined()) continue;
-      const auto* mine = e.piece_of(st.rank());
-      at::Tensor local = at::empty(e.local.sizes(), at::TensorOptions().dtype(e.dtype));
-      if (mine != nullptr) {
-        at::Tensor flat = detail::byte_view(local);
-        const at::Tensor* pieces_entry = layout_of("pieces", e.name);
-        if (pieces_entry == nullptr) detail::fail("{}: no pieces for '{}'; the index is damaged", index_where, e.name);
-        const at::Tensor& saved_pieces = *pieces_entry;
-        if (saved_pieces.dim() != 2 || saved_pieces.size(1) != 3 || saved_pieces.scalar_type() != at::kLong)
-          detail::fail("{}: the pieces of '{}' are damaged", index_where, e.name);
-        const auto* q = saved_pieces.data_ptr<std::int64_t>();
-        std::int64_t covered = 0;
-        for (std::int64_t k = 0; k < saved_pieces.size(0); ++k, q += 3) {
-          const std::int64_t r = q[0], off = q[1], len = q[2];
-          const std::int64_t lo = std::max(off, mine->offset), hi = std::min(off + len, mine->offset + mine->length);
-          if (lo >= hi) continue;
-          if (r < 0 || r >= old_world) detail::fail("{}: '{}' names rank {} of {}", index_where, e.name, r, old_world);
-          const auto& file = file_of(r);
-          const auto path = dir / sharded_file_name(static_cast<int>(r), static_cast<int>(old_world), save_id);
-          auto it = file.find(detail::ema_state::average_key(e.name));
-          if (it == file.end())
-            detail::fail("load_sharded: '{}' lacks 'average.{}', which the index says it holds", path.string(), e.name);
-          if (it->second.numel() != len || it->second.scalar_type() != e.dtype)
-            detail::fail("load_sharded: '{}' holds 'average.{}' with {} elements of {}, the index says {} of {}",
-                         path.string(), e.name, it->second.numel(), c10::toString(it->second.scalar_type()), len,
-                         c10::toString(e.dtype));
-          const auto es = e.element_size();
-          flat.narrow(0, (lo - mine->offset) * es, (hi - lo) * es)
-              .copy_(detail::byte_view(it->second.contiguous()).narrow(0, (lo - off) * es, (hi - lo) * es));
-          covered += hi - lo;
-        }
-        if (covered != mine->length)
-          detail::fail("{}: the saved pieces of '{}' cover {} of the {} elements this rank holds", index_where, e.name,
-                       covered, mine->length);
-      }
-      state.insert(detail::ema_state::average_key(e.name), local);
-    }
+  detail::all_or_none(ema.storage().communicator(), fmt::format("emakit::load_sharded('{}')", dir.string()), [&] {
+    state = detail::sharded::read_state(ema.storage(), dir);
     ema.check_state_dict(state);
   });
   ema.load_state_dict(state);
