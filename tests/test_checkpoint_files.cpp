@@ -688,7 +688,8 @@ TEST_CASE("read_pickle_dict builds the dict a pickle holds: OrderedDicts, memo, 
 
 // What a pickle can hold but a dict of tensors may not, each refused by name before anything is
 // built: a container holding itself, containers nested past the limit, a global, a storage
-// outside a tensor, a typed list with another kind in it, a file from a big-endian machine.
+// outside a tensor, a typed list with another kind in it, a file from a big-endian machine; and
+// a tensor LibTorch refuses as it is made (an integer one that requires grad), named as such.
 TEST_CASE("read_pickle_dict refuses cycles, deep nesting, globals, bare storages, mistyped lists and big-endian files",
           "[reliability][untrusted][interop]") {
   const auto refused = [](const std::string& pickle, const Records& extra = {}) {
@@ -735,6 +736,12 @@ TEST_CASE("read_pickle_dict refuses cycles, deep nesting, globals, bare storages
   typed.bytes += be_double(4.0);
   typed.op('a').tuple().op('R').op('s').op('.');
   CHECK_THAT(refused(typed.bytes), Contains("holds a list of int values with a float in it"));
+  Pickle grad;  // a long tensor that requires grad: checked by LibTorch as the tensor is made
+  grad.op('}').str("t").global("torch._utils", "_rebuild_tensor_v2").mark();
+  grad.mark().str("storage").global("torch", "LongStorage").str("0").str("cpu").int1(1).tuple().op('Q');
+  grad.int1(0).mark().int1(1).tuple().mark().int1(1).tuple().op('\x88').op('}').tuple().op('R').op('s').op('.');
+  CHECK_THAT(refused(grad.bytes, {{"data/0", std::string(8, '\0')}}),
+             Contains("is not a file torch.save wrote with a dict of tensors") && Contains("require"));
   Pickle plain;
   plain.op('}').str("k").int1(1).op('s').op('.');
   CHECK(read_dict(plain.bytes, {{"byteorder", "little"}}).at("k").toInt() == 1);
