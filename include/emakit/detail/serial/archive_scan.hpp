@@ -82,7 +82,7 @@ class SpanReader final : public caffe2::serialize::ReadAdapterInterface {
 };
 
 // What data.pkl holds: a module (torch::serialize::OutputArchive) or a dict (Python's torch.save
-// of a plain dict, which also writes the records .format_version and .storage_alignment).
+// of a dict or an OrderedDict, which also writes the records .format_version and .storage_alignment).
 enum class Root : std::uint8_t { module, dict };
 
 // A value of a pickle as the scan's checker runs it (PickleChecker, archive_scan-inl.hpp), without
