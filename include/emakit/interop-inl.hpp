@@ -21,7 +21,11 @@
 #include <ATen/ops/scalar_tensor.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <iterator>
+#include <optional>
+#include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -82,24 +86,6 @@ EMAKIT_FUNC std::string holds_instead(const c10::impl::GenericDict& dict, const 
                      dict.size(), fmt::join(keys, ", "), dict.size() > keys.size() ? ", ..." : "");
 }
 
-// The tensors of `dict` under this EMA's keys (prefix + name) as average.<name>, with the config
-// entries of this EMA's own state: a file whose tensors are named as the model names them.
-EMAKIT_FUNC PeerFile read_named(const ReadContext& in, const c10::impl::GenericDict& dict, std::string_view prefix) {
-  PeerFile f;
-  f.prefix = std::string(prefix);
-  f.tensors = dict;
-  for (const auto& item : in.state) {
-    const std::string& key = item.key();
-    if (ema_state::is_average_key(key)) {
-      const at::Tensor* t = entry(dict, f.prefix + ema_state::average_name(key));
-      if (t != nullptr) f.state.insert(key, *t);  // a missing one: peer_report names it
-    } else if (!ema_state::is_counter_key(key)) {
-      f.state.insert(key, item.value());
-    }
-  }
-  return f;
-}
-
 // For a message on missing counters: when `dict` holds no key under the peer's prefix but one of
 // this EMA's names without it, the peer's averaged model saved alone, and how to save the state.
 EMAKIT_FUNC std::string inner_model_hint(const ReadContext& in, const c10::impl::GenericDict& dict) {
@@ -124,14 +110,217 @@ EMAKIT_FUNC std::string to_peer_key(std::string text, const std::string& prefix)
   return text;
 }
 
-// `found` (this EMA's check of the file's tensors) in the peer's keys. Strict mode: throws when it
+// A value of a peer's file as Python's repr writes it (True, 3, 0.5, 'text', None), or what it is
+// (a list of 3, a dict of 2 entries, a Long tensor of shape [3]), for messages.
+EMAKIT_FUNC std::string python_value(const c10::IValue& v) {
+  if (v.isNone()) return "None";
+  if (v.isBool()) return v.toBool() ? "True" : "False";
+  if (v.isInt()) return fmt::format("{}", v.toInt());
+  if (v.isDouble()) {
+    std::string text = fmt::format("{}", v.toDouble());
+    if (text.find_first_of(".en") == std::string::npos) text += ".0";  // Python's 1.0 (fmt writes 1); inf, nan, 1e+20
+    return text;
+  }
+  if (v.isString()) {
+    constexpr std::size_t shown = 40;
+    const std::string& text = v.toStringRef();
+    return text.size() <= shown ? fmt::format("'{}'", text) : fmt::format("'{}...'", text.substr(0, shown));
+  }
+  if (v.isTensor())
+    return fmt::format("a {} tensor of shape {}", c10::toString(v.toTensor().scalar_type()),
+                       shape_string(v.toTensor().sizes()));
+  if (v.isList()) return fmt::format("a list of {}", v.toListRef().size());
+  if (v.isTuple()) return fmt::format("a tuple of {}", v.toTuple()->elements().size());
+  if (v.isGenericDict()) return fmt::format("a dict of {} entries", v.toGenericDict().size());
+  return fmt::format("a {}", v.tagKind());
+}
+
+// Typed reads from a peer's torch.save dict, or from a dict inside it: the twin of StateReader
+// (detail/serial/state_reader.hpp) for the files of Python peers. Every refusal of a peer's file
+// is made here, led by "import_state: '<path>'" and ended by "; nothing was loaded". An entry is
+// named as Python indexes it ('step', averaging_state['n_averaged']); a missing one with what the
+// file then is not, and how the peer saves the file it should be.
+//
+//   const PeerDict file(in);
+//   file.require({"step", "initted"});                        // "... has no 'step' and 'initted': ..."
+//   f.step = file.integer("optimization_step", 0);            // a Python int >= 0
+//   const PeerDict averaging = file.dict("averaging_state");  // its misses: "has no ... in averaging_state"
+//   f.updates = averaging.integer_tensor("n_averaged", 0);    // a tensor of one integer >= 0
+//   file.same("decay", file.number("decay"), beta, "Fixed::beta");  // else "config differs: decay is ..."
+class PeerDict {
+ public:
+  explicit PeerDict(const ReadContext& in) : in_(in), dict_(in.file) {}
+
+  const c10::impl::GenericDict& raw() const { return dict_; }
+  const std::string& inside() const { return inside_; }  // empty: the file itself
+  const Codec& codec() const { return in_.codec; }
+
+  const c10::IValue* find(std::string_view key) const {
+    const auto it = dict_.find(std::string(key));
+    return it == dict_.end() ? nullptr : &it->value();
+  }
+
+  // Refuses the file unless it holds every one of `keys`, naming each it lacks.
+  void require(std::initializer_list<std::string_view> keys) const {
+    std::vector<std::string> missing;
+    for (const std::string_view key : keys)
+      if (find(key) == nullptr) missing.push_back(fmt::format("'{}'", key));
+    if (missing.empty()) return;
+    const std::string last = missing.back();
+    missing.pop_back();
+    refuse_file("has no {}{}{}{}: {}", fmt::join(missing, ", "), missing.empty() ? "" : " and ", last,
+                inside_.empty() ? std::string() : " in " + inside_, not_the_file());
+  }
+
+  const c10::IValue& value(std::string_view key) const {
+    const c10::IValue* v = find(key);
+    if (v == nullptr) require({key});  // refuses
+    return *v;
+  }
+
+  // A Python int, >= `min` when given.
+  std::int64_t integer(std::string_view key, std::optional<std::int64_t> min = std::nullopt) const {
+    const c10::IValue& v = value(key);
+    if (!v.isInt()) refuse("{} must be an int, got {}", name(key), python_value(v));
+    return at_least(key, v.toInt(), min);
+  }
+
+  // A tensor of one integer (an integer or bool dtype), >= `min` when given.
+  std::int64_t integer_tensor(std::string_view key, std::optional<std::int64_t> min = std::nullopt) const {
+    const at::Tensor& t = tensor(key);
+    if (!holds_one_integer(t)) refuse("{} must be one integer, got {}", name(key), python_value(t));
+    return at_least(key, t.item<std::int64_t>(), min);
+  }
+
+  // A Python float, or an int (EMAModel(decay=1) keeps the int).
+  double number(std::string_view key) const {
+    const c10::IValue& v = value(key);
+    if (v.isDouble()) return v.toDouble();
+    if (v.isInt()) return static_cast<double>(v.toInt());
+    refuse("{} must be a number, got {}", name(key), python_value(v));
+  }
+
+  // A tensor of one real number (any real dtype: ema-pytorch's initted is a bool tensor).
+  double number_tensor(std::string_view key) const {
+    const at::Tensor& t = tensor(key);
+    if (!holds_one_number(t)) refuse("{} must be one number, got {}", name(key), python_value(t));
+    return t.item<double>();
+  }
+
+  bool boolean(std::string_view key) const {
+    const c10::IValue& v = value(key);
+    if (!v.isBool()) refuse("{} must be a bool, got {}", name(key), python_value(v));
+    return v.toBool();
+  }
+
+  const at::Tensor& tensor(std::string_view key) const {
+    const c10::IValue& v = value(key);
+    if (!v.isTensor()) refuse("{} must be a tensor, got {}", name(key), python_value(v));
+    return v.toTensor();
+  }
+
+  c10::ArrayRef<c10::IValue> list(std::string_view key) const {
+    const c10::IValue& v = value(key);
+    if (!v.isList()) refuse("{} must be a list, got {}", name(key), python_value(v));
+    return v.toListRef();
+  }
+
+  // The dict at `key`, read as this one: its messages name it (averaging_state['n_averaged']).
+  PeerDict dict(std::string_view key) const {
+    const c10::IValue& v = value(key);
+    if (!v.isGenericDict()) refuse("{} must be a dict, got {}", name(key), python_value(v));
+    return PeerDict(in_, v.toGenericDict(), inside_.empty() ? std::string(key) : name(key));
+  }
+  std::optional<PeerDict> optional_dict(std::string_view key) const {
+    if (find(key) == nullptr) return std::nullopt;
+    return dict(key);
+  }
+
+  // A config entry of the file (`in_file`) equals this EMA's (`ours`, from its `option`), or the
+  // file is refused naming the field, both values and the preset that makes an EMA of the file's.
+  void same(std::string_view field, double in_file, double ours, std::string_view option) const {
+    if (in_file != ours) differs(field, python_value(in_file), python_value(ours), option);
+  }
+  void same(std::string_view field, std::int64_t in_file, std::int64_t ours, std::string_view option) const {
+    if (in_file != ours) differs(field, python_value(in_file), python_value(ours), option);
+  }
+  void same(std::string_view field, bool in_file, bool ours, std::string_view option) const {
+    if (in_file != ours) differs(field, python_value(in_file), python_value(ours), option);
+  }
+
+  // "import_state: '<path>': <what>; nothing was loaded"
+  template <class... Args>
+  [[noreturn]] void refuse(MessageFormat<Args...> what, Args&&... args) const {
+    refuse_text(": " + fmt::vformat(what, fmt::make_format_args(args...)));
+  }
+  // "import_state: '<path>' <what>; nothing was loaded", where `what` says what the file is not,
+  // or has not: "is not ...", "has no ..."
+  template <class... Args>
+  [[noreturn]] void refuse_file(MessageFormat<Args...> what, Args&&... args) const {
+    refuse_text(" " + fmt::vformat(what, fmt::make_format_args(args...)));
+  }
+  // A lenient import's warning: "emakit: import_state: '<path>': <what>".
+  void warn(const std::string& what) const { TORCH_WARN("emakit: ", lead(), ": ", what); }
+
+ private:
+  PeerDict(const ReadContext& in, c10::impl::GenericDict dict, std::string inside)
+      : in_(in), dict_(std::move(dict)), inside_(std::move(inside)) {}
+
+  std::string lead() const { return fmt::format("import_state: '{}'", in_.path); }
+  [[noreturn]] void refuse_text(const std::string& what) const { fail("{}{}; nothing was loaded", lead(), what); }
+
+  std::string name(std::string_view key) const {
+    return inside_.empty() ? fmt::format("'{}'", key) : fmt::format("{}['{}']", inside_, key);
+  }
+  std::int64_t at_least(std::string_view key, std::int64_t v, std::optional<std::int64_t> min) const {
+    if (min && v < *min) refuse("{} must be >= {}, got {}", name(key), *min, v);
+    return v;
+  }
+  // What a file that lacks an entry is not: the peer's state (and how to save it), or its
+  // averaged model saved alone.
+  std::string not_the_file() const {
+    const std::string hint = inner_model_hint(in_, dict_);
+    return fmt::format("not {} state{}", in_.codec.name,
+                       hint.empty() ? fmt::format(" (save it with {})", in_.codec.save_call) : hint);
+  }
+  [[noreturn]] void differs(std::string_view field, const std::string& in_file, const std::string& ours,
+                            std::string_view option) const {
+    refuse("config differs: {} is {} in the file, {} in this EMA ({}); make the EMA with the file's options ({})",
+           field, in_file, ours, option, in_.codec.preset);
+  }
+
+  const ReadContext& in_;
+  c10::impl::GenericDict dict_;
+  std::string inside_;  // empty: the file itself; else how Python indexes this dict in it
+};
+
+// The tensors of `tensors` (the file, or a dict in it) under this EMA's keys (prefix + name) as
+// average.<name>, with the config entries of this EMA's own state: a file whose tensors are named
+// as the model names them.
+EMAKIT_FUNC PeerFile read_named(const ReadContext& in, const PeerDict& tensors, std::string_view prefix) {
+  PeerFile f;
+  f.prefix = std::string(prefix);
+  f.tensors = tensors.raw();
+  f.inside = tensors.inside();
+  for (const auto& item : in.state) {
+    const std::string& key = item.key();
+    if (ema_state::is_average_key(key)) {
+      const at::Tensor* t = entry(f.tensors, f.prefix + ema_state::average_name(key));
+      if (t != nullptr) f.state.insert(key, *t);  // a missing one: peer_report names it
+    } else if (!ema_state::is_counter_key(key)) {
+      f.state.insert(key, item.value());
+    }
+  }
+  return f;
+}
+
+// `found` (this EMA's check of the file's tensors) in the peer's keys. Strict mode: refuses when it
 // is not clean, naming each key the file should hold and what it holds instead. Lenient: warns.
-EMAKIT_FUNC LoadReport peer_report(const LoadReport& found, const PeerFile& file, const Codec& peer,
-                                   const std::string& path, LoadMode mode) {
+EMAKIT_FUNC LoadReport peer_report(const LoadReport& found, const PeerFile& f, const PeerDict& file, LoadMode mode) {
   LoadReport report;
-  for (const auto& k : found.missing) report.missing.push_back(to_peer_key(k, file.prefix));
-  for (const auto& k : found.unexpected) report.unexpected.push_back(to_peer_key(k, file.prefix));
-  for (const auto& k : found.mismatched) report.mismatched.push_back(to_peer_key(k, file.prefix));
+  for (const auto& k : found.missing) report.missing.push_back(to_peer_key(k, f.prefix));
+  for (const auto& k : found.unexpected) report.unexpected.push_back(to_peer_key(k, f.prefix));
+  for (const auto& k : found.mismatched) report.mismatched.push_back(to_peer_key(k, f.prefix));
   if (report.clean()) return report;
   std::vector<std::string> parts;
   constexpr std::size_t shown = 4;
@@ -143,14 +332,14 @@ EMAKIT_FUNC LoadReport peer_report(const LoadReport& found, const PeerFile& file
   std::vector<std::string> missing;
   for (const auto& k : found.missing) missing.push_back(ema_state::average_name(k));
   std::size_t matched = 0;
-  for (const auto& item : file.state) matched += ema_state::is_average_key(item.key()) ? 1 : 0;
-  std::string instead = missing.empty() ? std::string() : holds_instead(file.tensors, peer, missing, matched);
+  for (const auto& item : f.state) matched += ema_state::is_average_key(item.key()) ? 1 : 0;
+  std::string instead = missing.empty() ? std::string() : holds_instead(f.tensors, file.codec(), missing, matched);
   if (!instead.empty()) instead.insert(0, "; ");
+  const std::string where = f.inside.empty() ? std::string() : fmt::format("in {}, ", f.inside);
   if (mode == LoadMode::strict)
-    fail("import_state: '{}' is not {} state of this EMA's model: {}{}; nothing was loaded", path, peer.name,
-         fmt::join(parts, "; "), instead);
-  TORCH_WARN("emakit: import_state: '", path, "': ", fmt::format("{}", fmt::join(parts, "; ")), instead,
-             "; kept the current values of those");
+    file.refuse_file("is not {} state of this EMA's model: {}{}{}", file.codec().name, where, fmt::join(parts, "; "),
+                     instead);
+  file.warn(fmt::format("{}{}{}; kept the current values of those", where, fmt::join(parts, "; "), instead));
   return report;
 }
 
@@ -178,22 +367,6 @@ EMAKIT_FUNC c10::impl::GenericDict tensor_dict(const StateDict& averages, std::s
   return dict;
 }
 
-// dict[key] of a peer's file, or an error naming the file, the key and how such a file is written.
-EMAKIT_FUNC const c10::IValue& required_entry(const c10::impl::GenericDict& dict, const char* key,
-                                              const std::string& where, const char* written_how) {
-  const auto it = dict.find(key);
-  if (it == dict.end()) fail("{} has no '{}': {}; nothing was loaded", where, key, written_how);
-  return it->value();
-}
-
-// A file's value as Python writes it (True, 3, 0.5), or its kind, for messages.
-EMAKIT_FUNC std::string python_value(const c10::IValue& v) {
-  if (v.isBool()) return v.toBool() ? "True" : "False";
-  if (v.isInt()) return fmt::format("{}", v.toInt());
-  if (v.isDouble()) return fmt::format("{}", v.toDouble());
-  return fmt::format("a {}", v.tagKind());
-}
-
 // ---- ema-pytorch EMA: ema_model.<name>, step (update calls) and initted ---------------------
 
 EMAKIT_FUNC c10::impl::GenericDict write_ema_pytorch(const Codec& self, const EmaBase& ema) {
@@ -204,19 +377,13 @@ EMAKIT_FUNC c10::impl::GenericDict write_ema_pytorch(const Codec& self, const Em
 }
 
 EMAKIT_FUNC PeerFile read_ema_pytorch(const ReadContext& in) {
-  const at::Tensor* s = entry(in.file, "step");
-  const at::Tensor* initted = entry(in.file, "initted");
-  if (s != nullptr && initted != nullptr) {
-    PeerFile f = read_named(in, in.file, in.codec.prefix);
-    f.count = Count::recounted;
-    const std::string where = fmt::format("import_state: '{}'", in.path);
-    f.step = integer_value(*s, "step", where);
-    if (f.step < 0) fail("{}: step must be >= 0, got {}", where, f.step);
-    f.initted = number_value(*initted, "initted", where) != 0;
-    return f;
-  }
-  fail("import_state: '{}' has no 'step' and 'initted': not an ema-pytorch EMA state{}", in.path,
-       inner_model_hint(in, in.file));
+  const PeerDict file(in);
+  file.require({"step", "initted"});
+  PeerFile f = read_named(in, file, in.codec.prefix);
+  f.count = Count::recounted;
+  f.step = file.integer_tensor("step", 0);
+  f.initted = file.number_tensor("initted") != 0;
+  return f;
 }
 
 // ---- timm ModelEmaV3: module.<name> (ema.state_dict()) or <name> (ema.module.state_dict()) --
@@ -228,23 +395,12 @@ EMAKIT_FUNC c10::impl::GenericDict write_timm(const Codec& self, const EmaBase& 
 // timm's ModelEmaV3 has no counters (Count::kept): its own checkpoints hold ema.module.state_dict(),
 // which is the whole state. The other peers' inner model lacks their counters: refused.
 EMAKIT_FUNC PeerFile read_timm(const ReadContext& in) {
+  const PeerDict file(in);
   const bool inner = !holds_prefixed(in.file, in.codec.prefix) && holds_unprefixed(in.file, average_names(in.state));
-  return read_named(in, in.file, inner ? std::string_view() : in.codec.prefix);
+  return read_named(in, file, inner ? std::string_view() : in.codec.prefix);
 }
 
 // ---- torch AveragedModel: module.<name> and n_averaged (= num_updates) ---------------------
-
-// The n_averaged of an AveragedModel's state_dict() (`inside`: where it is, for messages).
-EMAKIT_FUNC std::int64_t read_n_averaged(const ReadContext& in, const c10::impl::GenericDict& dict,
-                                         std::string_view inside) {
-  const at::Tensor* n = entry(dict, "n_averaged");
-  if (n == nullptr)
-    fail("import_state: '{}' has no 'n_averaged'{}: not an AveragedModel state{}", in.path, inside,
-         inner_model_hint(in, dict));
-  const std::int64_t n_averaged = integer_value(*n, "n_averaged", fmt::format("import_state: '{}'", in.path));
-  if (n_averaged < 0) fail("import_state: '{}': n_averaged must be >= 0, got {}", in.path, n_averaged);
-  return n_averaged;
-}
 
 EMAKIT_FUNC c10::impl::GenericDict write_averaged_model(const Codec& self, const EmaBase& ema) {
   c10::impl::GenericDict dict = tensor_dict(ema.averages(), self.prefix);
@@ -253,10 +409,10 @@ EMAKIT_FUNC c10::impl::GenericDict write_averaged_model(const Codec& self, const
 }
 
 EMAKIT_FUNC PeerFile read_averaged_model(const ReadContext& in) {
-  const std::int64_t n_averaged = read_n_averaged(in, in.file, "");
-  PeerFile f = read_named(in, in.file, in.codec.prefix);
+  const PeerDict file(in);
+  PeerFile f = read_named(in, file, in.codec.prefix);
   f.count = Count::given;
-  f.updates = n_averaged;
+  f.updates = file.integer_tensor("n_averaged", 0);
   return f;
 }
 
@@ -315,77 +471,33 @@ EMAKIT_FUNC c10::impl::GenericDict diffusers_dict(const StateDict& averages, con
   return dict;
 }
 
-// The value of `key` in an EMAModel dict, or throws naming it.
-EMAKIT_FUNC const c10::IValue& diffusers_entry(const c10::impl::GenericDict& dict, const std::string& key,
-                                               const std::string& path) {
-  const auto it = dict.find(key);
-  if (it == dict.end())
-    fail("import_state: '{}' has no '{}': not a diffusers EMAModel state (save it with "
-         "torch.save(ema.state_dict(), path)); nothing was loaded",
-         path, key);
-  return it->value();
+// The config entries of an EMAModel file: each must equal this EMA's (`config`).
+EMAKIT_FUNC void check_diffusers_config(const PeerDict& file, const DiffusersConfig& config) {
+  const auto option = [&](std::string_view name) { return fmt::format("{}::{}", config.policy, name); };
+  file.same("use_ema_warmup", file.boolean("use_ema_warmup"), config.use_ema_warmup,
+            config.use_ema_warmup ? "InversePowerWarmup, made by diffusers_ema_model_warmup"
+                                  : "RationalRamp, made by diffusers_ema_model: no warmup");
+  const bool ramp = !config.use_ema_warmup;
+  file.same("decay", file.number("decay"), config.decay, option(ramp ? "decay_max" : "beta"));
+  file.same("min_decay", file.number("min_decay"), config.min_decay, option(ramp ? "min_decay" : "min_value"));
+  file.same("update_after_step", file.integer("update_after_step"), config.update_after_step,
+            option("update_after_step"));
+  // inv_gamma and power shape the warmup only: EMAModel without it never reads them.
+  const double inv_gamma = file.number("inv_gamma"), power = file.number("power");
+  if (!config.use_ema_warmup) return;
+  file.same("inv_gamma", inv_gamma, config.inv_gamma, option("inv_gamma"));
+  file.same("power", power, config.power, option("power"));
 }
 
-// What import_state takes from an EMAModel.state_dict() file: shadow_params matched by position to
-// the averages of `state`, after the config is checked against `config`; `step`:
-// optimization_step. Throws (nothing loaded) on a missing entry, a config that differs, a list of
-// another length, or a tensor whose shape or dtype differs from the one at its position.
-EMAKIT_FUNC PeerFile read_diffusers_file(const c10::impl::GenericDict& dict, const std::string& path,
-                                         const StateDict& state, const DiffusersConfig& config) {
-  const std::string where = fmt::format("import_state: '{}'", path);
-  const auto differs = [&](const std::string& field, const std::string& file, const std::string& ours,
-                           std::string_view option) {
-    fail("{}: config differs: {} is {} in the file, {} in this EMA ({}::{}); make the EMA with the file's "
-         "EMAModel options; nothing was loaded",
-         where, field, file, ours, config.policy, option);
-  };
-  // A Python float field may hold an int (EMAModel(decay=1)); an int field must hold an int.
-  const auto number = [&](const std::string& key) {
-    const c10::IValue& v = diffusers_entry(dict, key, path);
-    if (v.isDouble()) return v.toDouble();
-    if (v.isInt()) return static_cast<double>(v.toInt());
-    fail("{}: '{}' must be a number, got {}; nothing was loaded", where, key, python_value(v));
-  };
-  const auto integer = [&](const std::string& key) {
-    const c10::IValue& v = diffusers_entry(dict, key, path);
-    if (!v.isInt()) fail("{}: '{}' must be an int, got {}; nothing was loaded", where, key, python_value(v));
-    return v.toInt();
-  };
-  const c10::IValue& warmup = diffusers_entry(dict, "use_ema_warmup", path);
-  if (!warmup.isBool())
-    fail("{}: 'use_ema_warmup' must be a bool, got {}; nothing was loaded", where, python_value(warmup));
-  if (warmup.toBool() != config.use_ema_warmup)
-    differs("use_ema_warmup", python_value(warmup), config.use_ema_warmup ? "True" : "False",
-            config.use_ema_warmup ? "warmup (made by diffusers_ema_model_warmup)"
-                                  : "(made by diffusers_ema_model, no warmup)");
-  const bool ramp = !config.use_ema_warmup;
-  if (const double v = number("decay"); v != config.decay)
-    differs("decay", fmt::format("{}", v), fmt::format("{}", config.decay), ramp ? "decay_max" : "beta");
-  if (const double v = number("min_decay"); v != config.min_decay)
-    differs("min_decay", fmt::format("{}", v), fmt::format("{}", config.min_decay), ramp ? "min_decay" : "min_value");
-  if (const std::int64_t v = integer("update_after_step"); v != config.update_after_step)
-    differs("update_after_step", fmt::format("{}", v), fmt::format("{}", config.update_after_step),
-            "update_after_step");
-  // inv_gamma and power shape the warmup only: EMAModel without it never reads them.
-  const double inv_gamma = number("inv_gamma"), power = number("power");
-  if (config.use_ema_warmup && inv_gamma != config.inv_gamma)
-    differs("inv_gamma", fmt::format("{}", inv_gamma), fmt::format("{}", config.inv_gamma), "inv_gamma");
-  if (config.use_ema_warmup && power != config.power)
-    differs("power", fmt::format("{}", power), fmt::format("{}", config.power), "power");
+// This EMA's averages as shadow_params lists them: its distinct averaged tensors in its order
+// (`keys`), and each tied name (`aliases`) with the position of the tensor it is tied to.
+struct ShadowOrder {
+  std::vector<std::string> keys;
+  std::vector<std::pair<std::string, std::size_t>> aliases;
+};
 
-  PeerFile f;
-  f.tensors = dict;
-  f.count = Count::recounted;
-  f.step = integer("optimization_step");
-  if (f.step < 0) fail("{}: optimization_step must be >= 0, got {}; nothing was loaded", where, f.step);
-  f.initted = true;  // EMAModel holds its shadow params from construction on
-
-  const c10::IValue& list = diffusers_entry(dict, "shadow_params", path);
-  if (!list.isList()) fail("{}: 'shadow_params' must be a list of tensors, got {}", where, python_value(list));
-  const auto shadow = list.toListRef();
-  // This EMA's distinct averaged tensors, in its order; a tied name (`aliases`) takes the tensor of
-  // the name it is tied to.
-  std::vector<std::string> all_keys, keys;
+EMAKIT_FUNC ShadowOrder shadow_order(const StateDict& state) {
+  std::vector<std::string> all_keys;
   std::vector<at::Tensor> held;
   for (const auto& item : state) {
     if (!ema_state::is_average_key(item.key())) continue;
@@ -393,60 +505,75 @@ EMAKIT_FUNC PeerFile read_diffusers_file(const c10::impl::GenericDict& dict, con
     held.push_back(item.value());
   }
   const std::vector<std::size_t> first = first_same_view(held);
-  std::vector<std::pair<std::string, std::size_t>> aliases;  // tied key, position in shadow_params
+  ShadowOrder order;
   std::vector<std::size_t> position(all_keys.size());
   for (std::size_t i = 0; i < all_keys.size(); ++i) {
     if (first[i] == i) {
-      position[i] = keys.size();
-      keys.push_back(all_keys[i]);
+      position[i] = order.keys.size();
+      order.keys.push_back(all_keys[i]);
     } else {
       position[i] = position[first[i]];
-      aliases.emplace_back(all_keys[i], position[i]);
+      order.aliases.emplace_back(all_keys[i], position[i]);
     }
   }
-  const std::string order =
+  return order;
+}
+
+// The file's shadow_params: one tensor per distinct average of `state`, each of its shape and
+// dtype, or the file is refused naming the position, the name it was matched to and both.
+EMAKIT_FUNC c10::ArrayRef<c10::IValue> read_shadow_params(const PeerDict& file, const StateDict& state,
+                                                          const ShadowOrder& order) {
+  const auto shadow = file.list("shadow_params");
+  const std::string_view by_position =
       "shadow_params is matched by position to this EMA's averaged tensors, the model's parameters() order for "
       "diffusers_ema_model, as EMAModel(model.parameters()) holds them, a tied weight once";
-  if (shadow.size() != keys.size())
-    fail("{}: shadow_params holds {} tensors, this EMA averages {}{} ({}): a state of another model, or of "
-         "EMAModel(...) given other parameters?; nothing was loaded",
-         where, shadow.size(), keys.size(),
-         aliases.empty()
-             ? std::string()
-             : fmt::format(" distinct ones (and {} tied name{})", aliases.size(), aliases.size() == 1 ? "" : "s"),
-         order);
-  for (std::size_t i = 0; i < keys.size(); ++i) {
-    const std::string name = ema_state::average_name(keys[i]);
+  const std::size_t tied = order.aliases.size();
+  if (shadow.size() != order.keys.size())
+    file.refuse(
+        "shadow_params holds {} tensors, this EMA averages {}{} ({}): a state of another model, or of "
+        "EMAModel(...) given other parameters?",
+        shadow.size(), order.keys.size(),
+        tied == 0 ? std::string() : fmt::format(" distinct ones (and {} tied name{})", tied, tied == 1 ? "" : "s"),
+        by_position);
+  for (std::size_t i = 0; i < order.keys.size(); ++i) {
+    const std::string name = ema_state::average_name(order.keys[i]);
     if (!shadow[i].isTensor())
-      fail("{}: shadow_params[{}] (matched to '{}') is {}, not a tensor; nothing was loaded", where, i, name,
-           python_value(shadow[i]));
+      file.refuse("shadow_params[{}] (matched to '{}') is {}, not a tensor", i, name, python_value(shadow[i]));
     const at::Tensor& t = shadow[i].toTensor();
-    const at::Tensor& ours = *state.find(keys[i]);
+    const at::Tensor& ours = *state.find(order.keys[i]);
     if (!t.sizes().equals(ours.sizes()))
-      fail("{}: shadow_params[{}] (matched to '{}' by position) has shape {} in the file, {} in this EMA ({}); "
-           "nothing was loaded",
-           where, i, name, shape_string(t.sizes()), shape_string(ours.sizes()), order);
+      file.refuse("shadow_params[{}] (matched to '{}' by position) has shape {} in the file, {} in this EMA ({})", i,
+                  name, shape_string(t.sizes()), shape_string(ours.sizes()), by_position);
     if (t.scalar_type() != ours.scalar_type())
-      fail("{}: shadow_params[{}] (matched to '{}' by position) has dtype {} in the file, {} in this EMA "
-           "(EMAModel.to(dtype=...)?"
-           "); nothing was loaded",
-           where, i, name, c10::toString(t.scalar_type()), c10::toString(ours.scalar_type()));
+      file.refuse("shadow_params[{}] (matched to '{}' by position) has dtype {} in the file, {} in this EMA "
+                  "(EMAModel.to(dtype=...)?)",
+                  i, name, c10::toString(t.scalar_type()), c10::toString(ours.scalar_type()));
   }
-  for (const auto& item : state) {
-    if (ema_state::is_average_key(item.key())) continue;
-    if (!ema_state::is_counter_key(item.key())) f.state.insert(item.key(), item.value());
-  }
-  for (std::size_t i = 0; i < keys.size(); ++i) f.state.insert(keys[i], shadow[i].toTensor());
-  for (const auto& [key, i] : aliases) f.state.insert(key, shadow[i].toTensor());
-  return f;
+  return shadow;
 }
 
 EMAKIT_FUNC c10::impl::GenericDict write_diffusers(const Codec&, const EmaBase& ema) {
   return diffusers_dict(ema.averages(), diffusers_config(ema, "export_state"), ema.step());
 }
 
+// What import_state takes from an EMAModel.state_dict() file: the config checked against this
+// EMA's decay, optimization_step as the step, shadow_params matched by position to its averages.
 EMAKIT_FUNC PeerFile read_diffusers(const ReadContext& in) {
-  return read_diffusers_file(in.file, in.path, in.state, diffusers_config(in.ema, "import_state"));
+  const PeerDict file(in);
+  check_diffusers_config(file, diffusers_config(in.ema, "import_state"));
+  PeerFile f;
+  f.tensors = in.file;
+  f.count = Count::recounted;
+  f.step = file.integer("optimization_step", 0);
+  f.initted = true;  // EMAModel holds its shadow params from construction on
+  const ShadowOrder order = shadow_order(in.state);
+  const auto shadow = read_shadow_params(file, in.state, order);
+  for (const auto& item : in.state)
+    if (!ema_state::is_average_key(item.key()) && !ema_state::is_counter_key(item.key()))
+      f.state.insert(item.key(), item.value());
+  for (std::size_t i = 0; i < order.keys.size(); ++i) f.state.insert(order.keys[i], shadow[i].toTensor());
+  for (const auto& [key, i] : order.aliases) f.state.insert(key, shadow[i].toTensor());
+  return f;
 }
 
 // ---- luxonis-train EMACallback: ema_state_dict (<name>) and updates (= num_updates) ----------
@@ -460,117 +587,37 @@ EMAKIT_FUNC c10::impl::GenericDict luxonis_dict(const StateDict& averages, std::
   return outer;
 }
 
-// luxonis-train's EMACallback.state_dict(): {"ema_state_dict": {<name>: tensor}, "updates": int}.
-// Returns the inner dict (where the tensors are) and sets `updates`; throws naming the file when
-// either entry is absent or of another type.
-EMAKIT_FUNC c10::impl::GenericDict luxonis_tensors(const c10::impl::GenericDict& dict, const std::string& path,
-                                                   std::int64_t& updates) {
-  const std::string save = "save torch.save(callback.state_dict(), path), or checkpoint[\"callbacks\"][key] of a "
-                           "Lightning checkpoint";
-  const auto inner = dict.find("ema_state_dict");
-  const auto count = dict.find("updates");
-  if (inner == dict.end() || count == dict.end())
-    fail("import_state: '{}' has no 'ema_state_dict' and 'updates': not a luxonis-train EMACallback state; {}", path,
-         save);
-  if (!inner->value().isGenericDict())
-    fail("import_state: '{}': 'ema_state_dict' must be a dict of tensors, got a {}", path, inner->value().tagKind());
-  const c10::IValue& u = count->value();
-  if (u.isInt()) {
-    updates = u.toInt();
-  } else if (u.isTensor()) {
-    updates = integer_value(u.toTensor(), "updates", fmt::format("import_state: '{}'", path));
-  } else {
-    fail("import_state: '{}': 'updates' must be an int, got a {}", path, u.tagKind());
-  }
-  if (updates < 0) fail("import_state: '{}': updates must be >= 0, got {}", path, updates);
-  return inner->value().toGenericDict();
-}
-
 EMAKIT_FUNC c10::impl::GenericDict write_luxonis(const Codec&, const EmaBase& ema) {
   return luxonis_dict(ema.averages(), ema.num_updates());
 }
 
+// EMACallback.state_dict(): {"ema_state_dict": {<name>: tensor}, "updates": int}; an updates
+// tensor (of one integer) is read too.
 EMAKIT_FUNC PeerFile read_luxonis(const ReadContext& in) {
-  std::int64_t updates = -1;
-  const c10::impl::GenericDict inner = luxonis_tensors(in.file, in.path, updates);
-  PeerFile f = read_named(in, inner, in.codec.prefix);
+  const PeerDict file(in);
+  file.require({"ema_state_dict", "updates"});
+  const PeerDict tensors = file.dict("ema_state_dict");
+  PeerFile f = read_named(in, tensors, in.codec.prefix);
   f.count = Count::given;  // ModelEma: one update per call, its decay from `updates`
-  f.updates = updates;
+  f.updates = file.value("updates").isTensor() ? file.integer_tensor("updates", 0) : file.integer("updates", 0);
   return f;
 }
 
 // ---- Lightning EMAWeightAveraging: a checkpoint's state_dict, averaging_state, callbacks -----
 
-// The counters of a Lightning checkpoint written with EMAWeightAveraging.
-struct LightningCounters {
-  std::int64_t global_step = -1;
-  std::int64_t n_averaged = -1;
-  std::int64_t latest_update_step = -1;  // -1: the file holds no callback entry
-};
-
-// A Lightning checkpoint: returns its state_dict (the averages) and sets `counters`; throws naming
-// the file and the key when state_dict, averaging_state (a checkpoint saved without
-// EMAWeightAveraging), its n_averaged or global_step is absent or of another type.
-EMAKIT_FUNC c10::impl::GenericDict lightning_tensors(const c10::impl::GenericDict& dict, const std::string& path,
-                                                     LightningCounters& counters) {
-  const std::string where = fmt::format("import_state: '{}'", path);
-  const auto value = [&](const char* key) -> const c10::IValue& {
-    return required_entry(dict, key, where,
-                          "not a Lightning checkpoint (save it with trainer.save_checkpoint(path) while the "
-                          "EMAWeightAveraging callback runs)");
-  };
-  const c10::IValue& state = value("state_dict");
-  if (!state.isGenericDict())
-    fail("{}: 'state_dict' must be a dict of tensors, got a {}; nothing was loaded", where, state.tagKind());
-  if (dict.find("averaging_state") == dict.end())
-    fail("{} has no 'averaging_state': not written with Lightning's EMAWeightAveraging callback (whose "
-         "on_save_checkpoint puts the averages in state_dict and n_averaged in averaging_state), so its state_dict is "
-         "the model's own weights, not an average; nothing was loaded",
-         where);
-  const c10::IValue& averaging = value("averaging_state");
-  if (!averaging.isGenericDict())
-    fail("{}: 'averaging_state' must be a dict, got a {}; nothing was loaded", where, averaging.tagKind());
-  const at::Tensor* n = entry(averaging.toGenericDict(), "n_averaged");
-  if (n == nullptr)
-    fail("{}: 'averaging_state' has no tensor 'n_averaged' (the AveragedModel's update count); nothing was loaded",
-         where);
-  counters.n_averaged = integer_value(*n, "n_averaged", where);
-  if (counters.n_averaged < 0)
-    fail("{}: n_averaged must be >= 0, got {}; nothing was loaded", where, counters.n_averaged);
-  const c10::IValue& step = value("global_step");
-  if (!step.isInt()) fail("{}: 'global_step' must be an int, got a {}; nothing was loaded", where, step.tagKind());
-  counters.global_step = step.toInt();
-  if (counters.global_step < 0)
-    fail("{}: global_step must be >= 0, got {}; nothing was loaded", where, counters.global_step);
-  // The callback's own entry (its state_key: the class name); absent when the checkpoint was saved
-  // without callback states, then not checked.
-  if (const auto callbacks = dict.find("callbacks"); callbacks != dict.end() && callbacks->value().isGenericDict()) {
-    const auto all = callbacks->value().toGenericDict();
-    if (const auto own = all.find("EMAWeightAveraging"); own != all.end() && own->value().isGenericDict()) {
-      const auto fields = own->value().toGenericDict();
-      const auto latest = fields.find("latest_update_step");
-      if (latest == fields.end() || !latest->value().isInt())
-        fail("{}: callbacks['EMAWeightAveraging'] has no int 'latest_update_step'; nothing was loaded", where);
-      counters.latest_update_step = latest->value().toInt();
-    }
-  }
-  return state.toGenericDict();
-}
 // Throws (nothing loaded) when the file's n_averaged or latest_update_step differ from the
 // `updates` and `last` update step this EMA's schedule gives over global_step steps.
-EMAKIT_FUNC void check_lightning_counters(const LightningCounters& file, std::int64_t updates, std::int64_t last,
-                                          const std::string& path) {
-  const std::string options =
+EMAKIT_FUNC void check_lightning(const PeerFile& found, std::int64_t updates, std::int64_t last, const PeerDict& file) {
+  const std::string_view options =
       "made with other EMAWeightAveraging options (update_every_n_steps, update_starting_at_step) than this EMA's, or "
       "by a callback that also updated at epoch ends (update_starting_at_epoch)?";
-  if (file.n_averaged != updates)
-    fail("import_state: '{}': n_averaged is {} in the file, but this EMA's schedule makes {} updates in global_step "
-         "{} steps: {}; nothing was loaded",
-         path, file.n_averaged, updates, file.global_step, options);
-  if (file.latest_update_step >= 0 && file.latest_update_step != last)
-    fail("import_state: '{}': callbacks['EMAWeightAveraging'] latest_update_step is {} in the file, but this EMA's "
-         "schedule last updates at step {} of {}: {}; nothing was loaded",
-         path, file.latest_update_step, last, file.global_step, options);
+  if (found.updates != updates)
+    file.refuse("n_averaged is {} in the file, but this EMA's schedule makes {} updates in global_step {} steps: {}",
+                found.updates, updates, found.step, options);
+  if (found.last_update_step >= 0 && found.last_update_step != last)
+    file.refuse("callbacks['EMAWeightAveraging'] latest_update_step is {} in the file, but this EMA's schedule last "
+                "updates at step {} of {}: {}",
+                found.last_update_step, last, found.step, options);
 }
 
 // The entries of a Lightning checkpoint EMAWeightAveraging's on_load_checkpoint reads from the
@@ -596,23 +643,25 @@ EMAKIT_FUNC c10::impl::GenericDict write_lightning(const Codec&, const EmaBase& 
   return lightning_dict(ema.averages(), ema.step(), ema.num_updates(), ema.last_update_step());
 }
 
+// A Lightning checkpoint: its state_dict (the averages), averaging_state's n_averaged, global_step
+// and, when the checkpoint holds callback states, callbacks['EMAWeightAveraging']'s
+// latest_update_step (else not checked).
 EMAKIT_FUNC PeerFile read_lightning(const ReadContext& in) {
-  LightningCounters counters;
-  const c10::impl::GenericDict inner = lightning_tensors(in.file, in.path, counters);
-  PeerFile f = read_named(in, inner, in.codec.prefix);
+  const PeerDict file(in);
+  const PeerDict tensors = file.dict("state_dict");
+  if (file.find("averaging_state") == nullptr)
+    file.refuse_file("has no 'averaging_state': not written with Lightning's EMAWeightAveraging callback (whose "
+                     "on_save_checkpoint puts the averages in state_dict and n_averaged in averaging_state), so its "
+                     "state_dict is the model's own weights, not an average");
+  PeerFile f = read_named(in, tensors, in.codec.prefix);
   f.count = Count::recounted;
-  f.step = counters.global_step;
+  f.updates = file.dict("averaging_state").integer_tensor("n_averaged", 0);
+  f.step = file.integer("global_step", 0);
   f.initted = true;
-  f.updates = counters.n_averaged;
-  f.last_update_step = counters.latest_update_step;
+  if (const auto callbacks = file.optional_dict("callbacks"))
+    if (const auto own = callbacks->optional_dict("EMAWeightAveraging"))
+      f.last_update_step = own->integer("latest_update_step", 0);
   return f;
-}
-
-EMAKIT_FUNC void check_lightning(const PeerFile& file, std::int64_t updates, std::int64_t last,
-                                 const std::string& path) {
-  check_lightning_counters(
-      {.global_step = file.step, .n_averaged = file.updates, .latest_update_step = file.last_update_step}, updates,
-      last, path);
 }
 
 // ---- nvalchemi EMAHook: its config, num_updates, averaged_model_state (module.<name>) -------
@@ -665,100 +714,58 @@ EMAKIT_FUNC c10::impl::GenericDict nvalchemi_dict(const StateDict& averages, std
   dict.insert("averaged_model_state", averaged);
   return dict;
 }
-// An EMAHook.state_dict() file: checks its config against `config` and returns its
-// averaged_model_state (where the tensors are), setting `num_updates`; throws (nothing loaded) on
-// a missing or mistyped entry, a config that differs, or a state saved before the hook's first
-// update.
-EMAKIT_FUNC c10::impl::GenericDict nvalchemi_tensors(const c10::impl::GenericDict& dict, const std::string& path,
-                                                     const NvalchemiConfig& config, std::int64_t& num_updates) {
-  const std::string where = fmt::format("import_state: '{}'", path);
-  const auto value = [&](const char* key) -> const c10::IValue& {
-    return required_entry(dict, key, where,
-                          "not an nvalchemi EMAHook state (save it with torch.save(hook.state_dict(), path))");
-  };
-  const auto integer = [&](const char* key) {
-    const c10::IValue& v = value(key);
-    if (!v.isInt()) fail("{}: '{}' must be an int, got {}; nothing was loaded", where, key, python_value(v));
-    return v.toInt();
-  };
-  const auto differs = [&](const char* field, const std::string& file, const std::string& ours, const char* option) {
-    fail("{}: config differs: {} is {} in the file, {} in this EMA ({}); make the EMA with the hook's options "
-         "(nvalchemi_ema); nothing was loaded",
-         where, field, file, ours, option);
-  };
-  const c10::IValue& decay = value("decay");
-  if (!decay.isDouble() && !decay.isInt())
-    fail("{}: 'decay' must be a number, got {}; nothing was loaded", where, python_value(decay));
-  if (const double d = decay.isDouble() ? decay.toDouble() : static_cast<double>(decay.toInt()); d != config.decay)
-    differs("decay", fmt::format("{}", d), fmt::format("{}", config.decay), "Fixed::beta");
-  if (const std::int64_t v = integer("update_every"); v != config.update_every)
-    differs("update_every", fmt::format("{}", v), fmt::format("{}", config.update_every), "update_every");
-  if (const std::int64_t v = integer("start_step"); v != config.start_step)
-    differs("start_step", fmt::format("{}", v), fmt::format("{}", config.start_step), "start_step");
-  const c10::IValue& buffers = value("use_buffers");
-  if (!buffers.isBool())
-    fail("{}: 'use_buffers' must be a bool, got {}; nothing was loaded", where, python_value(buffers));
-  if (buffers.toBool() != config.use_buffers)
-    differs("use_buffers", python_value(buffers), config.use_buffers ? "True" : "False",
+// The config entries of an EMAHook file: each must equal this EMA's (`config`).
+EMAKIT_FUNC void check_nvalchemi_config(const PeerDict& file, const NvalchemiConfig& config) {
+  file.same("decay", file.number("decay"), config.decay, "Fixed::beta");
+  file.same("update_every", file.integer("update_every"), config.update_every, "update_every");
+  file.same("start_step", file.integer("start_step"), config.start_step, "start_step");
+  file.same("use_buffers", file.boolean("use_buffers"), config.use_buffers,
             config.use_buffers ? "buffers averaged" : "buffers copied");
-  num_updates = integer("num_updates");
-  if (num_updates < 0) fail("{}: num_updates must be >= 0, got {}; nothing was loaded", where, num_updates);
-  const auto averaged = dict.find("averaged_model_state");
-  if (averaged == dict.end())
-    fail("{} has no 'averaged_model_state': the hook had not made its averaged model yet (saved before its first "
-         "eligible step, num_updates {}), so there is no average to import; start the EMA afresh; nothing was loaded",
-         where, num_updates);
-  if (!averaged->value().isGenericDict())
-    fail("{}: 'averaged_model_state' must be a dict of tensors, got {}; nothing was loaded", where,
-         python_value(averaged->value()));
-  return averaged->value().toGenericDict();
-}
-// The step import_state gives an EMAHook file: `step`, which must be given and >= 0; throws
-// (nothing loaded) without it, or when the file's num_updates differs from its n_averaged.
-EMAKIT_FUNC std::int64_t nvalchemi_step(const std::optional<std::int64_t>& step, std::int64_t num_updates,
-                                        std::int64_t n_averaged, const std::string& path) {
-  if (num_updates != n_averaged)
-    fail("import_state: '{}': num_updates is {} but averaged_model_state's n_averaged is {}: an EMAHook updates both "
-         "together, so the file was edited or mixes two states; nothing was loaded",
-         path, num_updates, n_averaged);
-  if (!step)
-    fail("import_state: '{}': an nvalchemi EMAHook state holds no step, and the hook's update_every and start_step "
-         "count the trainer's completed optimizer steps: pass the trainer's step_count when the state was saved, "
-         "import_state(ema, Peer::nvalchemi_hook, path, {{.step = step_count}}); nothing was loaded",
-         path);
-  if (*step < 0) fail("import_state: '{}': ImportOptions::step must be >= 0, got {}; nothing was loaded", path, *step);
-  return *step;
-}
-// Throws (nothing loaded) when this EMA's schedule makes `updates` != num_updates updates over
-// `step` completed steps.
-EMAKIT_FUNC void check_nvalchemi_updates(std::int64_t num_updates, std::int64_t updates, std::int64_t step,
-                                         const std::string& path) {
-  if (num_updates != updates)
-    fail("import_state: '{}': num_updates is {} in the file, but this EMA's schedule makes {} updates in {} completed "
-         "steps (ImportOptions::step): the step is not the trainer's step_count when the hook was saved, or the hook "
-         "had other options; nothing was loaded",
-         path, num_updates, updates, step);
 }
 
 EMAKIT_FUNC c10::impl::GenericDict write_nvalchemi(const Codec& self, const EmaBase& ema) {
   return nvalchemi_dict(ema.averages(), self.prefix, nvalchemi_config(ema, "export_state"), ema.num_updates());
 }
 
+// An EMAHook.state_dict() file: its config checked against this EMA's, num_updates, and
+// averaged_model_state (the tensors, and n_averaged, which must equal num_updates); the step is
+// ImportOptions::step, which must be given. A state saved before the hook's first update (no
+// averaged_model_state) is refused.
 EMAKIT_FUNC PeerFile read_nvalchemi(const ReadContext& in) {
-  std::int64_t num_updates = -1;
-  const c10::impl::GenericDict inner =
-      nvalchemi_tensors(in.file, in.path, nvalchemi_config(in.ema, "import_state"), num_updates);
-  const std::int64_t n_averaged = read_n_averaged(in, inner, " in averaged_model_state");
-  PeerFile f = read_named(in, inner, in.codec.prefix);
+  const PeerDict file(in);
+  check_nvalchemi_config(file, nvalchemi_config(in.ema, "import_state"));
+  const std::int64_t num_updates = file.integer("num_updates", 0);
+  if (file.find("averaged_model_state") == nullptr)
+    file.refuse_file("has no 'averaged_model_state': the hook had not made its averaged model yet (saved before its "
+                     "first eligible step, num_updates {}), so there is no average to import; start the EMA afresh",
+                     num_updates);
+  const PeerDict averaged = file.dict("averaged_model_state");
+  const std::int64_t n_averaged = averaged.integer_tensor("n_averaged", 0);
+  if (num_updates != n_averaged)
+    file.refuse("num_updates is {} but averaged_model_state's n_averaged is {}: an EMAHook updates both together, so "
+                "the file was edited or mixes two states",
+                num_updates, n_averaged);
+  if (!in.step)
+    file.refuse("an nvalchemi EMAHook state holds no step, and the hook's update_every and start_step count the "
+                "trainer's completed optimizer steps: pass the trainer's step_count when the state was saved, "
+                "import_state(ema, Peer::nvalchemi_hook, path, {{.step = step_count}})");
+  if (*in.step < 0) file.refuse("ImportOptions::step must be >= 0, got {}", *in.step);
+  PeerFile f = read_named(in, averaged, in.codec.prefix);
   f.count = Count::recounted;
-  f.step = nvalchemi_step(in.step, num_updates, n_averaged, in.path);
+  f.step = *in.step;
   f.initted = true;
   f.updates = num_updates;
   return f;
 }
 
-EMAKIT_FUNC void check_nvalchemi(const PeerFile& file, std::int64_t updates, std::int64_t, const std::string& path) {
-  check_nvalchemi_updates(file.updates, updates, file.step, path);
+// Throws (nothing loaded) when this EMA's schedule makes `updates` != num_updates updates over
+// the `step` completed steps given.
+EMAKIT_FUNC void check_nvalchemi(const PeerFile& found, std::int64_t updates, std::int64_t, const PeerDict& file) {
+  if (found.updates != updates)
+    file.refuse("num_updates is {} in the file, but this EMA's schedule makes {} updates in {} completed steps "
+                "(ImportOptions::step): the step is not the trainer's step_count when the hook was saved, or the hook "
+                "had other options",
+                found.updates, updates, found.step);
 }
 
 // ---- the codecs: one per peer, in Peer's order ----------------------------------------------
@@ -777,16 +784,18 @@ inline constexpr Codec codecs[] = {
      .write = write_averaged_model, .read = read_averaged_model},
     {.peer = Peer::diffusers, .id = "diffusers", .prefix = "", .name = "a diffusers EMAModel",
      .save_call = "torch.save(ema.state_dict(), path)", .inner_call = "ema.shadow_params",
+     .preset = "diffusers_ema_model, or diffusers_ema_model_warmup for use_ema_warmup=True",
      .write = write_diffusers, .read = read_diffusers},
     {.peer = Peer::luxonis_callback, .id = "luxonis_callback", .prefix = "", .name = "a luxonis-train EMACallback",
-     .save_call = "torch.save(callback.state_dict(), path)", .inner_call = "callback.ema.state_dict_ema",
+     .save_call = "torch.save(callback.state_dict(), path), or checkpoint[\"callbacks\"][key] of a Lightning checkpoint",
+     .inner_call = "callback.ema.state_dict_ema",
      .write = write_luxonis, .read = read_luxonis},
     {.peer = Peer::lightning, .id = "lightning", .prefix = "", .name = "a Lightning EMAWeightAveraging checkpoint",
      .save_call = "trainer.save_checkpoint(path)", .inner_call = "the model's own state_dict()",
      .write = write_lightning, .read = read_lightning, .check = check_lightning},
     {.peer = Peer::nvalchemi_hook, .id = "nvalchemi_hook", .prefix = "module.", .name = "an nvalchemi EMAHook",
      .save_call = "torch.save(hook.state_dict(), path)", .inner_call = "hook.get_averaged_model().state_dict()",
-     .takes_step = true, .write = write_nvalchemi, .read = read_nvalchemi, .check = check_nvalchemi},
+     .preset = "nvalchemi_ema", .takes_step = true, .write = write_nvalchemi, .read = read_nvalchemi, .check = check_nvalchemi},
 };
 // clang-format on
 
@@ -828,15 +837,17 @@ EMAKIT_FUNC LoadReport import_state(EmaBase& ema, Peer peer, const std::filesyst
   const auto file_dict = read_pickle_dict(file, "import_state");
   const std::string path = file.string();  // for messages
   const Codec& c = codec(peer);
+  const StateDict own = ema.state_dict();  // this EMA's config, counters and keys
+  const ReadContext in{c, file_dict, path, own, ema, options.step};
+  const PeerDict whole(in);
   if (options.step && !c.takes_step) {
     std::vector<std::string> takers;
     for (const Codec& taker : codecs)
       if (taker.takes_step) takers.push_back(fmt::format("Peer::{}", taker.id));
-    fail("import_state: ImportOptions::step ({}) is for {}, whose file holds no step; {} file holds its own counters",
-         *options.step, fmt::join(takers, ", "), c.name);
+    whole.refuse("ImportOptions::step ({}) is for {}, whose file holds no step; {} file holds its own counters",
+                 *options.step, fmt::join(takers, ", "), c.name);
   }
-  const StateDict own = ema.state_dict();  // this EMA's config, counters and keys
-  PeerFile f = c.read({c, file_dict, path, own, ema, options.step});
+  PeerFile f = c.read(in);
   std::int64_t step = ema.step(), updates = ema.num_updates(), last = ema.last_update_step();
   if (f.count == Count::given) {
     updates = f.updates;
@@ -857,13 +868,13 @@ EMAKIT_FUNC LoadReport import_state(EmaBase& ema, Peer peer, const std::filesyst
         }
       }
     }
-    if (c.check != nullptr) c.check(f, updates, last, path);
+    if (c.check != nullptr) c.check(f, updates, last, whole);
   }
   StateDict& out = f.state;
   detail::ema_state::write_counters(
       out, {.calls = step, .step = step, .num_updates = updates, .last_update_step = last, .last_decay = ema.decay()});
   const LoadReport found = ema.check_state_dict(out, LoadMode::lenient);
-  LoadReport report = peer_report(found, f, c, path, options.mode);
+  LoadReport report = peer_report(found, f, whole, options.mode);
   if (!found.clean()) keep_current(out, found, own);
   ema.load_state_dict(out, options.mode);
   return report;

@@ -162,6 +162,7 @@ namespace detail::interop {
 // ---- the codec of a peer ------------------------------------------------------------------
 
 struct Codec;
+class PeerDict;  // typed reads from a peer's file, and every refusal of one (interop-inl.hpp)
 
 // What a codec's read is given: the whole file, this EMA's state and policies, ImportOptions::step.
 struct ReadContext {
@@ -185,7 +186,8 @@ enum class Count : std::uint8_t {
 // peer's counters.
 struct PeerFile {
   StateDict state;
-  std::string prefix;                                                           // of the file's keys, for messages
+  std::string prefix;  // of the file's keys, for messages
+  std::string inside;  // the dict of the file that holds them, as Python indexes it (empty: the file itself)
   c10::impl::GenericDict tensors{c10::StringType::get(), c10::AnyType::get()};  // the dict that holds them
   Count count = Count::kept;
   std::int64_t step = -1;              // recounted: update calls (completed steps)
@@ -198,19 +200,21 @@ struct PeerFile {
 // codec in interop-inl.hpp's table (in Peer's order) and its preset in presets.hpp.
 struct Codec {
   Peer peer;
-  std::string_view id;          // the enumerator's name, as messages write it: Peer::<id>
-  std::string_view prefix;      // of the keys of its tensors (module.)
-  std::string_view name;        // in messages: "an ema-pytorch EMA"
-  std::string_view save_call;   // the Python call that saves the state import_state wants
-  std::string_view inner_call;  // the one that saves only its averaged model (keys without the prefix)
-  bool takes_step = false;      // its file holds no step: ImportOptions::step gives it
+  std::string_view id;           // the enumerator's name, as messages write it: Peer::<id>
+  std::string_view prefix;       // of the keys of its tensors (module.)
+  std::string_view name;         // in messages: "an ema-pytorch EMA"
+  std::string_view save_call;    // the Python call that saves the state import_state wants
+  std::string_view inner_call;   // the one that saves only its averaged model (keys without the prefix)
+  std::string_view preset = {};  // what makes an EMA of the file's config, for a config that differs
+  bool takes_step = false;       // its file holds no step: ImportOptions::step gives it
   // The dict export_state writes: what the peer's torch.load and load_state_dict read.
   c10::impl::GenericDict (*write)(const Codec& self, const EmaBase& ema);
   // The tensors and counters of a file, or throws naming the file and what it lacks.
   PeerFile (*read)(const ReadContext& in);
   // Count::recounted: throws (nothing loaded) when the file's own counts differ from the
-  // `updates` and `last` update step the EMA's schedule makes over file.step steps; may be null.
-  void (*check)(const PeerFile& file, std::int64_t updates, std::int64_t last, const std::string& path) = nullptr;
+  // `updates` and `last` update step the EMA's schedule makes over found.step steps (`file`: the
+  // file read, for the message); may be null.
+  void (*check)(const PeerFile& found, std::int64_t updates, std::int64_t last, const PeerDict& file) = nullptr;
 };
 
 // The codec of `peer`; throws for a value that names no Peer.

@@ -168,7 +168,8 @@ struct Index {
 };
 
 inline Index read_index(const std::filesystem::path& dir) {
-  Index index{.dir = dir};
+  Index index;
+  index.dir = dir;
   const auto path = dir / std::string(sharded_index_name);
   index.where = fmt::format("load_sharded: '{}'", path.string());
   if (!std::filesystem::exists(path))

@@ -6,7 +6,8 @@
 //   const auto decay = in.optional_text("config.decay");           // uint8 UTF-8 bytes, or nullopt
 //
 // integer_value() and number_value() check one tensor the same way, for the scalars of files that
-// are not state dicts (a peer's torch.save dict, the hook's header).
+// are not state dicts (the hook's header; a peer's torch.save dict has its own reader, interop's
+// PeerDict, with the same rules).
 #pragma once
 
 #include <emakit/detail/config.hpp>
@@ -46,10 +47,17 @@ inline std::string message_lead(std::string_view where) {
   return where.empty() ? std::string() : std::string(where) + ": ";
 }
 
+// A tensor that holds one integer (of an integer or bool dtype), or one real number (any real
+// dtype): what integer_value() and number_value() read, and interop's PeerDict.
+inline bool holds_one_integer(const at::Tensor& t) {
+  return t.numel() == 1 && !c10::isFloatingType(t.scalar_type()) && !c10::isComplexType(t.scalar_type());
+}
+inline bool holds_one_number(const at::Tensor& t) { return t.numel() == 1 && !c10::isComplexType(t.scalar_type()); }
+
 // The one integer `t` holds (named `key` in errors): a floating-point tensor, or more or fewer
 // than one element, is an error naming the key, the dtype and the shape.
 inline std::int64_t integer_value(const at::Tensor& t, std::string_view key, std::string_view where = {}) {
-  if (t.numel() != 1 || c10::isFloatingType(t.scalar_type()) || c10::isComplexType(t.scalar_type()))
+  if (!holds_one_integer(t))
     fail("{}'{}' must be one integer, got a {} tensor of shape {}", message_lead(where), key,
          c10::toString(t.scalar_type()), shape_string(t.sizes()));
   return t.item<std::int64_t>();
@@ -57,7 +65,7 @@ inline std::int64_t integer_value(const at::Tensor& t, std::string_view key, std
 
 // The one real number `t` holds, of any real dtype; more or fewer than one element is an error.
 inline double number_value(const at::Tensor& t, std::string_view key, std::string_view where = {}) {
-  if (t.numel() != 1 || c10::isComplexType(t.scalar_type()))
+  if (!holds_one_number(t))
     fail("{}'{}' must be one number, got a {} tensor of shape {}", message_lead(where), key,
          c10::toString(t.scalar_type()), shape_string(t.sizes()));
   return t.item<double>();
