@@ -828,16 +828,17 @@ TEST_CASE("Every refusal of a peer's file, whatever entry is missing or of anoth
   c10::impl::GenericDict empty(c10::StringType::get(), c10::AnyType::get());
   c10::impl::GenericList ints(c10::AnyType::get());
   ints.push_back(std::int64_t{1});
-  const std::vector<c10::IValue> values = {c10::IValue(),
-                                           c10::IValue(true),
-                                           c10::IValue(std::int64_t{-3}),
-                                           c10::IValue(2.5),
-                                           c10::IValue("text"),
-                                           at::zeros({3}),
-                                           at::scalar_tensor(-2, at::kLong),
-                                           at::scalar_tensor(2.5),
-                                           empty,
-                                           ints};
+  const std::vector<std::pair<const char*, c10::IValue>> values = {
+      {"None", c10::IValue()},
+      {"True", c10::IValue(true)},
+      {"-3", c10::IValue(std::int64_t{-3})},
+      {"2.5", c10::IValue(2.5)},
+      {"'text'", c10::IValue("text")},
+      {"a float tensor of shape [3]", at::zeros({3})},
+      {"a long tensor -2", at::scalar_tensor(-2, at::kLong)},
+      {"a float tensor 2.5", at::scalar_tensor(2.5)},
+      {"an empty dict", empty},
+      {"a list [1]", ints}};
   std::size_t refusals = 0, edits = 0, peers = 0;
   for (auto& [peer, ema] : emas) {
     const std::string id(emakit::detail::interop::codec(peer).id);
@@ -865,10 +866,10 @@ TEST_CASE("Every refusal of a peer's file, whatever entry is missing or of anoth
     for (const Place& at : all) {
       INFO("the entry " << at.text());
       std::size_t refused = 0;
-      std::vector<std::optional<c10::IValue>> edits_here(values.begin(), values.end());
-      if (!at.item) edits_here.emplace_back(std::nullopt);  // erased
-      for (const auto& value : edits_here) {
-        INFO((value ? "set to " + emakit::detail::interop::python_value(*value) : std::string("erased")));
+      std::vector<std::pair<std::string, std::optional<c10::IValue>>> edits_here(values.begin(), values.end());
+      if (!at.item) edits_here.emplace_back("erased", std::nullopt);  // a list item is never erased
+      for (const auto& [what, value] : edits_here) {
+        INFO("the entry " << (value ? "set to " : "") << what);
         emakit::detail::write_tensor_dict(file, edited(exported, at, 0, value));
         ++edits;
         try {
