@@ -167,6 +167,25 @@ struct Index {
   }
 };
 
+// What each file of a sharded checkpoint opens with: its archive, its CRC-32s, and its
+// 'emakit_shard' header (a file without one is not `what`, "the index of a sharded emakit
+// checkpoint"), each read and checked.
+struct ShardFile {
+  torch::serialize::InputArchive archive;
+  Checksums sums;
+  torch::OrderedDict<std::string, at::Tensor> header;
+};
+
+inline ShardFile open_shard_file(const std::filesystem::path& path, const std::string& where, const char* what) {
+  ShardFile file;
+  read_archive(file.archive, path, "load_sharded");
+  file.sums.load(file.archive, "emakit_checksums", where);
+  auto header = read_tensor_dict(file.archive, "emakit_shard", where);
+  if (!header) fail("{}: no 'emakit_shard'; it is not {}", where, what);
+  file.header = as_state(*header, where);
+  return file;
+}
+
 inline Index read_index(const std::filesystem::path& dir) {
   Index index;
   index.dir = dir;
@@ -176,20 +195,14 @@ inline Index read_index(const std::filesystem::path& dir) {
     fail("load_sharded: the checkpoint in '{}' is incomplete or missing: no index '{}' (written last by rank 0 of "
          "save_sharded)",
          dir.string(), path.string());
-  torch::serialize::InputArchive archive;
-  read_archive(archive, path, "load_sharded");
-  Checksums sums;
-  sums.load(archive, "emakit_checksums", index.where);
-  auto info = read_tensor_dict(archive, "emakit_shard", index.where);
-  if (!info) fail("{}: no 'emakit_shard'; it is not the index of a sharded emakit checkpoint", index.where);
-  const auto info_state = as_state(*info, index.where);
-  const StateReader info_in(info_state, index.where);
+  ShardFile file = open_shard_file(path, index.where, "the index of a sharded emakit checkpoint");
+  const StateReader info_in(file.header, index.where);
   formats::check_version(formats::sharded, info_in.counter("format"), index.where);
   index.save_id = info_in.counter("save_id");
   index.world = info_in.counter("world");
   if (index.world <= 0) fail("{}: world size {}; the index is damaged", index.where, index.world);
-  index.state = read_checked(archive, "emakit_state", sums, "state/", index.where);
-  for (auto& [key, t] : read_checked(archive, "emakit_layout", sums, "layout/", index.where))
+  index.state = read_checked(file.archive, "emakit_state", file.sums, "state/", index.where);
+  for (auto& [key, t] : read_checked(file.archive, "emakit_layout", file.sums, "layout/", index.where))
     index.layout.emplace(key, std::move(t));
   return index;
 }
@@ -231,12 +244,8 @@ class RankFiles {
     if (!std::filesystem::exists(path))
       fail("load_sharded: the checkpoint in '{}' is incomplete: '{}' is missing (the index names {} ranks)",
            index_.dir.string(), path.string(), index_.world);
-    torch::serialize::InputArchive archive;
-    read_archive(archive, path, "load_sharded");
-    auto shard = read_tensor_dict(archive, "emakit_shard", where);
-    if (!shard) fail("{}: no 'emakit_shard'; it is not a file of a sharded emakit checkpoint", where);
-    const auto shard_state = as_state(*shard, where);
-    const StateReader shard_in(shard_state, where);
+    ShardFile file = open_shard_file(path, where, "a file of a sharded emakit checkpoint");
+    const StateReader shard_in(file.header, where);
     const std::int64_t id = shard_in.counter("save_id");
     if (id != index_.save_id)
       fail("{}: belongs to another save than the index '{}' (save ids {} and {}): the folder mixes files of "
@@ -245,9 +254,7 @@ class RankFiles {
     if (shard_in.counter("rank") != rank || shard_in.counter("world") != index_.world)
       fail("{}: holds rank {} of {}, not what its name says", where, shard_in.counter("rank"),
            shard_in.counter("world"));
-    Checksums file_sums;
-    file_sums.load(archive, "emakit_checksums", where);
-    auto items = read_checked(archive, "emakit_state", file_sums, "", where);
+    auto items = read_checked(file.archive, "emakit_state", file.sums, "", where);
     return files_.emplace(rank, std::map<std::string, at::Tensor>(items.begin(), items.end())).first->second;
   }
 
