@@ -1,7 +1,7 @@
 // emakit::compiled's (EMAKIT_COMPILED) instantiations of the aliases that need no user type
-// (aliases.hpp): their users see these declared `extern template` (aliases.hpp, checkpoint.hpp, format.hpp) and
-// compile none of it. This unit defines its own macros (detail/config.hpp): EMAKIT_INSTANTIATING
-// turns the `extern template` declarations off here.
+// (aliases.hpp): their users see these declared `extern template` (aliases.hpp, checkpoint.hpp,
+// format.hpp) and compile none of it. This unit defines its own macros (detail/config.hpp):
+// EMAKIT_INSTANTIATING turns the `extern template` declarations off here.
 #define EMAKIT_INSTANTIATING 1
 #if !defined(EMAKIT_COMPILED)
 #define EMAKIT_COMPILED 1

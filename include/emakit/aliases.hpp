@@ -39,8 +39,8 @@ using RationalRampEma = Ema<RationalRamp, StepSchedule, FlatStorage>;
 using CosineEma = Ema<CosineMomentum, StepSchedule, FlatStorage>;
 
 // The decay policies of the seven flat aliases above, the one list of them: with EMAKIT_COMPILED
-// (emakit::compiled, detail/config.hpp) these come instantiated from the library (src/aliases.cpp), with their
-// emakit::save, emakit::load (checkpoint.hpp) and emakit::describe (format.hpp).
+// (emakit::compiled, detail/config.hpp) these come instantiated from the library (src/aliases.cpp),
+// with their emakit::save, emakit::load (checkpoint.hpp) and emakit::describe (format.hpp).
 #define EMAKIT_FOR_EACH_FLAT_ALIAS_DECAY(X) \
   X(Fixed) X(InversePowerWarmup) X(ExponentialRamp) X(PowerFunction) X(Uniform) X(RationalRamp) X(CosineMomentum)
 

@@ -52,7 +52,8 @@ EMAKIT_FUNC LoadReport load_ema_file(EmaBase& ema, const std::filesystem::path& 
 // Writes the EMA (the layout of torch::save(ema, path)) to `path` atomically.
 template <DecayPolicy D, SchedulePolicy S, StoragePolicy St>
 void save(const Ema<D, S, St>& ema, const std::filesystem::path& path) {
-  // A storage that holds part of the average here (ShardedStorage) writes the whole EMA its own way.
+  // A storage that holds part of the average here (ShardedStorage) writes the whole EMA
+  // its own way.
   if constexpr (CheckpointingStorage<St, Ema<D, S, St>>) return ema.storage().save_checkpoint(ema, path);
   detail::save_state_file(ema.state_dict(), path);
 }
@@ -71,8 +72,8 @@ LoadReport load(Ema<D, S, St>& ema, const std::filesystem::path& path, LoadMode 
   }
 }
 
-// EMAKIT_COMPILED (emakit::compiled, detail/config.hpp): save and load of the flat aliases come from
-// libemakit.a.
+// EMAKIT_COMPILED (emakit::compiled, detail/config.hpp): save and load of the flat aliases
+// come from libemakit.a.
 #if EMAKIT_EXTERN_ALIASES
 #define EMAKIT_EXTERN_CHECKPOINT(Decay)                                                                  \
   extern template void save(const Ema<Decay, StepSchedule, FlatStorage>&, const std::filesystem::path&); \

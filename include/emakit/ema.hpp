@@ -96,9 +96,10 @@ struct Drift {
   double farthest_relative = 0.0;  // its ||average - model|| / ||model||
 };
 
-// What update() did, the step it completed, and the decay it used (0 for a copy, NaN for a skip).
-// With EmaOptions::skip_non_finite, `non_finite` names the first source tensor that held a NaN or
-// an infinity; the update was then skipped. `drift`: measured by this update (EmaOptions::drift_every).
+// What update() did, the step it completed, and the decay it used (0 for a copy, NaN
+// for a skip). With EmaOptions::skip_non_finite, `non_finite` names the first source
+// tensor that held a NaN or an infinity; the update was then skipped. `drift`: measured
+// by this update (EmaOptions::drift_every).
 struct UpdateResult {
   Action action = Action::skipped;
   std::int64_t step = 0;
@@ -239,7 +240,8 @@ class EmaBase {
   // name the EMA holds is written (a model that does not tie what the bound model ties gets the
   // tensor under each name).
   void copy_to(torch::nn::Module& model) const { transfer(model, Direction::into_model); }
-  // Overwrites the EMA weights with `model`'s (the first name of each tensor); counters are unchanged.
+  // Overwrites the EMA weights with `model`'s (the first name of each tensor); counters are
+  // unchanged.
   void copy_from(const torch::nn::Module& model) { transfer(model, Direction::from_model); }
 
   // Pulls the bound model towards the EMA ("switch EMA"): model = lerp(model, ema, 1 - beta) for
@@ -301,7 +303,8 @@ class EmaBase {
   void ensure_bound(const char* what) const {
     if (!bound_) fail_moved_from(what);
   }
-  // wait_for_update() without the moved-from check (storage() of a moved-from Ema reads its policy).
+  // wait_for_update() without the moved-from check (storage() of a moved-from Ema reads its
+  // policy).
   void wait_for_update_kernel() const { kernel_.wait_for_update(); }
   // The swap of a gathered average (Ema::swap_gathered_into): `full` is the whole average by name.
   EMAKIT_FUNC SwapGuard swap_gathered(const StateDict& full, torch::nn::Module& model) const;
@@ -328,7 +331,8 @@ class EmaBase {
 
   // The parts of bind(): what it will hold (plan_bind), then holding what the storage made.
   struct BindPlan;
-  // The checks of the tensors' names and of the options' device, and each tensor's role (frozen_ set).
+  // The checks of the tensors' names and of the options' device, and each tensor's role (frozen_
+  // set).
   EMAKIT_FUNC std::vector<Role> roles_of(const std::vector<SourceTensor>& tensors);
   EMAKIT_FUNC BindPlan plan_bind(const std::vector<SourceTensor>& tensors);
   // The plan's tensors held: the slots of the update kernel, the entries, the model's tensors.
@@ -346,7 +350,8 @@ class EmaBase {
   struct Prepared {
     UpdateResult result;              // action, step, decay; non_finite: the tensor that skips it
     detail::UpdateKernel::Job job{};  // what the kernel does if it applies: copy, or average with
-                                      // w = 1 - d and d, measuring the drift (EmaOptions::drift_every)
+                                      // w = 1 - d and d, measuring the drift
+                                      // (EmaOptions::drift_every)
     bool vetoed = false;
     bool off_schedule = false;  // an epoch-end update: not a call, not a step
   };
@@ -456,7 +461,8 @@ struct EmaAccess {
   static std::unique_ptr<EmaBase> bound_like(const EmaBase& ema, const torch::nn::Module& model) {
     return ema.bound_like(model);
   }
-  // The checks of a state's format and config against the EMA's policies and options (bound or not).
+  // The checks of a state's format and config against the EMA's policies and options
+  // (bound or not).
   static void check_config(const EmaBase& ema, const StateDict& state) {
     ema_state::check_config(state, ema.policy_config(), ema.options_);
   }
@@ -509,8 +515,8 @@ class Ema : public EmaBase {
     return storage_;
   }
 
-  // The EMA module, for a module-backed storage, settled (see wait_for_update()): its parameters and buffers
-  // are the averages.
+  // The EMA module, for a module-backed storage, settled (see wait_for_update()): its parameters
+  // and buffers are the averages.
   decltype(auto) module() const requires requires(const Storage& s) { s.module(); }
   {
     ensure_bound("module");

@@ -1,5 +1,6 @@
-// The non-template definitions of format.hpp: included at the end of format.hpp in the all-inline mode
-// (EMAKIT_HEADER_ONLY), else compiled once per program by implementation.hpp (detail/config.hpp).
+// The non-template definitions of format.hpp: included at the end of format.hpp in the all-inline
+// mode (EMAKIT_HEADER_ONLY), else compiled once per program by implementation.hpp
+// (detail/config.hpp).
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)

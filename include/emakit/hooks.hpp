@@ -16,10 +16,11 @@
 //   }
 //   hook.train_end();                                              // the model keeps the EMA weights
 //
-// Side streams. An EMA with EmaOptions::side_stream updates on a stream of its own, which must not
-// be still reading the model when the next optimizer step writes it (Ema::wait_for_model_reads()). A trainer that
-// calls before_optimizer_step() gets the overlap the side stream is for; one that never calls it
-// is safe all the same: after_optimizer_step() then waits right after each update (no overlap).
+// Side streams. An EMA with EmaOptions::side_stream updates on a stream of its own, which must
+// not be still reading the model when the next optimizer step writes it
+// (Ema::wait_for_model_reads()). A trainer that calls before_optimizer_step() gets the overlap
+// the side stream is for; one that never calls it is safe all the same: after_optimizer_step()
+// then waits right after each update (no overlap).
 //
 // Checkpoints (the layout: detail/serial/hook_state.hpp). save_checkpoint(archive) writes, for each
 // model key K:
@@ -34,9 +35,10 @@
 // does not check the zip format's own), so a damaged file is an error, never different weights.
 // load_checkpoint() checks every model first and writes nothing unless all of them fit.
 //
-// A model owned by a shared_ptr (a ModuleHolder's, or make_shared's) that is destroyed while the
-// hook lives: every call that would use it refuses, naming its key, before anything changes
-// (docs/ema.md, "The bound model's lifetime"). A model that no shared_ptr owns must outlive the hook.
+// A model owned by a shared_ptr (a ModuleHolder's, or make_shared's) that is destroyed while
+// the hook lives: every call that would use it refuses, naming its key, before anything
+// changes (docs/ema.md, "The bound model's lifetime"). A model that no shared_ptr owns must
+// outlive the hook.
 #pragma once
 
 #include <emakit/detail/config.hpp>
@@ -78,7 +80,8 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 enum class Creation : std::uint8_t {
   at_setup = 0,                // setup() makes it (or the first step, if setup() was never called)
   at_first_eligible_step = 1,  // the first after_optimizer_step() that the schedule would copy or
-                               // average on: no memory is used before start_step (nvalchemi EMAHook)
+                               // average on: no memory is used before start_step (nvalchemi
+                               // EMAHook)
 };
 
 // What the hook does with one model at each stage.
@@ -142,7 +145,8 @@ class HookEntry {
   // checkpoint's state loaded; a load that throws leaves the entry as it was.
   EMAKIT_FUNC void create(const char* what);
   EMAKIT_FUNC UpdateResult step(const StepInfo& info);
-  // Ema::epoch_end(); an EMA not made yet is made first when its options update at this epoch's end.
+  // Ema::epoch_end(); an EMA not made yet is made first when its options update at this epoch's
+  // end.
   EMAKIT_FUNC UpdateResult epoch_end(std::int64_t epoch);
   void wait_for_model_reads() {
     if (ema_) ema_->wait_for_model_reads();
@@ -248,8 +252,9 @@ class EmaHook {
   // Makes the EMAs created at setup (and those with a checkpoint loaded before).
   void setup();
 
-  // Before each optimizer step: the side-stream EMAs' Ema::wait_for_model_reads() (the step must not write the
-  // model while an update still reads it). Optional; once called, the hook leaves that wait to it.
+  // Before each optimizer step: the side-stream EMAs' Ema::wait_for_model_reads() (the step must
+  // not write the model while an update still reads it). Optional; once called, the hook leaves
+  // that wait to it.
   void before_optimizer_step();
 
   // After each optimizer step (each micro-batch with an accumulation window); `vetoed` when the

@@ -1,7 +1,8 @@
-// The non-template definitions of interop.hpp: included at the end of interop.hpp in the all-inline mode
-// (EMAKIT_HEADER_ONLY), else compiled once per program by implementation.hpp (detail/config.hpp).
-// The helpers every peer uses, then one section per peer (its config, its file both ways), then the
-// codec table (one codec per peer, in Peer's order) and the core of export_state and import_state.
+// The non-template definitions of interop.hpp: included at the end of interop.hpp in the all-inline
+// mode (EMAKIT_HEADER_ONLY), else compiled once per program by implementation.hpp
+// (detail/config.hpp). The helpers every peer uses, then one section per peer (its config, its file
+// both ways), then the codec table (one codec per peer, in Peer's order) and the core of
+// export_state and import_state.
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
@@ -31,7 +32,8 @@
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail::interop {
 
-// No anonymous namespace: the helpers below are EMAKIT_FUNC (external linkage unless EMAKIT_HEADER_ONLY).
+// No anonymous namespace: the helpers below are EMAKIT_FUNC (external linkage unless
+// EMAKIT_HEADER_ONLY).
 
 // ---- what every peer uses -----------------------------------------------------------------
 
@@ -392,8 +394,9 @@ EMAKIT_FUNC c10::impl::GenericDict write_timm(const Codec& self, const EmaBase& 
   return tensor_dict(ema.averages(), self.prefix);
 }
 
-// timm's ModelEmaV3 has no counters (Count::kept): its own checkpoints hold ema.module.state_dict(),
-// which is the whole state. The other peers' inner model lacks their counters: refused.
+// timm's ModelEmaV3 has no counters (Count::kept): its own checkpoints hold
+// ema.module.state_dict(), which is the whole state. The other peers' inner model lacks
+// their counters: refused.
 EMAKIT_FUNC PeerFile read_timm(const ReadContext& in) {
   const PeerDict file(in);
   const bool inner = !holds_prefixed(in.file, in.codec.prefix) && holds_unprefixed(in.file, average_names(in.state));

@@ -126,10 +126,11 @@ class EmaOptions {
   }
   // CUDA: run each update on a side stream, so that it overlaps the next forward and backward
   // (NeMo's EMA does this). The side stream waits for the optimizer step before it reads the
-  // parameters; call Ema::wait_for_model_reads() before the next optimizer step writes them. Buffers are averaged
-  // on the current stream (the next forward may write them), and every read of the EMA waits by
-  // itself (Ema::wait_for_model_reads() says the whole protocol). With a CPU average of a CUDA model, the CPU half
-  // of the update also runs off the caller's thread. No effect on CPU-only models.
+  // parameters; call Ema::wait_for_model_reads() before the next optimizer step writes them.
+  // Buffers are averaged on the current stream (the next forward may write them), and every read of
+  // the EMA waits by itself (Ema::wait_for_model_reads() says the whole protocol). With a CPU
+  // average of a CUDA model, the CPU half of the update also runs off the caller's thread. No
+  // effect on CPU-only models.
   bool side_stream() const noexcept { return side_stream_; }
   EmaOptions& side_stream(bool value) {
     side_stream_ = value;

@@ -1,6 +1,6 @@
-// The definitions of presets.hpp that do not depend on a storage type: included at the end of
-// presets.hpp in the all-inline mode (EMAKIT_HEADER_ONLY), else compiled once per program by implementation.hpp
-// (detail/config.hpp).
+// The definitions of presets.hpp that do not depend on a storage type: included at the end
+// of presets.hpp in the all-inline mode (EMAKIT_HEADER_ONLY), else compiled once per program
+// by implementation.hpp (detail/config.hpp).
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)

@@ -227,8 +227,8 @@ inline Recipe<Fixed> nvalchemi_ema_recipe(const NvalchemiEmaOptions& o = {}) {
   return Recipe<Fixed>(Fixed(o.decay), nvalchemi_ema_schedule(o), averaged_model_options(o.use_buffers));
 }
 
-// Earlier names of 0.1 development, deprecated (removed in 0.2): ema_hook() returned an Ema, not a hook (EmaHook is
-// the trainer hook), so the preset is named after its peer like the others.
+// Earlier names of 0.1 development, deprecated (removed in 0.2): ema_hook() returned an Ema, not a
+// hook (EmaHook is the trainer hook), so the preset is named after its peer like the others.
 using EmaHookOptions [[deprecated("renamed emakit::NvalchemiEmaOptions")]] = NvalchemiEmaOptions;
 template <StoragePolicy Storage = FlatStorage>
 [[deprecated("renamed emakit::nvalchemi_ema()")]] Ema<Fixed, StepSchedule, Storage> ema_hook(
@@ -248,8 +248,8 @@ template <StoragePolicy Storage = FlatStorage>
 
 // ModelEma(model, decay, use_dynamic_decay=True, decay_tau): d = decay * (1 - exp(-updates/tau))
 // over the whole state dict, non-floats copied. use_dynamic_decay=False is FixedEma with
-// luxonis_options() (keep_model_dtype(true), Arithmetic::fused_lerp).
-// luxonis-train's ModelEma and EMACallback update with torch._foreach_lerp_ (Arithmetic::fused_lerp).
+// luxonis_options() (keep_model_dtype(true), Arithmetic::fused_lerp). luxonis-train's ModelEma and
+// EMACallback update with torch._foreach_lerp_ (Arithmetic::fused_lerp).
 inline EmaOptions luxonis_options() { return EmaOptions().keep_model_dtype(true).arithmetic(Arithmetic::fused_lerp); }
 
 struct LuxonisModelEmaOptions {
@@ -371,8 +371,8 @@ inline Ema<InversePowerWarmup> diffusers_ema_model_warmup(std::vector<SourceTens
 // hook's train_epoch_end()); from that epoch on it updates once more with the weights as they
 // are, an update that is not an optimizer step (EmaOptions::update_at_epoch_ends), so that the
 // step schedule goes on as Lightning's. Each update is get_ema_avg_fn's decay * ema + (1 - decay)
-// * x (Arithmetic::weighted_sum), not a lerp. Averaging and swapping into the model for validation, as
-// the callback does, is emakit::EmaHook with lightning_ema_weight_averaging_recipe().
+// * x (Arithmetic::weighted_sum), not a lerp. Averaging and swapping into the model for validation,
+//   as the callback does, is emakit::EmaHook with lightning_ema_weight_averaging_recipe().
 struct LightningEmaWeightAveragingOptions {
   double decay = 0.999;
   bool use_buffers = true;

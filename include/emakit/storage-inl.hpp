@@ -1,6 +1,6 @@
 // The non-template definitions of storage.hpp (ModuleStorage's work that does not depend on its
-// module type): included at the end of storage.hpp in the all-inline mode (EMAKIT_HEADER_ONLY), else compiled once per
-// program by implementation.hpp (detail/config.hpp).
+// module type): included at the end of storage.hpp in the all-inline mode (EMAKIT_HEADER_ONLY),
+// else compiled once per program by implementation.hpp (detail/config.hpp).
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)

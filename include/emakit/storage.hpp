@@ -117,7 +117,8 @@ class ModuleStorage {
   // The EMA module; null before the Ema is made.
   const std::shared_ptr<ModuleType>& module() const noexcept { return module_; }
   bool has_factory() const noexcept { return static_cast<bool>(factory_); }
-  // Two storages are equal when they make their module the same way (not when they hold the same one).
+  // Two storages are equal when they make their module the same way (not when they hold
+  // the same one).
   bool operator==(const ModuleStorage& other) const noexcept { return has_factory() == other.has_factory(); }
 
  private:

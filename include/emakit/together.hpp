@@ -10,15 +10,15 @@
 //   optimizer.step();
 //   emakit::update_together(fast, slow);                 // or (emakit::StepInfo{.vetoed = true}, fast, slow)
 //
-// An fp32 update reads 4 bytes of the model and reads and writes 8 of the average per element:
-// K EMAs updated apart move 12K bytes per element, together 4 + 8K (1.2x less for K = 2, 1.33x
-// for K = 4; a bf16 model into fp32 averages: 10K against 2 + 8K; docs/performance.md). The members whose
-// whole update is the fused CPU pass (CPU averages of the dtype pairs it reads) share the pass;
-// any other member (CUDA: ATen has no op that writes several outputs from one read; offloaded,
-// staged or rare-dtype CPU tensors) runs its own update's kernel in the same call, with the same
-// result. Refused, before anything changes: an Ema given twice, members bound to different
-// models, a member with EmaOptions::switch_model (it writes the model the others read), and what
-// update() refuses for any member (a swap open, an update running, a step going back).
+// An fp32 update reads 4 bytes of the model and reads and writes 8 of the average per element: K
+// EMAs updated apart move 12K bytes per element, together 4 + 8K (1.2x less for K = 2, 1.33x for K
+// = 4; a bf16 model into fp32 averages: 10K against 2 + 8K; docs/performance.md). The members whose
+// whole update is the fused CPU pass (CPU averages of the dtype pairs it reads) share the pass; any
+// other member (CUDA: ATen has no op that writes several outputs from one read; offloaded, staged
+// or rare-dtype CPU tensors) runs its own update's kernel in the same call, with the same result.
+// Refused, before anything changes: an Ema given twice, members bound to different models, a member
+// with EmaOptions::switch_model (it writes the model the others read), and what update() refuses
+// for any member (a swap open, an update running, a step going back).
 //
 // A trainer that updates the same EMAs every step keeps them in an EmaGroup: it checks its members
 // once, keeps what a call needs from call to call, and then allocates nothing per update:

@@ -147,10 +147,10 @@ concept TensorModule = requires(M& m, const at::Tensor& x) {
 
 // Recomputes the running statistics of every BatchNorm1d/2d/3d of `model` by one pass:
 // `forward(batch)` for each batch of `batches`, in train mode, without grad (see the top of this
-// file). `forward` runs the model on a batch, e.g. [&](const torch::Tensor& x) { model->forward(x); }
-// or, for a DataLoader's examples, [&](auto& batch) { model->forward(batch.data.to(device)); }; what
-// it returns is dropped. Momenta, training modes and the grad mode are put back, also when
-// `forward` throws.
+// file). `forward` runs the model on a batch, e.g. [&](const torch::Tensor& x) {
+// model->forward(x); } or, for a DataLoader's examples, [&](auto& batch) {
+// model->forward(batch.data.to(device)); }; what it returns is dropped. Momenta, training modes
+// and the grad mode are put back, also when `forward` throws.
 template <detail::BatchRange Batches, detail::ForwardOverRange<Batches> Forward>
 UpdateBnResult update_bn(torch::nn::Module& model, Batches&& batches, Forward&& forward) {
   detail::BatchNormPass pass(model);

@@ -153,9 +153,9 @@ class CpuPass {
     std::int64_t begin = 0;  // first cost unit (prefix sum)
     std::int64_t chunk = 0;  // its first drift chunk among the pass's (prefix sum of drift_chunk_count(n))
     // The data the segment writes and reads, taken when the plan is made: UpdateKernel runs a
-    // pass only after check_sources_and_replan() found every tensor on the memory it was planned on (or
-    // re-planned). Reading each tensor's data pointer in the pass instead costs small tensors
-    // measurably (docs/performance.md).
+    // pass only after check_sources_and_replan() found every tensor on the memory it was planned
+    // on (or re-planned). Reading each tensor's data pointer in the pass instead costs small
+    // tensors measurably (docs/performance.md).
     void* a = nullptr;
     const void* x = nullptr;
   };
@@ -208,11 +208,11 @@ class CpuPass {
 // memory once and from cache by the others. A block is sized to the group: `block_bytes` of
 // traffic (12 bytes per fp32 element and member), so that the input and the members' averages of
 // one block stay in L1 together (2048 elements for one fp32 EMA, 672 for four; with 2048 for four,
-// 40 KB, the input falls out of a 32 KB L1: docs/performance.md measures it). Each element is computed
-// by the segment function and weight of its own pass, independently of where blocks and shares
-// are cut: bitwise the result of running the passes one after another. So are the drift sums: when
-// a member measures them, blocks are whole drift chunks, each chunk's sums computed as its own
-// pass computes them (average_drift_range).
+// 40 KB, the input falls out of a 32 KB L1: docs/performance.md measures it). Each element is
+// computed by the segment function and weight of its own pass, independently of where blocks and
+// shares are cut: bitwise the result of running the passes one after another. So are the drift
+// sums: when a member measures them, blocks are whole drift chunks, each chunk's sums computed as
+// its own pass computes them (average_drift_range).
 class GroupPass {
  public:
   static constexpr std::int64_t block_bytes = 32 * 1024;

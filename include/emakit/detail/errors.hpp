@@ -97,7 +97,8 @@ class CountedFormat {
         message_format_does_not_match_its_arguments();
       }
     }
-    // Every argument is used by the automatic fields, or positional fields only (fmt refuses a mix).
+    // Every argument is used by the automatic fields, or positional fields only (fmt
+    // refuses a mix).
     if (positional == 0 ? automatic != N : automatic != 0) message_format_does_not_match_its_arguments();
   }
   operator fmt::string_view() const noexcept { return {text_.data(), text_.size()}; }

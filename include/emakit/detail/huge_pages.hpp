@@ -15,9 +15,9 @@
 
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
-// CPU averages of 2 MiB and more ask Linux for transparent huge pages: a streaming pass then walks the page
-// tables once per 2 MiB instead of once per 4 KiB (docs/performance.md measures it).
-// The EMA owns its averages, so it may; the model's tensors are left alone.
+// CPU averages of 2 MiB and more ask Linux for transparent huge pages: a streaming pass then walks
+// the page tables once per 2 MiB instead of once per 4 KiB (docs/performance.md measures it). The
+// EMA owns its averages, so it may; the model's tensors are left alone.
 inline constexpr std::size_t huge_page_min_bytes = std::size_t{2} << 20;
 
 // Marks the 2 MiB-aligned interior of t's memory MADV_HUGEPAGE (what THP's default 'madvise'

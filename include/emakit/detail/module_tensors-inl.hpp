@@ -1,5 +1,6 @@
-// The definitions of detail/module_tensors.hpp: included at the end of module_tensors.hpp in the all-inline mode
-// (EMAKIT_HEADER_ONLY), else compiled once per program by implementation.hpp (detail/config.hpp).
+// The definitions of detail/module_tensors.hpp: included at the end of
+// module_tensors.hpp in the all-inline mode (EMAKIT_HEADER_ONLY), else compiled once per
+// program by implementation.hpp (detail/config.hpp).
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)

@@ -1,7 +1,8 @@
-// The element loops of the fused CPU pass: a = F(a, x) (F an Arithmetic) and a = x over one range, written
-// so that the compiler vectorises them (`omp simd`), reading a bf16/fp16 source through
-// branch-free integer widening (no F16C needed), and the choice of an AVX2 or AVX-512 copy at run time.
-// The arithmetic is the EMA's Arithmetic (options.hpp), by default ATen's lerp: a + w*(x-a) for
+// The element loops of the fused CPU pass: a = F(a, x) (F an Arithmetic) and a = x over one
+// range, written so that the compiler vectorises them (`omp simd`), reading a bf16/fp16 source
+// through branch-free integer widening (no F16C needed), and the choice of an AVX2 or AVX-512
+// copy at run time. The arithmetic is the EMA's Arithmetic (options.hpp), by default ATen's lerp:
+// a + w*(x-a) for
 // |w| < 0.5, else x + (w-1)*(x-a), in float for float/half/bf16 averages and double for double ones.
 #pragma once
 

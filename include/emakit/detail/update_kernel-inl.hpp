@@ -1,5 +1,6 @@
-// The non-template definitions of update_kernel.hpp: included at the end of update_kernel.hpp in the all-inline mode
-// (EMAKIT_HEADER_ONLY), else compiled once per program by implementation.hpp (detail/config.hpp).
+// The non-template definitions of update_kernel.hpp: included at the end of
+// update_kernel.hpp in the all-inline mode (EMAKIT_HEADER_ONLY), else compiled once per
+// program by implementation.hpp (detail/config.hpp).
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
@@ -138,9 +139,9 @@ EMAKIT_FUNC void UpdateKernel::run(const Job& job) {
 EMAKIT_FUNC void UpdateKernel::measure_drift_outside() {
   wait_for_update();  // the sums of the pass (a host thread's, offloaded) and the averages the others wrote
   if (drift_outside_.empty()) return;
-  // Per slot, chunks of whole rows (flat for a 0-d tensor) of at most staging_bytes of the four float
-  // temporaries (average, source, difference, its square); each chunk's two sums stay on the device
-  // until one copy per device brings them all.
+  // Per slot, chunks of whole rows (flat for a 0-d tensor) of at most staging_bytes of the four
+  // float temporaries (average, source, difference, its square); each chunk's two sums stay on the
+  // device until one copy per device brings them all.
   std::vector<std::pair<std::size_t, at::Tensor>> parts;  // slot, [2] in double on the average's device
   for (auto i : drift_outside_) {
     const Slot& s = slots_[i];

@@ -13,13 +13,13 @@
 //     well, the CPU pass runs on a host thread after the copies land, so update() returns at once;
 //     wait_for_model_reads() orders the device after the copies only, wait_for_update() joins the host pass too.
 // Waiting is always a named call: slots() hands out the slots as they are, wait_for_update() (or
-// settled_slots(), which is wait_for_update() then slots()) waits for the last update first. Every reader
-// of the averages, and every writer of them outside an update, calls one of the two once.
-// An update looks up no names. What it allocates: nothing in the fused CPU pass, nor in a foreach
-// list's lerp (or 1.13's mul_ + add_) and scaled_fused_add; a foreach list's weighted_sum,
-// subtract and fused_subtract without scratch allocate a temporary list (detail/aten_compat.hpp); a skip_non_finite
-// check, a few scalars (one flag per foreach list, reduced on the device, read with one host sync);
-// a drift measurement outside the CPU pass, its norms.
+// settled_slots(), which is wait_for_update() then slots()) waits for the last update first. Every
+// reader of the averages, and every writer of them outside an update, calls one of the two once. An
+// update looks up no names. What it allocates: nothing in the fused CPU pass, nor in a foreach
+// list's lerp (or 1.13's mul_ + add_) and scaled_fused_add; a foreach list's weighted_sum, subtract
+// and fused_subtract without scratch allocate a temporary list (detail/aten_compat.hpp); a
+// skip_non_finite check, a few scalars (one flag per foreach list, reduced on the device, read with
+// one host sync); a drift measurement outside the CPU pass, its norms.
 #pragma once
 
 #include <emakit/detail/config.hpp>
@@ -93,8 +93,8 @@ class UpdateKernel {
   // be read at any time; an average read or written through them may race with an update still
   // running: readers of the averages use settled_slots().
   const std::vector<Slot>& slots() const noexcept { return slots_; }
-  // wait_for_update(), then the slots: whatever reads or writes the averages through them is ordered after
-  // the last update. Call it once per read, not per tensor.
+  // wait_for_update(), then the slots: whatever reads or writes the averages through them is
+  // ordered after the last update. Call it once per read, not per tensor.
   const std::vector<Slot>& settled_slots() const {
     wait_for_update();
     return slots_;
@@ -125,8 +125,8 @@ class UpdateKernel {
   // read or write of the averages outside an update goes through it (or settled_slots()).
   void wait_for_update() const;
 
-  // Throws if a source changed shape since bind; re-plans (after wait_for_update()) if one moved, changed
-  // dtype or got new memory.
+  // Throws if a source changed shape since bind; re-plans (after wait_for_update()) if one moved,
+  // changed dtype or got new memory.
   void check_sources_and_replan();
 
   // What one update asks of the kernel (update() and update_together() alike): Kind::copy, ema =
@@ -184,8 +184,8 @@ class UpdateKernel {
 
   // The first slot, in slot order, whose source the next update of `kind` reads (copying: every
   // slot; averaging: averaged slots and copies that follow averages) and that holds a NaN or an
-  // infinity; npos if none. Call after check_sources_and_replan(): the checks are those of the last plan
-  // (see detail/non_finite.hpp).
+  // infinity; npos if none. Call after check_sources_and_replan(): the checks are those of the last
+  // plan (see detail/non_finite.hpp).
   std::size_t first_non_finite(Kind kind) const { return finite_checks_[kind == Kind::copy ? 1 : 0].first(slots_); }
 
  private:
@@ -221,16 +221,16 @@ class UpdateKernel {
   EMAKIT_FUNC void join_host() const;
   void wait_for_update_noexcept() const noexcept;
 
-  // The plan's CPU passes hold data pointers: a run is preceded by check_sources_and_replan() (Ema's
-  // update does it; a run without it does it first) and uses up that check.
+  // The plan's CPU passes hold data pointers: a run is preceded by check_sources_and_replan()
+  // (Ema's update does it; a run without it does it first) and uses up that check.
   void check_before_run() {
     if (!sources_checked_) check_sources_and_replan();
     sources_checked_ = false;
   }
 
   std::vector<Slot> slots_;
-  // check_sources_and_replan() since the last run (not plan() alone: the tensors may move between the
-  // plan and the first run, as between runs).
+  // check_sources_and_replan() since the last run (not plan() alone: the tensors may move between
+  // the plan and the first run, as between runs).
   bool sources_checked_ = false;
   CpuPath cpu_path_ = CpuPath::fused;
   SideStream side_stream_ = SideStream::off;

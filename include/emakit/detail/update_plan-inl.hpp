@@ -1,5 +1,6 @@
-// The non-template definitions of update_plan.hpp: included at the end of update_plan.hpp in the all-inline mode
-// (EMAKIT_HEADER_ONLY), else compiled once per program by implementation.hpp (detail/config.hpp).
+// The non-template definitions of update_plan.hpp: included at the end of
+// update_plan.hpp in the all-inline mode (EMAKIT_HEADER_ONLY), else compiled once per
+// program by implementation.hpp (detail/config.hpp).
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
@@ -183,7 +184,8 @@ EMAKIT_FUNC void UpdatePlan::plan_cpu_slot(std::vector<Slot>& slots, std::size_t
   } else if (in_type == a_type) {
     copy = byte_copy_fn(s.average.element_size());
   }
-  // Where the slot's data is now: the kernel re-plans before a run if it moves (check_sources_and_replan).
+  // Where the slot's data is now: the kernel re-plans before a run if it moves
+  // (check_sources_and_replan).
   void* average = n == 0 ? nullptr : s.average.data_ptr();
   const void* input = n == 0 ? nullptr : read_ptr(s.input());
   if (s.averaged) {

@@ -53,7 +53,8 @@ struct Slot {
   bool follows_averages = true;          // for a copied slot: false = written by copy() only (ema-pytorch's
                                          // ignored names, which its copies still write)
   bool buffer = false;                   // a forward pass may write it in place (BatchNorm statistics): with a side
-                                         // stream it is read on the current stream, before the next forward
+                                         // stream it is read on the current stream, before
+                                         // the next forward
   bool huge_pages_advised = false;       // advise_huge_pages() ran on the average (once per slot)
   c10::Device source_device{c10::kCPU};  // bound at plan time too: it changes with source_memory
   std::string name;
@@ -98,9 +99,10 @@ class UpdatePlan {
 
   UpdatePlan() = default;
   // Plans `slots`, writing what it binds into them (Slot::source_device ... staging). The CPU
-  // passes hold slot indices and the tensors' data pointers as they are now: a tensor given new
-  // memory (or a slot list changed) needs a new plan, which UpdateKernel::check_sources_and_replan() makes.
-  // `arithmetic`: the formula of the CPU pass's average segments.
+  // passes hold slot indices and the tensors' data pointers as they are now: a tensor given
+  // new memory (or a slot list changed) needs a new plan, which
+  // UpdateKernel::check_sources_and_replan() makes. `arithmetic`: the formula of the CPU
+  // pass's average segments.
   UpdatePlan(std::vector<Slot>& slots, CpuPath cpu_path, SideStream side_stream, std::int64_t staging_bytes,
              Arithmetic arithmetic = Arithmetic::lerp);
 

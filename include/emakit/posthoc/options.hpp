@@ -93,7 +93,8 @@ class SynthesisOptions {
       detail::fail("SynthesisOptions: sigma_rel must be in (0, {:.4f}), got {}", max_sigma_rel, sigma_rel);
     return SynthesisOptions(sigma_rel_to_gamma(sigma_rel));
   }
-  // Any EMA: e.g. SynthesisOptions(EmaTarget(Fixed(0.999))), SynthesisOptions(preset_target("timm_model_ema_v3")).
+  // Any EMA: e.g. SynthesisOptions(EmaTarget(Fixed(0.999))),
+  // SynthesisOptions(preset_target("timm_model_ema_v3")).
   explicit SynthesisOptions(EmaTarget target) : target_(std::move(target)) {}
 
   // The EMA target, if this synthesis has one (else the power function of gamma()).
@@ -101,7 +102,8 @@ class SynthesisOptions {
   // The power-function target's gamma and sigma_rel (0 for an EMA target).
   double gamma() const noexcept { return gamma_; }
   double sigma_rel() const { return target_ ? 0.0 : gamma_to_sigma_rel(gamma_); }
-  // What the synthesis makes, in words: "sigma_rel 0.07 (gamma 6.94)", or the EMA target's policies.
+  // What the synthesis makes, in words: "sigma_rel 0.07 (gamma 6.94)", or the EMA target's
+  // policies.
   std::string describe_target() const;
 
   // The target time: the t of some snapshot. Default: the latest.
@@ -170,7 +172,8 @@ class SynthesisOptions {
     return *this;
   }
 
-  // Keep the fitted and the target weight of each update in plan.solution (fitted, target), for a plot.
+  // Keep the fitted and the target weight of each update in plan.solution (fitted, target),
+  // for a plot.
   bool keep_weights() const noexcept { return keep_weights_; }
   SynthesisOptions& keep_weights(bool value) {
     keep_weights_ = value;

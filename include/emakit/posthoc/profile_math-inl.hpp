@@ -1,5 +1,6 @@
-// The non-template definitions of profile_math.hpp: included at the end of profile_math.hpp in the all-inline mode
-// (EMAKIT_HEADER_ONLY), else compiled once per program by implementation.hpp (detail/config.hpp).
+// The non-template definitions of profile_math.hpp: included at the end of
+// profile_math.hpp in the all-inline mode (EMAKIT_HEADER_ONLY), else compiled once per
+// program by implementation.hpp (detail/config.hpp).
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
@@ -30,8 +31,8 @@ EMAKIT_FUNC double checked_condition(const std::vector<double>& a, const LuFacto
 // into blocks (tau_{m-1}, tau_m]. Within block m, phi_{m,p}(k) = (e_k/tau_m)^(g_p+1) -
 // (e_{k-1}/tau_m)^(g_p+1) is the weight of profile p at time tau_m on interval k (the tracker's
 // weights on the steps of the interval, summed: they telescope), and a later time tau_l only scales
-// it: w_{l,p}(k) = (tau_m/tau_l)^(g_p+1) phi_{m,p}(k). So every sum over intervals is one pass, with
-// per-block sums carried from block to block (O(K x gammas^2), not O(K x snapshots^2)).
+// it: w_{l,p}(k) = (tau_m/tau_l)^(g_p+1) phi_{m,p}(k). So every sum over intervals is one pass,
+// with per-block sums carried from block to block (O(K x gammas^2), not O(K x snapshots^2)).
 class IntervalGrid {
  public:
   IntervalGrid(std::span<const Profile> snapshots, std::int64_t update_every, std::span<const std::int64_t> updates)
@@ -72,8 +73,8 @@ class IntervalGrid {
   std::int64_t last_step() const noexcept { return ends_.back(); }
   const std::vector<std::int64_t>& ends() const noexcept { return ends_; }
 
-  // The target's weights over steps 0..T summed per interval: g[0] the model before step 1, g[k] the
-  // steps (e_{k-1}, e_k].
+  // The target's weights over steps 0..T summed per interval: g[0] the model before step 1, g[k]
+  // the steps (e_{k-1}, e_k].
   std::vector<double> sums(std::span<const double> v) const {
     if (v.size() != static_cast<std::size_t>(last_step()) + 1)
       fail("the target's weights cover steps 0 to {}, the snapshots' updates steps 0 to {}", v.size() - 1, last_step());
@@ -257,9 +258,10 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 EMAKIT_FUNC PosthocWeights fit_target_weights(std::span<const Profile> snapshots, std::int64_t update_every,
                                               const TargetWeights& target, double max_condition, bool keep_weights) {
-  // Two grids: the target's intervals (what the fit is measured on), and every tracked update (the
-  // snapshots' own resolution: what tells them apart, and breaks the ties that coarse intervals
-  // leave: among combinations equally close interval by interval, the one closest update by update).
+  // Two grids: the target's intervals (what the fit is measured on), and every tracked update
+  // (the snapshots' own resolution: what tells them apart, and breaks the ties that coarse
+  // intervals leave: among combinations equally close interval by interval, the one closest
+  // update by update).
   const detail::IntervalGrid coarse(snapshots, update_every, target.updates);
   std::vector<std::int64_t> every;
   for (std::int64_t s = update_every; s <= coarse.last_step(); s += update_every) every.push_back(s);

@@ -44,17 +44,20 @@ struct PosthocWeights {
   double profile_error = 0;     // the relative L2 distance between the combined profile and the target's:
                                 // |sum_i w_i p_i - q| / |q| (0: the target is reproduced exactly); for a
                                 // power-function target only (0 for an EMA target)
-  // The fit over the updates themselves (every target): snapshot i puts weight w_i[s] on the model of
-  // step s (tracker.hpp), the combination u[s] = sum_i weights[i] w_i[s], the target v[s], each summed
-  // over the intervals that end at the target's updates (fit_target_weights):
+  // The fit over the updates themselves (every target): snapshot i puts weight w_i[s] on the model
+  // of step s (tracker.hpp), the combination u[s] = sum_i weights[i] w_i[s], the target v[s], each
+  // summed over the intervals that end at the target's updates (fit_target_weights):
   double fit_error = 0;       // |u - v| / |v| over those intervals (the L2 norm of the weights): 0 when the
-                              // combination weighs the past as the target does, interval by interval
+                              // combination weighs the past as the target does,
+                              // interval by interval
   double initial_weight = 0;  // v's weight on the model before the first tracked update (an EMA's starting
-                              // copy): no snapshot holds that model, so it counts in fit_error whole
+                              // copy): no snapshot holds that model, so it counts in fit_error
+                              // whole
   std::size_t intervals = 0;  // how many intervals the error was measured over (0: not measured, for a power
-                              // function from snapshots off their updates' grid, which PostHocEma never writes)
-  // With SynthesisOptions::keep_weights: per interval, the step it ends at and the weight of u and v
-  // on it; index 0 is the model before the first update (interval_ends[0] = 0).
+                              // function from snapshots off their updates' grid, which
+                              // PostHocEma never writes)
+  // With SynthesisOptions::keep_weights: per interval, the step it ends at and the weight of u and
+  // v on it; index 0 is the model before the first update (interval_ends[0] = 0).
   std::vector<std::int64_t> interval_ends;
   std::vector<double> fitted, target;
 };
@@ -76,19 +79,19 @@ struct TargetWeights {
 
 // The fit of any target's weighting of the past (DESIGN.md, "Post-hoc synthesis of any EMA").
 // Snapshot i, of the profile (t_i, gamma_i) tracked with updates at steps dt, 2dt, ..., puts
-// w_i[s] = (s/t_i)^(gamma_i+1) - ((s-dt)/t_i)^(gamma_i+1) on the model of step s (tracker.hpp: exact,
-// not an approximation of the continuous profile). The fit compares weights summed over intervals
-// of steps: each ends at a step where the target updates (moved up to the next tracked update,
-// when the tracker updates less often), at a snapshot time, or at T (the latest t); a target that
-// averages every 10th model then asks for its weight on each 10 steps, not for zero weight in
-// between. The weights minimise that distance subject to sum_i x_i = 1 (an average stays an
-// average): x = y + z (1 - sum y) / sum z with A y = b, A z = 1, A_ij and b_i the inner products
-// of the interval sums, computed in one pass over the intervals (O(intervals x distinct gammas^2)),
-// in float64. Where the intervals are coarser than the tracked updates, combinations equally close
-// interval by interval are told apart by their distance update by update (added with weight 1e-4:
-// the tie-break, which changes nothing when the target updates at every tracked update). Refuses
-// (SynthesisRefused) snapshots whose system over the tracked updates is above max_condition, as
-// solve_posthoc_weights.
+// w_i[s] = (s/t_i)^(gamma_i+1) - ((s-dt)/t_i)^(gamma_i+1) on the model of step s (tracker.hpp:
+// exact, not an approximation of the continuous profile). The fit compares weights summed over
+// intervals of steps: each ends at a step where the target updates (moved up to the next tracked
+// update, when the tracker updates less often), at a snapshot time, or at T (the latest t); a
+// target that averages every 10th model then asks for its weight on each 10 steps, not for zero
+// weight in between. The weights minimise that distance subject to sum_i x_i = 1 (an average stays
+// an average): x = y + z (1 - sum y) / sum z with A y = b, A z = 1, A_ij and b_i the inner
+// products of the interval sums, computed in one pass over the intervals (O(intervals x distinct
+// gammas^2)), in float64. Where the intervals are coarser than the tracked updates, combinations
+// equally close interval by interval are told apart by their distance update by update (added with
+// weight 1e-4: the tie-break, which changes nothing when the target updates at every tracked
+// update). Refuses (SynthesisRefused) snapshots whose system over the tracked updates is above
+// max_condition, as solve_posthoc_weights.
 EMAKIT_FUNC PosthocWeights fit_target_weights(std::span<const Profile> snapshots, std::int64_t update_every,
                                               const TargetWeights& target, double max_condition = default_max_condition,
                                               bool keep_weights = false);

@@ -1,7 +1,8 @@
-// Post-hoc EMA snapshot folders: the snapshot file names, writing one snapshot, reading and listing
-// a folder's. One file per profile and snapshot, "<folder>/phema-<step, 10 digits>-<profile>.emkit",
-// written atomically (detail/serial/atomic_file.hpp): a crash leaves every earlier snapshot
-// readable. The file format (formats::snapshot) is described once, in detail/serial/snapshot_file.hpp.
+// Post-hoc EMA snapshot folders: the snapshot file names, writing one snapshot, reading and
+// listing a folder's. One file per profile and snapshot, "<folder>/phema-<step, 10
+// digits>-<profile>.emkit", written atomically (detail/serial/atomic_file.hpp): a crash
+// leaves every earlier snapshot readable. The file format (formats::snapshot) is described
+// once, in detail/serial/snapshot_file.hpp.
 #pragma once
 
 #include <emakit/detail/config.hpp>

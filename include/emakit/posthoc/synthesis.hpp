@@ -52,8 +52,8 @@ struct SynthesisPlan {
   Profile target;                       // t: the target time; gamma: the power function's (0 for an EMA target)
   std::vector<SnapshotInfo> snapshots;  // those with t <= target, sorted by (t, gamma)
   PosthocWeights solution;              // solution.weights[i] is the weight of snapshots[i]; its condition,
-                                        // max_abs_weight, abs_sum, fit_error (and profile_error for a power
-                                        // function) say how good they are
+                                        // max_abs_weight, abs_sum, fit_error (and profile_error for
+                                        // a power function) say how good they are
   SynthesisOptions options;
   RunId run;                             // the run that wrote the snapshots (not recorded: all zero)
   std::vector<MissingSnapshot> missing;  // the gaps in the snapshot set, accepted with allow_partial (else empty)

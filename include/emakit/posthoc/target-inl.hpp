@@ -1,5 +1,6 @@
-// The non-template definitions of target.hpp: included at the end of target.hpp in the all-inline mode
-// (EMAKIT_HEADER_ONLY), else compiled once per program by implementation.hpp (detail/config.hpp).
+// The non-template definitions of target.hpp: included at the end of target.hpp in the all-inline
+// mode (EMAKIT_HEADER_ONLY), else compiled once per program by implementation.hpp
+// (detail/config.hpp).
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
@@ -22,8 +23,8 @@ namespace emakit::inline EMAKIT_ABI_NAMESPACE {
 
 EMAKIT_FUNC std::vector<TargetUpdate> EmaTarget::updates(std::int64_t last_step) const {
   detail::check_positive_int(last_step, "EmaTarget::updates last_step");
-  // The counters of EmaBase (ema-inl.hpp: prepare, prepare_decided, and the update's end), for a run
-  // whose every call completes as the schedule decides: no step supplied, none vetoed.
+  // The counters of EmaBase (ema-inl.hpp: prepare, prepare_decided, and the update's end), for a
+  // run whose every call completes as the schedule decides: no step supplied, none vetoed.
   std::int64_t calls = 0, step = 0, num_updates = 0, last_update_step = 0;
   std::vector<TargetUpdate> out;
   // A schedule that completes a step at least every 1024 calls reaches last_step; one that does not

@@ -75,12 +75,14 @@ class PostHocEma {
     for (double g : options_.gammas()) emas_.emplace_back(tensors, PowerFunction(g), schedule(), ema_options);
   }
 
-  // Call after each optimizer step: updates every profile (in one pass over the model, update_together) and writes
-  // snapshots at multiples of snapshot_every. A failed snapshot write throws (naming the file) after the update was
-  // applied. The first call (and the first after load_state_dict) checks the folder first: another run's snapshots
-  // there are refused, before anything changes, or moved aside (PostHocOptions::existing_snapshots); this run's
-  // snapshots from after the step it goes on from (a run resumed from an older checkpoint than its last snapshot:
-  // the crashed branch's) are always moved into "<folder>/abandoned-<id>-after-<step>", with a warning.
+  // Call after each optimizer step: updates every profile (in one pass over the model,
+  // update_together) and writes snapshots at multiples of snapshot_every. A failed snapshot write
+  // throws (naming the file) after the update was applied. The first call (and the first after
+  // load_state_dict) checks the folder first: another run's snapshots there are refused, before
+  // anything changes, or moved aside (PostHocOptions::existing_snapshots); this run's snapshots
+  // from after the step it goes on from (a run resumed from an older checkpoint than its last
+  // snapshot: the crashed branch's) are always moved into "<folder>/abandoned-<id>-after-<step>",
+  // with a warning.
   PostHocUpdate update(StepInfo info = {});
 
   // Writes a snapshot of every profile now; returns the files. Needs at least one applied update.

@@ -1,5 +1,6 @@
-// The non-template definitions of archive_scan.hpp: included at the end of archive_scan.hpp in the all-inline mode
-// (EMAKIT_HEADER_ONLY), else compiled once per program by implementation.hpp (detail/config.hpp).
+// The non-template definitions of archive_scan.hpp: included at the end of
+// archive_scan.hpp in the all-inline mode (EMAKIT_HEADER_ONLY), else compiled once per
+// program by implementation.hpp (detail/config.hpp).
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
@@ -109,7 +110,8 @@ inline std::int64_t storage_itemsize(std::string_view name) {
   return 0;
 }
 
-// Where the code of class `module`.`name` lives: "__torch__.___torch_mangle_2" -> code/__torch__/___torch_mangle_2.py.
+// Where the code of class `module`.`name` lives: "__torch__.___torch_mangle_2" ->
+// code/__torch__/___torch_mangle_2.py.
 inline std::string code_record(std::string_view module) {
   std::string path = "code/";
   for (const char c : module) path += c == '.' ? '/' : c;

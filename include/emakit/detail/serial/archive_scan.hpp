@@ -81,8 +81,8 @@ class SpanReader final : public caffe2::serialize::ReadAdapterInterface {
   std::span<const char> bytes_;
 };
 
-// What data.pkl holds: a module (torch::serialize::OutputArchive) or a dict (Python's torch.save
-// of a dict or an OrderedDict, which also writes the records .format_version and .storage_alignment).
+// What data.pkl holds: a module (torch::serialize::OutputArchive) or a dict (Python's torch.save of
+// a dict or an OrderedDict, which also writes the records .format_version and .storage_alignment).
 enum class Root : std::uint8_t { module, dict };
 
 // A value of a pickle as the scan's checker runs it (PickleChecker, archive_scan-inl.hpp), without
@@ -112,8 +112,8 @@ struct Value {
   std::string text{};                // string; global: "module.name"; storage: its record's key
   std::string storage_class{};       // storage, tensor: "FloatStorage" ...
   std::vector<std::size_t> items{};  // tuple, list: elements; dict: key, value, key, value ... as set (a
-                                     // key set twice is there twice: Python keeps its first place and
-                                     // its last value); tensor: its storage
+                                     // key set twice is there twice: Python keeps its first place
+                                     // and its last value); tensor: its storage
   std::vector<std::int64_t> dims{};  // tensor: sizes, then strides
 };
 

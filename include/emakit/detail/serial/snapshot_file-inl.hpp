@@ -1,5 +1,6 @@
-// The non-template definitions of snapshot_file.hpp: included at the end of snapshot_file.hpp in the all-inline mode
-// (EMAKIT_HEADER_ONLY), else compiled once per program by implementation.hpp (detail/config.hpp).
+// The non-template definitions of snapshot_file.hpp: included at the end of
+// snapshot_file.hpp in the all-inline mode (EMAKIT_HEADER_ONLY), else compiled once per
+// program by implementation.hpp (detail/config.hpp).
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)
@@ -49,7 +50,8 @@ EMAKIT_FUNC std::uint64_t model_fingerprint(const std::vector<SnapshotTensor>& t
     const auto ndim = static_cast<std::uint64_t>(t.sizes.size());
     mix(&ndim, sizeof ndim);
     for (const std::int64_t size : t.sizes) mix(&size, sizeof size);
-    // The dtype as the file's code (0 if it has none), so that readers outside C++ can recompute it.
+    // The dtype as the file's code (0 if it has none), so that readers outside C++ can recompute
+    // it.
     const auto code =
         static_cast<std::uint8_t>(std::find(detail::snapshot_dtypes.begin(), detail::snapshot_dtypes.end(), t.dtype) -
                                   detail::snapshot_dtypes.begin());
