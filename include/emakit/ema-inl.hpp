@@ -1,7 +1,7 @@
-// The definitions of ema.hpp's non-template code: emakit::EmaBase, the part of every Ema
-// that does not depend on its policies' types, and the helpers it uses. Included at the
-// end of ema.hpp in the all-inline mode (EMAKIT_HEADER_ONLY), else compiled once per
-// program by implementation.hpp (detail/config.hpp).
+// The definitions of ema.hpp's non-template code: emakit::EmaBase, the part of every Ema that does
+// not depend on its policies' types, and the helpers it uses. Included at the end of ema.hpp in the
+// all-inline mode (EMAKIT_HEADER_ONLY), else compiled once per program by implementation.hpp
+// (detail/config.hpp).
 #pragma once
 
 #if defined(EMAKIT_COMPILED) && !defined(EMAKIT_BUILDING_LIBRARY)

@@ -20,11 +20,11 @@
 // kernel, so update() does no name lookups, and on the fused CPU pass allocates nothing (but the
 // drift's chunk sums, once per plan; drift measured outside the pass takes ATen temporaries).
 // Module::to() keeps the handles valid (it uses set_data), but the average does not move with the
-// model: it stays on its own
-// device and in its own dtype, and the next update reads the model from wherever it went (the
-// kernel re-plans once). A tensor that changes shape after binding is an error. A model owned by
-// a shared_ptr (a ModuleHolder's) that is destroyed before its Ema: update() and swap_into()
-// refuse, naming it; the EMA's own state still reads (docs/ema.md, "The bound model's lifetime").
+// model: it stays on its own device and in its own dtype, and the next update reads the model from
+// wherever it went (the kernel re-plans once). A tensor that changes shape after binding is an
+// error. A model owned by a shared_ptr (a ModuleHolder's) that is destroyed before its Ema:
+// update() and swap_into() refuse, naming it; the EMA's own state still reads (docs/ema.md, "The
+// bound model's lifetime").
 #pragma once
 
 #include <emakit/detail/config.hpp>

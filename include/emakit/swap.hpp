@@ -82,8 +82,8 @@ SwapGuard open_swap(std::shared_ptr<SwapState> state);
 
 // Holds the EMA weights in the model for its scope and restores the model's own weights when the
 // scope ends, also when it ends by an exception. Made by Ema::swap_into() (and by
-// swap_gathered_into() for a sharded EMA). Guards of one Ema may
-// nest and may end in any order: the model gets its own weights back when the last one ends.
+// swap_gathered_into() for a sharded EMA). Guards of one Ema may nest and may end in any order: the
+// model gets its own weights back when the last one ends.
 class SwapGuard {
  public:
   SwapGuard(const SwapGuard&) = delete;
