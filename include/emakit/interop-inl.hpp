@@ -88,8 +88,9 @@ EMAKIT_FUNC std::string holds_instead(const c10::impl::GenericDict& dict, const 
                      dict.size(), fmt::join(keys, ", "), dict.size() > keys.size() ? ", ..." : "");
 }
 
-// For a message on missing counters: when `dict` holds no key under the peer's prefix but one of
-// this EMA's names without it, the peer's averaged model saved alone, and how to save the state.
+// For the refusal of a file that lacks an entry: when `dict` holds no key under the peer's prefix
+// but one of this EMA's names without it, the file is the peer's averaged model saved alone; says
+// so and how to save the state.
 EMAKIT_FUNC std::string inner_model_hint(const ReadContext& in, const c10::impl::GenericDict& dict) {
   if (holds_prefixed(dict, in.codec.prefix)) return {};
   const std::vector<std::string> names = average_names(in.state);
@@ -143,7 +144,7 @@ EMAKIT_FUNC std::string python_value(const c10::IValue& v) {
 // named as Python indexes it ('step', averaging_state['n_averaged']); a missing one with what the
 // file then is not, and how the peer saves the file it should be.
 //
-//   const PeerDict file(in);
+//   const PeerDict file(in);                                  // import_state makes it, a codec reads it
 //   file.require({"step", "initted"});                        // "... has no 'step' and 'initted': ..."
 //   f.step = file.integer("optimization_step", 0);            // a Python int >= 0
 //   const PeerDict averaging = file.dict("averaging_state");  // its misses: "has no ... in averaging_state"
@@ -378,8 +379,7 @@ EMAKIT_FUNC c10::impl::GenericDict write_ema_pytorch(const Codec& self, const Em
   return dict;
 }
 
-EMAKIT_FUNC PeerFile read_ema_pytorch(const ReadContext& in) {
-  const PeerDict file(in);
+EMAKIT_FUNC PeerFile read_ema_pytorch(const ReadContext& in, const PeerDict& file) {
   file.require({"step", "initted"});
   PeerFile f = read_named(in, file, in.codec.prefix);
   f.count = Count::recounted;
@@ -397,9 +397,9 @@ EMAKIT_FUNC c10::impl::GenericDict write_timm(const Codec& self, const EmaBase& 
 // timm's ModelEmaV3 has no counters (Count::kept): its own checkpoints hold
 // ema.module.state_dict(), which is the whole state. The other peers' inner model lacks
 // their counters: refused.
-EMAKIT_FUNC PeerFile read_timm(const ReadContext& in) {
-  const PeerDict file(in);
-  const bool inner = !holds_prefixed(in.file, in.codec.prefix) && holds_unprefixed(in.file, average_names(in.state));
+EMAKIT_FUNC PeerFile read_timm(const ReadContext& in, const PeerDict& file) {
+  const bool inner =
+      !holds_prefixed(file.raw(), in.codec.prefix) && holds_unprefixed(file.raw(), average_names(in.state));
   return read_named(in, file, inner ? std::string_view() : in.codec.prefix);
 }
 
@@ -411,8 +411,7 @@ EMAKIT_FUNC c10::impl::GenericDict write_averaged_model(const Codec& self, const
   return dict;
 }
 
-EMAKIT_FUNC PeerFile read_averaged_model(const ReadContext& in) {
-  const PeerDict file(in);
+EMAKIT_FUNC PeerFile read_averaged_model(const ReadContext& in, const PeerDict& file) {
   PeerFile f = read_named(in, file, in.codec.prefix);
   f.count = Count::given;
   f.updates = file.integer_tensor("n_averaged", 0);
@@ -561,11 +560,10 @@ EMAKIT_FUNC c10::impl::GenericDict write_diffusers(const Codec&, const EmaBase& 
 
 // What import_state takes from an EMAModel.state_dict() file: the config checked against this
 // EMA's decay, optimization_step as the step, shadow_params matched by position to its averages.
-EMAKIT_FUNC PeerFile read_diffusers(const ReadContext& in) {
-  const PeerDict file(in);
+EMAKIT_FUNC PeerFile read_diffusers(const ReadContext& in, const PeerDict& file) {
   check_diffusers_config(file, diffusers_config(in.ema, "import_state"));
   PeerFile f;
-  f.tensors = in.file;
+  f.tensors = file.raw();
   f.count = Count::recounted;
   f.step = file.integer("optimization_step", 0);
   f.initted = true;  // EMAModel holds its shadow params from construction on
@@ -596,8 +594,7 @@ EMAKIT_FUNC c10::impl::GenericDict write_luxonis(const Codec&, const EmaBase& em
 
 // EMACallback.state_dict(): {"ema_state_dict": {<name>: tensor}, "updates": int}; an updates
 // tensor (of one integer) is read too.
-EMAKIT_FUNC PeerFile read_luxonis(const ReadContext& in) {
-  const PeerDict file(in);
+EMAKIT_FUNC PeerFile read_luxonis(const ReadContext& in, const PeerDict& file) {
   file.require({"ema_state_dict", "updates"});
   const PeerDict tensors = file.dict("ema_state_dict");
   PeerFile f = read_named(in, tensors, in.codec.prefix);
@@ -649,8 +646,7 @@ EMAKIT_FUNC c10::impl::GenericDict write_lightning(const Codec&, const EmaBase& 
 // A Lightning checkpoint: its state_dict (the averages), averaging_state's n_averaged, global_step
 // and, when the checkpoint holds callback states, callbacks['EMAWeightAveraging']'s
 // latest_update_step (else not checked).
-EMAKIT_FUNC PeerFile read_lightning(const ReadContext& in) {
-  const PeerDict file(in);
+EMAKIT_FUNC PeerFile read_lightning(const ReadContext& in, const PeerDict& file) {
   const PeerDict tensors = file.dict("state_dict");
   if (file.find("averaging_state") == nullptr)
     file.refuse_file("has no 'averaging_state': not written with Lightning's EMAWeightAveraging callback (whose "
@@ -734,8 +730,7 @@ EMAKIT_FUNC c10::impl::GenericDict write_nvalchemi(const Codec& self, const EmaB
 // averaged_model_state (the tensors, and n_averaged, which must equal num_updates); the step is
 // ImportOptions::step, which must be given. A state saved before the hook's first update (no
 // averaged_model_state) is refused.
-EMAKIT_FUNC PeerFile read_nvalchemi(const ReadContext& in) {
-  const PeerDict file(in);
+EMAKIT_FUNC PeerFile read_nvalchemi(const ReadContext& in, const PeerDict& file) {
   check_nvalchemi_config(file, nvalchemi_config(in.ema, "import_state"));
   const std::int64_t num_updates = file.integer("num_updates", 0);
   if (file.find("averaged_model_state") == nullptr)
@@ -850,7 +845,7 @@ EMAKIT_FUNC LoadReport import_state(EmaBase& ema, Peer peer, const std::filesyst
     whole.refuse("ImportOptions::step ({}) is for {}, whose file holds no step; {} file holds its own counters",
                  *options.step, fmt::join(takers, ", "), c.name);
   }
-  PeerFile f = c.read(in);
+  PeerFile f = c.read(in, whole);
   std::int64_t step = ema.step(), updates = ema.num_updates(), last = ema.last_update_step();
   if (f.count == Count::given) {
     updates = f.updates;

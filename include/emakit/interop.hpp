@@ -209,8 +209,9 @@ struct Codec {
   bool takes_step = false;       // its file holds no step: ImportOptions::step gives it
   // The dict export_state writes: what the peer's torch.load and load_state_dict read.
   c10::impl::GenericDict (*write)(const Codec& self, const EmaBase& ema);
-  // The tensors and counters of a file, or throws naming the file and what it lacks.
-  PeerFile (*read)(const ReadContext& in);
+  // The tensors and counters of a file (`file`: its dict, read through PeerDict), or throws
+  // naming the file and what it lacks.
+  PeerFile (*read)(const ReadContext& in, const PeerDict& file);
   // Count::recounted: throws (nothing loaded) when the file's own counts differ from the
   // `updates` and `last` update step the EMA's schedule makes over found.step steps (`file`: the
   // file read, for the message); may be null.
