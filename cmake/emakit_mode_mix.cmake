@@ -2,11 +2,12 @@
 #
 #   -DBUILD_DIR=<build tree> -DOBJECTS=<object target>,<object target> -DTARGET=<executable target>
 #   -DEXPECT=link_error|missing_implementation|missing_part|run [-DEXECUTABLE=<path>] [-DCONFIG=<config>]
+#   [-DMODES=<namespace>,<namespace>]
 #
 # Builds the object targets first: they must compile, so that a compile error never passes for
 # the expected link error. Then builds TARGET: with EXPECT=link_error it must fail, and the
-# linker's output must name both emakit::compiled and emakit::header_only in an undefined
-# reference; with EXPECT=missing_implementation it must fail, and an undefined reference must name
+# linker's output must name both inline namespaces of MODES (default: emakit::compiled and
+# emakit::header_only) in an undefined reference; with EXPECT=missing_implementation it must fail, and an undefined reference must name
 # the symbol that says what to do (detail/config.hpp's link_check); with EXPECT=missing_part it
 # must fail on the post-hoc part's link check, and not on the core's (the core's file is linked);
 # with EXPECT=run it must link,
@@ -43,12 +44,16 @@ endforeach()
 _emakit_build("${TARGET}" _result _output)
 if(EXPECT STREQUAL "link_error")
   if(_result EQUAL 0)
-    message(FATAL_ERROR "${TARGET} linked, but it mixes a compiled-mode and a header-only translation "
-                        "unit and must not: the mode-tagged namespace (detail/config.hpp) is not "
+    message(FATAL_ERROR "${TARGET} linked, but it mixes translation units of two modes (${MODES}) "
+                        "and must not: the mode-tagged namespace (detail/config.hpp) is not "
                         "doing its job.\n${_output}")
   endif()
+  if(NOT MODES)
+    set(MODES "compiled,header_only")
+  endif()
+  string(REPLACE "," ";" _modes "${MODES}")
   set(_missing "")
-  foreach(_mode compiled header_only)
+  foreach(_mode IN LISTS _modes)
     if(NOT _output MATCHES "(undefined reference to|undefined symbol)[^\n]*emakit::${_mode}::")
       list(APPEND _missing "emakit::${_mode}")
     endif()
@@ -57,7 +62,9 @@ if(EXPECT STREQUAL "link_error")
     message(FATAL_ERROR "${TARGET} failed to build, but no undefined reference names ${_missing}: "
                         "not the expected mode-mixing link error.\n${_output}")
   endif()
-  message(STATUS "${TARGET}: the link fails and names emakit::compiled and emakit::header_only")
+  list(TRANSFORM _modes PREPEND "emakit::")
+  list(JOIN _modes " and " _named)
+  message(STATUS "${TARGET}: the link fails and names ${_named}")
 elseif(EXPECT STREQUAL "missing_implementation")
   if(_result EQUAL 0)
     message(FATAL_ERROR "${TARGET} linked without emakit's implementation file and must not: "

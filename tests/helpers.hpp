@@ -1,6 +1,13 @@
 // Small models and checks shared by the emakit tests.
 #pragma once
 
+// The tests read emakit's test instrumentation (detail/testing.hpp), which only a build with
+// EMAKIT_TESTING has: tests/CMakeLists.txt links every test program to emakit_testing.
+#if !defined(EMAKIT_TESTING)
+#error "emakit's tests are compiled with EMAKIT_TESTING (link the emakit_testing target of tests/CMakeLists.txt)"
+#endif
+#include <emakit/detail/testing.hpp>
+
 #include <torch/nn/cloneable.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/batchnorm.h>

@@ -593,8 +593,9 @@ struct WrapDecay {
 };
 
 TEST_CASE("A nameless policy's checkpoint name leaves out emakit's mode namespace", "[ema][state]") {
-  // Types live in emakit::header_only or emakit::compiled (detail/config.hpp); the name a state
-  // records must not depend on the mode, or a checkpoint of one mode would not load in the other.
+  // Types live in the mode's namespace (emakit::header_only, emakit::compiled, and in this test
+  // build their _testing twins: detail/config.hpp); the name a state records must not depend on
+  // the mode, or a checkpoint of one mode would not load in the other.
   auto w = torch::zeros({2});
   emakit::Ema<WrapDecay<emakit::Fixed>> ema({{"w", w, false}});
   const auto state = ema.state_dict();

@@ -723,7 +723,7 @@ TEST_CASE("Hook: a side-stream EMA is waited for before the optimizer step, or r
   EmaHook hook;
   hook.add(*model, Recipe(emakit::Fixed(0.9), emakit::StepSchedule(), emakit::EmaOptions().side_stream(true)));
   hook.setup();
-  auto& counts = emakit::detail::sync_counts();
+  auto& counts = emakit::detail::testing::sync_counts();
   auto waits = counts.waits;
   hook.after_optimizer_step();
   CHECK(counts.waits == waits + 1);  // waited right after the update

@@ -1093,7 +1093,7 @@ TEST_CASE("slots() waits for nothing, settled_slots() settles once", "[kernel][s
   for (int i = 0; i < 3; ++i)
     slots.push_back(make_slot("t" + std::to_string(i), torch::randn({10 + i}), torch::kFloat));
   UpdateKernel kernel(std::move(slots));
-  auto& counts = emakit::detail::sync_counts();
+  auto& counts = emakit::detail::testing::sync_counts();
   const auto before = counts;
   kernel.average(0.5);
   for (std::size_t i = 0; i < kernel.size(); ++i) CHECK(kernel.slots()[i].average.defined());
@@ -1110,7 +1110,7 @@ TEST_CASE("Each read of an Ema settles once whatever its number of tensors, and 
   torch::manual_seed(13);
   emakit_test::TinyNet model;
   emakit::FixedEma ema(*model, emakit::Fixed(0.9));
-  auto& counts = emakit::detail::sync_counts();
+  auto& counts = emakit::detail::testing::sync_counts();
   auto settles_of = [&](auto&& f) {
     const auto before = counts.settles;
     f();

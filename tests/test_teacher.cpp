@@ -254,7 +254,7 @@ TEST_CASE("Every read of the EMA, the teacher's included, settles the last updat
   torch::manual_seed(5);
   Setup s;
   TeacherStudent wrapper(*s.model, s.ema, TeacherRoutes::paths({"a", "b"}));
-  auto& counts = emakit::detail::sync_counts();
+  auto& counts = emakit::detail::testing::sync_counts();
   auto settles = [&](const char* what, auto&& read) {
     s.ema.update();
     const auto before = counts.settles;

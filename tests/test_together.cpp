@@ -252,9 +252,9 @@ TEST_CASE("update_together is bitwise each member's own update(), over generated
       INFO("step " << step + 1);
       move_sources(c, step);
       const emakit::StepInfo info{.vetoed = c.vetoed[static_cast<std::size_t>(step)]};
-      const std::uint64_t fused_before = emakit::detail::sync_counts().fused_calls;
+      const std::uint64_t fused_before = emakit::detail::testing::sync_counts().fused_calls;
       const auto results = emakit::update_together(std::span<Member>(together), info);
-      fused = fused || emakit::detail::sync_counts().fused_calls > fused_before;
+      fused = fused || emakit::detail::testing::sync_counts().fused_calls > fused_before;
       REQUIRE(results.size() == apart.size());
       for (std::size_t m = 0; m < apart.size(); ++m) {
         INFO("member " << m);
@@ -294,13 +294,13 @@ TEST_CASE("update_together of different Ema types, and PostHocEma's profiles, ru
   emakit::Ema<emakit::Fixed> fast2(*model, emakit::Fixed(0.9));
   emakit::Ema<emakit::InversePowerWarmup> warm2(*model);
   emakit::Ema<emakit::Uniform> mean2(*model);
-  const auto groupings = emakit::detail::sync_counts().fused_groupings;
+  const auto groupings = emakit::detail::testing::sync_counts().fused_groupings;
   emakit::EmaGroup group(fast, warm, mean);
   for (int step = 1; step <= 5; ++step) {
     emakit_test::perturb(*model);
-    const auto calls = emakit::detail::sync_counts().fused_calls;
+    const auto calls = emakit::detail::testing::sync_counts().fused_calls;
     const auto results = group.update();
-    CHECK(emakit::detail::sync_counts().fused_calls == calls + 1);
+    CHECK(emakit::detail::testing::sync_counts().fused_calls == calls + 1);
     CHECK(same_result(results[0], fast2.update()));
     CHECK(same_result(results[1], warm2.update()));
     CHECK(same_result(results[2], mean2.update()));
@@ -312,16 +312,16 @@ TEST_CASE("update_together of different Ema types, and PostHocEma's profiles, ru
   // The members' segments were grouped at the group's first update only (their plans did not
   // change); the later ones took the grouping with their new weights (warm's and mean's change
   // every step).
-  CHECK(emakit::detail::sync_counts().fused_groupings == groupings + 1);
+  CHECK(emakit::detail::testing::sync_counts().fused_groupings == groupings + 1);
   // Another group groups its own members, and the first keeps its grouping.
   emakit::EmaGroup other(fast2, warm2);
   other.update();
   group.update();
-  CHECK(emakit::detail::sync_counts().fused_groupings == groupings + 2);
+  CHECK(emakit::detail::testing::sync_counts().fused_groupings == groupings + 2);
   // update_together(a, b, ...) is a group for one call: it groups anew each time.
   emakit::update_together(fast, warm, mean);
   emakit::update_together(fast, warm, mean);
-  CHECK(emakit::detail::sync_counts().fused_groupings == groupings + 4);
+  CHECK(emakit::detail::testing::sync_counts().fused_groupings == groupings + 4);
 }
 
 TEST_CASE("EMAs of any policies through EmaBase: the update, the group, the state and find_policy are the typed "
@@ -775,7 +775,7 @@ TEST_CASE("An EmaGroup checks its members once and then allocates nothing per up
   // The counter sees allocations: this one must be counted, or the test proves nothing.
   CHECK(allocations_of([] { kept_alive = std::make_unique<std::vector<int>>(1000); }) >= 1);
   kept_alive.reset();
-  const auto groupings = emakit::detail::sync_counts().fused_groupings;
+  const auto groupings = emakit::detail::testing::sync_counts().fused_groupings;
   for (int step = 1; step <= 6; ++step) {
     INFO("step " << step);
     emakit_test::perturb(*model);
@@ -799,7 +799,7 @@ TEST_CASE("An EmaGroup checks its members once and then allocates nothing per up
   }
   CHECK(emakit_test::same_averages(fast.averages(), emakit_test::snapshot(alone.averages())));
   // Each group grouped its passes once (their plans did not change) and reused the grouping.
-  CHECK(emakit::detail::sync_counts().fused_groupings == groupings + 2);
+  CHECK(emakit::detail::testing::sync_counts().fused_groupings == groupings + 2);
 }
 
 TEST_CASE("An EmaGroup refuses at construction what update_together refuses, and a member moved from at update",

@@ -67,11 +67,22 @@
 #endif
 
 // Every header opens `namespace emakit::inline EMAKIT_ABI_NAMESPACE {` (scripts/abi_namespace.sed
-// rewrites a plain `namespace emakit {`).
-#if defined(EMAKIT_COMPILED)
+// rewrites a plain `namespace emakit {`). emakit's own test build, EMAKIT_TESTING, compiles the
+// tests' instrumentation in (detail/testing.hpp) and has namespaces of its own, so that a test
+// object linked with an uninstrumented implementation, or the reverse, is a link error too.
+// EMAKIT_ABI_NAMESPACE_NAME spells it, for the names of types that a checkpoint records without it.
+#if defined(EMAKIT_COMPILED) && defined(EMAKIT_TESTING)
+#define EMAKIT_ABI_NAMESPACE compiled_testing
+#define EMAKIT_ABI_NAMESPACE_NAME "compiled_testing"
+#elif defined(EMAKIT_COMPILED)
 #define EMAKIT_ABI_NAMESPACE compiled
+#define EMAKIT_ABI_NAMESPACE_NAME "compiled"
+#elif defined(EMAKIT_TESTING)
+#define EMAKIT_ABI_NAMESPACE header_only_testing
+#define EMAKIT_ABI_NAMESPACE_NAME "header_only_testing"
 #else
 #define EMAKIT_ABI_NAMESPACE header_only
+#define EMAKIT_ABI_NAMESPACE_NAME "header_only"
 #endif
 
 // Functions defined in an -inl.hpp: external linkage where compiled once, inline in the all-inline

@@ -50,7 +50,7 @@ EMAKIT_FUNC UpdateKernel::Census UpdateKernel::census() const noexcept {
 }
 
 EMAKIT_FUNC void UpdateKernel::wait_for_update() const {
-  sync_counts().settles += 1;
+  EMAKIT_TEST_HOOK(testing::sync_counts().settles += 1);
   join_host();
   wait_for_model_reads();
 }
@@ -256,9 +256,12 @@ EMAKIT_FUNC void UpdateKernel::run_together(std::span<const Work> work, Together
     GroupPass& group = scratch.group;  // keeps its grouping while the passes are the same
     group.build(passes);
     group.run(pass_grain);
-    sync_counts().fused_calls += 1;
-    sync_counts().fused_kernels += passes.size();
-    sync_counts().fused_groupings += group.reused() ? 0 : 1;
+    EMAKIT_TEST_HOOK({
+      testing::SyncCounts& counts = testing::sync_counts();
+      counts.fused_calls += 1;
+      counts.fused_kernels += passes.size();
+      counts.fused_groupings += group.reused() ? 0 : 1;
+    });
   }
   for (const Work& w : work)
     if (w.job.measures_drift() && w.kernel->cpu_pass_only()) w.kernel->fold_drift();

@@ -27,7 +27,7 @@
 #include <emakit/detail/check.hpp>
 #include <emakit/detail/device_sync.hpp>
 #include <emakit/detail/non_finite.hpp>
-#include <emakit/detail/sync_counts.hpp>
+#include <emakit/detail/testing.hpp>
 #include <emakit/detail/update_plan.hpp>
 #include <emakit/options.hpp>
 
@@ -116,7 +116,7 @@ class UpdateKernel {
   // stream (asynchronous for the host). An offloaded update's host pass is not waited for: it
   // reads pinned copies, which the side stream has made by then. A no-op without a side stream.
   void wait_for_model_reads() const {
-    sync_counts().waits += 1;
+    EMAKIT_TEST_HOOK(testing::sync_counts().waits += 1);
     for (auto& lane : lanes_) lane.wait();
   }
 
@@ -177,9 +177,8 @@ class UpdateKernel {
   // others), the average as stored after the update, both in opmath (float; double for double
   // averages). Slots of the fused CPU pass are measured inside it, as it writes them (arithmetic
   // only: no extra read of memory); the others (foreach lists, generic CPU slots, and a pass slot
-  // that reads its source converted to a narrower average's dtype) by ATen ops in
-  // chunks of at most staging_bytes of float temporaries, after the update is waited for (one
-  // host sync per device).
+  // that reads its source converted to a narrower average's dtype) by ATen ops in chunks of at most
+  // staging_bytes of float temporaries, after the update is waited for (one host sync per device).
   std::span<const double> drift_sums() const noexcept { return drift_sums_; }
 
   // The first slot, in slot order, whose source the next update of `kind` reads (copying: every

@@ -12,6 +12,7 @@
 
 #include <emakit/detail/errors.hpp>
 #include <emakit/detail/serial/atomic_file.hpp>
+#include <emakit/detail/testing.hpp>
 
 #include <c10/util/Exception.h>
 #include <caffe2/serialize/inline_container.h>
@@ -751,13 +752,8 @@ EMAKIT_FUNC std::vector<char> read_scanned_file(const std::filesystem::path& pat
   std::vector<char> bytes = read_file_bytes(path, what);
   archive_scan::scan_bytes(bytes, archive_scan::Refuse{fmt::format("{}: refusing '{}': ", what, path.string())}, root,
                            values);
-  if (const auto hook = testing::after_scan()) hook(path);
+  EMAKIT_TEST_HOOK(if (const auto hook = testing::after_scan()) hook(path));
   return bytes;
-}
-
-EMAKIT_FUNC testing::AfterScan& testing::after_scan() noexcept {
-  static AfterScan hook = nullptr;
-  return hook;
 }
 
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail

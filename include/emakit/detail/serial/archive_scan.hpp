@@ -150,13 +150,6 @@ EMAKIT_FUNC void scan_archive_bytes(std::span<const char> bytes, std::string_vie
                                     archive_scan::Root root = archive_scan::Root::module,
                                     archive_scan::PickleValues* values = nullptr);
 
-namespace testing {
-// A test's seam: when set, read_scanned_file calls it with the path after the scan, before it
-// returns (a test replaces the file there and checks that what loads is what was scanned).
-using AfterScan = void (*)(const std::filesystem::path&);
-EMAKIT_FUNC AfterScan& after_scan() noexcept;
-}  // namespace testing
-
 }  // namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail
 
 // The check itself: compiled once per program, in the implementation file, or in every translation

@@ -16,10 +16,10 @@
 namespace emakit::inline EMAKIT_ABI_NAMESPACE::detail {
 
 EMAKIT_FUNC std::string custom_policy_name(std::string demangled) {
-  for (const std::string_view mode : {"emakit::compiled::", "emakit::header_only::"}) {
-    for (auto at = demangled.find(mode); at != std::string::npos; at = demangled.find(mode, at))
-      demangled.replace(at, mode.size(), "emakit::");
-  }
+  // Only this program's mode namespace can be in the name (one mode per program).
+  constexpr std::string_view mode = "emakit::" EMAKIT_ABI_NAMESPACE_NAME "::";
+  for (auto at = demangled.find(mode); at != std::string::npos; at = demangled.find(mode, at))
+    demangled.replace(at, mode.size(), "emakit::");
   return "custom:" + demangled;
 }
 
